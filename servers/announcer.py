@@ -1,0 +1,58 @@
+"""Announcing a server's blocks on the DHT: periodically, on every state change, and OFFLINE on shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils import get_dht_time
+
+from swarmclient.data_structures import ServerInfo, block_uid
+
+logger = logging.getLogger(__name__)
+
+
+class Announcer:
+    """Keeps `{model_id}.{i}` -> {peer_id: ServerInfo} fresh for each served block i."""
+
+    def __init__(self, node: DHTNode, *, model_id: str, peer_id: str, info: Callable[[], ServerInfo],
+                 update_period: float) -> None:
+        self.node, self.model_id, self.peer_id = node, model_id, peer_id
+        self.info, self.update_period = info, update_period
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def expiration(self) -> float:
+        """Records live two periods, so one lost refresh does not make the server vanish."""
+        return max(2 * self.update_period, 10.0)
+
+    async def announce(self, info: ServerInfo | None = None) -> bool:
+        """Store the current info under every served block key; returns whether every store succeeded."""
+        info = info or self.info()
+        keys = [block_uid(self.model_id, i) for i in range(info.start, info.end)]
+        expiration = get_dht_time() + self.expiration
+        results = await self.node.store_many(keys, [info.to_wire()] * len(keys), expiration,
+                                             subkeys=[self.peer_id] * len(keys))
+        ok = all(results.values())
+        logger.debug("Announced %s for blocks %d:%d (%s)", info.state.value, info.start, info.end,
+                     "ok" if ok else "partly failed")
+        return ok
+
+    def start(self) -> None:
+        """Begin periodic re-announcement."""
+        self._task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.update_period)
+            try:
+                await self.announce()
+            except Exception:  # a DHT hiccup must not kill the server; the next period retries
+                logger.warning("Announcement failed", exc_info=True)
+
+    async def stop(self) -> None:
+        """Stop the periodic task."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,93 @@
+"""Loading a server's span: only its blocks' tensors are read, then cast or quantized."""
+from __future__ import annotations
+
+import logging
+from enum import Enum
+
+import torch
+from torch import nn
+
+from servers.errors import ServerConfigError
+from servers.span import BlockSpan
+from swarmclient.model_spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+class DType(str, Enum):
+    """Weights and activations dtype of a span."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        """The torch dtype."""
+        return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[self]
+
+
+class Quant(str, Enum):
+    """Weight quantization of a span's linear layers (bitsandbytes)."""
+
+    none = "none"
+    int8 = "int8"
+    nf4 = "nf4"
+
+
+def load_span(spec: ModelSpec, start: int, end: int, *, dtype: DType = DType.float32,
+              quant: Quant = Quant.none) -> BlockSpan:
+    """Build blocks [start, end) and fill them from the safetensors files (other blocks are never read)."""
+    if not 0 <= start < end <= spec.num_blocks:
+        raise ServerConfigError(f"blocks {start}:{end} are outside the model's 0:{spec.num_blocks}")
+    with torch.device("meta"):
+        span = BlockSpan(spec, start, end)
+    for offset, index in enumerate(range(start, end)):
+        state = spec.load_tensors(f"model.layers.{index}.")
+        if not state:
+            raise ServerConfigError(f"{spec.path}: no tensors for block {index}")
+        span.layers[offset].load_state_dict(state, strict=True, assign=True)
+    span.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)  # buffers computed, not loaded
+    span.to(dtype.torch)
+    span.compute_dtype = dtype.torch
+    span.rotary_emb.to(torch.float32)
+    if quant != Quant.none:
+        quantize_span(span, quant)
+    return span.eval().requires_grad_(False)
+
+
+def quantize_span(span: BlockSpan, quant: Quant) -> None:
+    """Replace the span's nn.Linear layers by bitsandbytes int8 / nf4 layers, in place."""
+    bnb = _import_bitsandbytes(quant)
+    for layer in span.layers:
+        for name, module in list(layer.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, child_name, _quantized_linear(bnb, child, quant))
+    logger.info("Quantized blocks %d:%d to %s", span.start, span.end, quant.value)
+
+
+def _quantized_linear(bnb: object, linear: nn.Linear, quant: Quant) -> nn.Module:
+    weight = linear.weight.data.float()
+    has_bias = linear.bias is not None
+    if quant == Quant.int8:
+        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias,  # type: ignore[attr-defined]
+                                  has_fp16_weights=False, threshold=6.0)
+        new.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)  # type: ignore[attr-defined]
+    else:
+        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias,  # type: ignore[attr-defined]
+                                compute_dtype=torch.float32, quant_type="nf4")
+        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")  # type: ignore[attr-defined]
+    if has_bias:
+        new.bias = nn.Parameter(linear.bias.data.float(), requires_grad=False)
+    return new.to("cpu")  # moving the parameters is what quantizes them
+
+
+def _import_bitsandbytes(quant: Quant) -> object:
+    try:
+        import bitsandbytes as bnb
+    except Exception as e:  # ImportError, or a broken native library on this platform
+        raise ServerConfigError(f"--quant {quant.value} needs bitsandbytes, which failed to load ({e}); "
+                                "install 'swarmbatch[quant]' or use --quant none") from e
+    # int8 layers log a warning on every call; it floods the log and slows decoding
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    return bnb

@@ -1,0 +1,28 @@
+"""Which blocks a new server should hold: the window whose blocks are least covered now. Pure functions."""
+from __future__ import annotations
+
+from swarmclient.data_structures import ServerState
+from swarmclient.discovery import BlockServers
+
+
+def block_coverage(block_infos: list[BlockServers]) -> list[float]:
+    """Per block, the summed throughput of servers that hold it and are not OFFLINE."""
+    return [sum(info.throughput for info in servers.values() if info.state != ServerState.OFFLINE)
+            for servers in block_infos]
+
+
+def choose_best_blocks(num_blocks: int, block_infos: list[BlockServers]) -> tuple[int, int]:
+    """The span [start, start + num_blocks) that raises the weakest coverage most.
+
+    Windows are ranked by their least covered block, then by their total coverage, then by position,
+    so an empty swarm gets 0:num_blocks and a half-covered one gets the other half.
+    """
+    total = len(block_infos)
+    if not 0 < num_blocks <= total:
+        raise ValueError(f"--num-blocks must be in [1, {total}], got {num_blocks}")
+    coverage = block_coverage(block_infos)
+    # rounding keeps float noise in summed throughputs from deciding between equally covered windows
+    candidates = [(round(min(coverage[s:s + num_blocks]), 6), round(sum(coverage[s:s + num_blocks]), 6), s)
+                  for s in range(total - num_blocks + 1)]
+    start = min(candidates)[2]
+    return start, start + num_blocks

@@ -1,0 +1,25 @@
+"""`swarmbatch dht`: a DHT bootstrap node that servers and clients join through."""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+from swarmclient.network import NetworkOptions, start_dht_node, visible_maddrs
+
+
+def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_ready: Callable[[list[str]], None]) -> None:
+    """Run a DHT node until SIGTERM/SIGINT; `on_ready(maddrs)` is called once it listens."""
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        p2p, node = await start_dht_node(initial_peers, network, client_mode=False)
+        try:
+            on_ready(await visible_maddrs(p2p))
+            await stop.wait()
+        finally:
+            await node.shutdown()
+            await p2p.shutdown()
+    asyncio.run(main())

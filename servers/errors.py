@@ -1,0 +1,25 @@
+"""Errors raised by block servers.
+
+    ServerError              root
+    ├── ServerConfigError    bad flags or an unusable model dir (fix the command; retrying cannot help)
+    └── RequestRejected      a request failed validation or does not fit; carries the wire error code
+"""
+from __future__ import annotations
+
+from swarmclient.protocol import ErrorCode
+
+
+class ServerError(Exception):
+    """Root of server errors."""
+
+
+class ServerConfigError(ServerError):
+    """Raised at start-up for flags or model files that cannot work; the message says what to change."""
+
+
+class RequestRejected(ServerError):
+    """Raised while handling a request that must be refused; `code` tells the client what to do."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        self.code = code
+        super().__init__(message)

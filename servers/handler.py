@@ -1,0 +1,155 @@
+"""RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one stream = one session).
+
+Every exception is turned into an in-band error response in one place (`_guard`), so a bad request never
+stops the server or the stream it came on.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+
+from servers.errors import RequestRejected
+from servers.memory import CacheBudget
+from servers.span import BlockSpan
+from servers.stats import ServerStats
+from servers.validation import Limits, reject, validate_session_open, validate_span, validate_step
+from swarmclient import protocol
+from swarmclient.protocol import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """One client's inference session on this server."""
+
+    session_id: str
+    start: int
+    end: int
+    batch_size: int
+    max_length: int
+    caches: list[Any]
+    length: int = 0
+
+
+@dataclass
+class BlockHandler:
+    """Serves one BlockSpan over P2P."""
+
+    span: BlockSpan
+    limits: Limits
+    budget: CacheBudget
+    info: Callable[[], dict[str, Any]]
+    session_timeout: float = 300.0
+    stats: ServerStats = field(default_factory=ServerStats)
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
+    sessions: dict[str, Session] = field(default_factory=dict)
+
+    async def register(self, p2p: P2P) -> None:
+        """Add the three RPCs to a P2P node."""
+        await p2p.add_protobuf_handler(protocol.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(protocol.RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest)
+        await p2p.add_protobuf_handler(protocol.RPC_INFERENCE, self.rpc_inference, runtime_pb2.ExpertRequest,
+                                       stream_input=True, stream_output=True)
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """This server's announcement, limits and load."""
+        return protocol.make_response([], {**self.info(), "sessions": len(self.sessions)})
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
+                          ) -> runtime_pb2.ExpertResponse:
+        """A whole sequence through blocks [start, end), statelessly."""
+        return await self._guard(lambda: self._forward(request))
+
+    async def _forward(self, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+        tensors, meta = protocol.read_message(request)
+        start, end = validate_span(meta, self.limits)
+        batch = tensors[0].shape[0] if tensors and tensors[0].ndim == 3 else 0
+        if not 1 <= batch <= self.limits.max_batch_size:
+            raise reject(f"batch size must be in [1, {self.limits.max_batch_size}], got {batch}")
+        hidden, mask, positions = validate_step(tensors, batch_size=batch, past=0, max_length=self.limits.max_length,
+                                                hidden_size=self.limits.hidden_size)
+        output = await self._compute(hidden, mask, positions, None, start, end)
+        return protocol.make_response([output])
+
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                            ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """One session per stream: each request is a step; the KV cache lives until the stream ends."""
+        holder: dict[str, Session] = {}
+        try:
+            while True:
+                try:
+                    request = await asyncio.wait_for(anext(requests), timeout=self.session_timeout)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    logger.info("Session idle for %.0f s; closing it", self.session_timeout)
+                    break
+                yield await self._guard(lambda: self._step(request, holder, context))
+        finally:
+            if "session" in holder:
+                self._close(holder["session"], context)
+
+    async def _step(self, request: runtime_pb2.ExpertRequest, holder: dict[str, Session], context: P2PContext
+                    ) -> runtime_pb2.ExpertResponse:
+        tensors, meta = protocol.read_message(request)
+        session = holder.get("session") or self._open(meta, context)
+        holder["session"] = session
+        if meta.get("session_id") != session.session_id:
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION,
+                                  f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
+        if (meta.get("start"), meta.get("end")) != (session.start, session.end):
+            raise reject(f"the session serves blocks {session.start}:{session.end}, not {meta.get('start')}:{meta.get('end')}")
+        hidden, mask, positions = validate_step(tensors, batch_size=session.batch_size, past=session.length,
+                                                max_length=session.max_length, hidden_size=self.limits.hidden_size)
+        output = await self._compute(hidden, mask, positions, session.caches, session.start, session.end)
+        session.length += hidden.shape[1]
+        return protocol.make_response([output], {"cache_len": session.length})
+
+    def _open(self, meta: dict[str, Any], context: P2PContext) -> Session:
+        session_id, batch_size, max_length = validate_session_open(meta, self.limits)
+        start, end = validate_span(meta, self.limits)
+        if session_id in self.sessions:
+            raise reject(f"session {session_id!r} is already open on another stream")
+        self.budget.reserve(session_id, batch_size=batch_size, max_length=max_length, num_blocks=end - start)
+        session = Session(session_id, start, end, batch_size, max_length, self.span.new_caches(start, end))
+        self.sessions[session_id] = session
+        logger.info("Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens", session_id[:8],
+                    str(context.remote_id)[-6:], start, end, batch_size, max_length)
+        return session
+
+    def _close(self, session: Session, context: P2PContext) -> None:
+        self.sessions.pop(session.session_id, None)
+        self.budget.release(session.session_id)
+        logger.info("Session %s closed after %d tokens", session.session_id[:8], session.length)
+
+    async def _compute(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                       caches: list[Any] | None, start: int, end: int) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        output = await loop.run_in_executor(self.executor, self.span, hidden, mask, positions, caches, start, end)
+        self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
+        return output.float()
+
+    async def _guard(self, handle: Callable[[], Awaitable[runtime_pb2.ExpertResponse]]) -> runtime_pb2.ExpertResponse:
+        """The one place where exceptions become error responses."""
+        try:
+            return await handle()
+        except RequestRejected as e:
+            self.stats.record_error(e.code.value)
+            logger.info("Rejected a request: %s: %s", e.code.value, e)
+            return protocol.make_error(e.code, str(e))
+        except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
+            self.stats.record_error(ErrorCode.INVALID.value)
+            return protocol.make_error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
+        except Exception as e:
+            self.stats.record_error(ErrorCode.INTERNAL.value)
+            logger.exception("Request failed")
+            return protocol.make_error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")

@@ -1,0 +1,56 @@
+"""`BlockSpan`: a server's contiguous decoder layers, run with one KV cache per layer and session.
+
+Each layer gets its own `DynamicCache` (and attention `layer_idx` 0 inside it), so a session may use any
+sub-span [a, b) of the served blocks, and the causal mask can be built from the first used layer's cache.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from swarmclient.model_spec import ModelSpec
+
+MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+class BlockSpan(nn.Module):
+    """Decoder layers [start, end) of a model, plus the rotary embedding they share."""
+
+    def __init__(self, spec: ModelSpec, start: int, end: int) -> None:
+        super().__init__()
+        self.spec, self.start, self.end = spec, start, end
+        layer_cls = spec.family_class("DecoderLayer")
+        self.layers = nn.ModuleList(layer_cls(spec.config, layer_idx=i) for i in range(start, end))
+        for layer in self.layers:
+            layer.self_attn.layer_idx = 0  # the index into the layer's own one-layer cache
+        self.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)
+        self.layer_types = [spec.layer_type(i) for i in range(start, end)]
+        self.compute_dtype = torch.float32  # set by the loader (bfloat16 spans compute in bfloat16)
+
+    def new_caches(self, start: int, end: int) -> list[DynamicCache]:
+        """Empty KV caches for blocks [start, end), one per layer."""
+        return [DynamicCache() for _ in range(start, end)]
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                caches: list[DynamicCache] | None = None, start: int | None = None, end: int | None = None
+                ) -> torch.Tensor:
+        """Run blocks [start, end) (absolute indices, default: all) on hidden [B,T,H].
+
+        attention_mask is 2D [B, past+T] (1 = token, 0 = pad), position_ids [B, T]; caches=None runs
+        statelessly (a whole sequence, nothing kept).
+        """
+        first, last = (start or self.start) - self.start, (end or self.end) - self.start
+        caches = caches if caches is not None else [DynamicCache() for _ in range(last - first)]
+        hidden = hidden.to(self.compute_dtype)
+        # masks must be built BEFORE the layers append to the cache: they read its current length
+        masks = {kind: MASK_BUILDERS[kind](config=self.spec.config, inputs_embeds=hidden,
+                                           attention_mask=attention_mask, cache=caches[0], position_ids=position_ids)
+                 for kind in set(self.layer_types[first:last])}
+        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        for offset, layer in enumerate(self.layers[first:last]):
+            hidden = layer(hidden, attention_mask=masks[self.layer_types[first + offset]], position_ids=position_ids,
+                           position_embeddings=position_embeddings, cache=caches[offset], use_cache=True)
+        return hidden

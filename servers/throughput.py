@@ -1,0 +1,24 @@
+"""Measuring a span's decode speed at start-up, so clients can route by estimated time."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from servers.span import BlockSpan
+
+
+@torch.inference_mode()
+def measure_throughput(span: BlockSpan, *, steps: int = 4, context: int = 32) -> float:
+    """Block-steps per second: how many (block x batch-1 decode step) units this span computes per second."""
+    hidden_size = span.spec.hidden_size
+    caches = span.new_caches(span.start, span.end)
+    prompt = torch.zeros(1, context, hidden_size)
+    mask = torch.ones(1, context, dtype=torch.long)
+    span(prompt, mask, torch.arange(context)[None], caches)
+    began = time.perf_counter()
+    for step in range(steps):
+        mask = torch.ones(1, context + step + 1, dtype=torch.long)
+        span(torch.zeros(1, 1, hidden_size), mask, torch.tensor([[context + step]]), caches)
+    seconds = (time.perf_counter() - began) / steps
+    return (span.end - span.start) / max(seconds, 1e-6)

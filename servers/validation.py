@@ -1,0 +1,83 @@
+"""Request validation: every check runs before any compute, and failures name the offending field."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from servers.errors import RequestRejected
+from swarmclient.protocol import ErrorCode
+
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)
+MAX_SESSION_ID = 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts."""
+
+    span_start: int
+    span_end: int
+    hidden_size: int
+    max_batch_size: int
+    max_length: int
+
+
+def reject(message: str) -> RequestRejected:
+    """An INVALID rejection."""
+    return RequestRejected(ErrorCode.INVALID, message)
+
+
+def _int_field(meta: dict[str, Any], name: str, low: int, high: int) -> int:
+    value = meta.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise reject(f"'{name}' must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def validate_span(meta: dict[str, Any], limits: Limits) -> tuple[int, int]:
+    """The requested blocks [start, end), inside the served span."""
+    start = _int_field(meta, "start", limits.span_start, limits.span_end - 1)
+    end = _int_field(meta, "end", start + 1, limits.span_end)
+    return start, end
+
+
+def validate_session_open(meta: dict[str, Any], limits: Limits) -> tuple[str, int, int]:
+    """(session_id, batch_size, max_length) of a session's first message."""
+    session_id = meta.get("session_id")
+    if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID:
+        raise reject(f"'session_id' must be a string of 1..{MAX_SESSION_ID} characters")
+    batch_size = _int_field(meta, "batch_size", 1, limits.max_batch_size)
+    max_length = _int_field(meta, "max_length", 1, limits.max_length)
+    return session_id, batch_size, max_length
+
+
+def validate_step(tensors: list[torch.Tensor], *, batch_size: int, past: int, max_length: int,
+                  hidden_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [B,T,H], mask [B,past+T], positions [B,T]) after checking count, shapes, dtypes and lengths."""
+    if len(tensors) != 3:
+        raise reject(f"expected 3 tensors (hidden, attention_mask, position_ids), got {len(tensors)}")
+    hidden, mask, positions = tensors
+    if hidden.dtype not in HIDDEN_DTYPES:
+        raise reject(f"hidden states must be float32/bfloat16/float16, got {hidden.dtype}")
+    if hidden.ndim != 3 or hidden.shape[2] != hidden_size:
+        raise reject(f"hidden states must be [batch, tokens, {hidden_size}], got {list(hidden.shape)}")
+    batch, length = hidden.shape[0], hidden.shape[1]
+    if batch != batch_size:
+        raise reject(f"batch of {batch} rows in a session of {batch_size}")
+    if length < 1:
+        raise reject("a step needs at least one token")
+    if past + length > max_length:
+        raise reject(f"too many tokens: {past} cached + {length} new exceeds the session's {max_length}")
+    for name, tensor, shape in (("attention_mask", mask, [batch, past + length]), ("position_ids", positions, [batch, length])):
+        if tensor.dtype not in INDEX_DTYPES:
+            raise reject(f"{name} must be an integer tensor, got {tensor.dtype}")
+        if list(tensor.shape) != shape:
+            raise reject(f"{name} must be {shape}, got {list(tensor.shape)}")
+    if bool(torch.isnan(hidden).any()) or bool(torch.isinf(hidden).any()):
+        raise reject("hidden states contain NaN or Inf")
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_length):
+        raise reject(f"position_ids must lie in [0, {max_length})")
+    return hidden, mask.long(), positions.long()

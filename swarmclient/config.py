@@ -1,0 +1,19 @@
+"""Client configuration: timeouts, retries and bans, with the reason for each default."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Knobs of the swarm client."""
+
+    connect_timeout: float = 10.0  # seconds to open a session on one server
+    step_timeout: float = 30.0     # seconds one step may take on one server (prefill of a long prompt included)
+    max_retries: int = 8           # failed attempts of one step before giving up (each routes around bans)
+    min_backoff: float = 0.05      # first retry waits about this long; failover should be quick
+    max_backoff: float = 10.0      # cap of the exponential backoff between retries
+    ban_timeout: float = 15.0      # first ban of a failing server; doubles on each further failure
+    max_ban_timeout: float = 300.0
+    discovery_ttl: float = 5.0     # seconds a DHT read is reused before routing reads it again
+    missing_blocks_wait: float = 0.0  # seconds to keep waiting for missing blocks before MissingBlocksError

@@ -1,0 +1,86 @@
+"""The swarm's wire contract: what servers announce on the DHT and what clients read back.
+
+Servers import this module; it imports nothing from `servers`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PROTOCOL_VERSION = "swarmbatch/1"
+
+
+class ServerState(str, Enum):
+    """Lifecycle of a block server as seen on the DHT."""
+
+    OFFLINE = "offline"
+    JOINING = "joining"
+    ONLINE = "online"
+
+
+def block_uid(model_id: str, index: int) -> str:
+    """DHT key of one block: '{model_id}.{index}'."""
+    return f"{model_id}.{index}"
+
+
+class ServerInfo(BaseModel):
+    """One server's announcement, stored under every block key it serves (subkey = its peer id)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    state: ServerState
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    throughput: float = Field(ge=0, description="decode steps per second over the whole span, batch 1")
+    cache_tokens_left: int = Field(ge=0)
+    dtype: str
+    quant: str
+    version: str
+    revision: str
+    max_batch_size: int = Field(gt=0)
+    max_length: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _span_is_not_empty(self) -> ServerInfo:
+        if self.end <= self.start:
+            raise ValueError(f"empty span {self.start}:{self.end}")
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-friendly dict."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ServerInfo | None:
+        """Parse a value read from an untrusted peer; None when it is malformed."""
+        try:
+            return cls.model_validate(value)
+        except ValidationError:
+            return None
+
+
+@dataclass(frozen=True)
+class RemoteSpanInfo:
+    """A server and the blocks [start, end) it holds."""
+
+    peer_id: str
+    start: int
+    end: int
+    info: ServerInfo
+
+    @property
+    def length(self) -> int:
+        """Number of blocks in the span."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One hop of a route: blocks [start, end) computed by `peer_id` (a sub-span of its span)."""
+
+    peer_id: str
+    start: int
+    end: int

@@ -1,0 +1,47 @@
+"""Reading the DHT: which servers hold which blocks. The only client module that talks to the DHT."""
+from __future__ import annotations
+
+import logging
+
+from hivemind.dht.node import DHTNode
+
+from swarmclient.data_structures import RemoteSpanInfo, ServerInfo, ServerState, block_uid
+
+logger = logging.getLogger(__name__)
+
+BlockServers = dict[str, ServerInfo]  # peer id -> what it announced for one block
+
+
+async def get_remote_module_infos(node: DHTNode, model_id: str, num_blocks: int) -> list[BlockServers]:
+    """For each block 0..num_blocks-1, the servers that announced it (any state), with their infos."""
+    keys = [block_uid(model_id, i) for i in range(num_blocks)]
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    return [_parse_block_record(found.get(key)) for key in keys]
+
+
+def _parse_block_record(record: object) -> BlockServers:
+    """Validate one DHT record (subkey -> value); malformed entries from untrusted peers are dropped."""
+    value = getattr(record, "value", None)
+    if not isinstance(value, dict):
+        return {}
+    servers: BlockServers = {}
+    for peer_id, item in value.items():
+        info = ServerInfo.from_wire(getattr(item, "value", None))
+        if isinstance(peer_id, str) and info is not None:
+            servers[peer_id] = info
+        else:
+            logger.debug("Dropped a malformed announcement from %r", peer_id)
+    return servers
+
+
+def online_spans(block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
+    """One RemoteSpanInfo per ONLINE server, with the span it announced (clipped to the blocks it announced)."""
+    spans: dict[str, RemoteSpanInfo] = {}
+    for index, servers in enumerate(block_infos):
+        for peer_id, info in servers.items():
+            if info.state != ServerState.ONLINE or not info.start <= index < info.end:
+                continue
+            known = spans.get(peer_id)
+            start = index if known is None else known.start
+            spans[peer_id] = RemoteSpanInfo(peer_id, start, index + 1, info)
+    return list(spans.values())

@@ -1,0 +1,52 @@
+"""Errors raised by the swarm client.
+
+    SwarmError                      root: anything that went wrong talking to the swarm
+    ├── ModelDirError               the local model directory is unusable (not retryable: fix the path)
+    ├── DHTUnreachable              no initial peer answered (retry after starting `swarmbatch dht`)
+    ├── MissingBlocksError          no online server holds some blocks (retry later, or start a server)
+    ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
+    └── PeerFailed                  a server died, timed out or is full (recoverable: route around it)
+        └── SessionTimeout          a server did not answer within the step timeout
+"""
+from __future__ import annotations
+
+
+class SwarmError(Exception):
+    """Root of every swarm client error."""
+
+
+class ModelDirError(SwarmError):
+    """Raised when a model directory is missing, incomplete or of an unsupported family; retrying cannot help."""
+
+
+class DHTUnreachable(SwarmError):
+    """Raised when none of the initial peers could be reached; retry once a DHT node is up."""
+
+
+class MissingBlocksError(SwarmError):
+    """Raised when no online server holds some blocks; retry after a server for them joins."""
+
+    def __init__(self, model_id: str, missing: list[tuple[int, int]]) -> None:
+        self.model_id, self.missing = model_id, missing
+        ranges = ", ".join(f"{a}:{b}" for a, b in missing)
+        super().__init__(
+            f"No online server holds blocks {ranges} of {model_id}. "
+            f"Start one with 'swarmbatch serve MODEL --blocks {missing[0][0]}:{missing[0][1]} --initial-peers ...' "
+            f"or check 'swarmbatch swarm status MODEL'."
+        )
+
+
+class InvalidRequest(SwarmError):
+    """Raised when a server rejects a request as malformed; retrying the same request cannot help."""
+
+
+class PeerFailed(SwarmError):
+    """Raised when a server fails, disconnects or refuses for lack of room; the client routes around it."""
+
+    def __init__(self, peer_id: str, reason: str) -> None:
+        self.peer_id, self.reason = peer_id, reason
+        super().__init__(f"server {peer_id[-8:]} failed: {reason}")
+
+
+class SessionTimeout(PeerFailed):
+    """Raised when a server does not answer a step in time; the client routes around it."""

@@ -1,0 +1,47 @@
+"""`ClientHead`: the parts of the model that stay on the client — token embeddings, final norm, LM head."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from swarmclient.errors import ModelDirError
+from swarmclient.model_spec import ModelSpec
+
+
+class ClientHead(nn.Module):
+    """Embeddings in, logits out; loads only these tensors from the model's safetensors."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        config = spec.config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = spec.family_class("RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._load(spec)
+        self.to(dtype).eval()
+
+    def _load(self, spec: ModelSpec) -> None:
+        embed = spec.load_tensors("model.embed_tokens.")
+        norm = spec.load_tensors("model.norm.")
+        head = spec.load_tensors("lm_head.")
+        if "weight" not in embed or "weight" not in norm:
+            raise ModelDirError(f"{spec.path}: embeddings or final norm missing from the safetensors files")
+        self.embed_tokens.weight = nn.Parameter(embed["weight"], requires_grad=False)
+        self.norm.weight = nn.Parameter(norm["weight"], requires_grad=False)
+        if "weight" in head:
+            self.lm_head.weight = nn.Parameter(head["weight"], requires_grad=False)
+        elif spec.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
+            raise ModelDirError(f"{spec.path}: lm_head.weight is missing and embeddings are not tied")
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> hidden states [B, T, H] (float32)."""
+        return self.embed_tokens(input_ids).float()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, T, H] -> logits [B, T, V] (float32)."""
+        hidden = hidden.to(self.lm_head.weight.dtype)
+        return self.lm_head(self.norm(hidden)).float()

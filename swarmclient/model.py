@@ -1,0 +1,98 @@
+"""`DistributedModelForCausalLM`: the Petals-style entry point — a local head over remote blocks."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from swarmclient.config import ClientConfig
+from swarmclient.errors import InvalidRequest
+from swarmclient.generation import generate_tokens
+from swarmclient.head import ClientHead
+from swarmclient.model_spec import ModelSpec
+from swarmclient.network import NetworkOptions
+from swarmclient.sampling import SamplingParams
+from swarmclient.session import InferenceSession
+from swarmclient.swarm import Swarm
+
+
+class DistributedModelForCausalLM:
+    """Generate with a model whose blocks are served by the swarm; embeddings and LM head run here."""
+
+    def __init__(self, spec: ModelSpec, head: ClientHead, swarm: Swarm) -> None:
+        self.spec, self.head, self.swarm = spec, head, swarm
+        config = spec.config
+        eos = config.eos_token_id
+        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.pad_token_id: int = config.pad_token_id if config.pad_token_id is not None else min(self.eos_token_ids, default=0)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike[str], *, initial_peers: Sequence[str],
+                        config: ClientConfig | None = None, network: NetworkOptions | None = None
+                        ) -> DistributedModelForCausalLM:
+        """Load the local head from `model_dir` and join the swarm that serves its blocks."""
+        spec = ModelSpec.open(model_dir)
+        head = ClientHead(spec)
+        swarm = Swarm.connect(initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks,
+                              config=config, network=network)
+        return cls(spec, head, swarm)
+
+    def close(self) -> None:
+        """Leave the swarm."""
+        self.swarm.close()
+
+    def __enter__(self) -> DistributedModelForCausalLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def inference_session(self, *, batch_size: int, max_length: int) -> InferenceSession:
+        """A session for step-by-step use: `with model.inference_session(...) as s: s.step(h, mask, pos)`."""
+        return InferenceSession(self.swarm, batch_size=batch_size, max_length=max_length)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | Sequence[int] = 0,
+        **unused: Any,
+    ) -> torch.Tensor:
+        """Like transformers' `generate`: returns prompt + new tokens [B, T + N], pad after EOS."""
+        if unused:
+            raise TypeError(f"unsupported generate options: {', '.join(unused)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        new = self.generate_new_tokens(input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                       params=self.sampling_params(input_ids.shape[0], do_sample, temperature,
+                                                                   top_p, seed))
+        return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+
+    def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                            params: list[SamplingParams], on_token: Any = None) -> torch.Tensor:
+        """Only the new tokens [B, N], with per-row sampling parameters."""
+        total = input_ids.shape[1] + max_new_tokens
+        if total > self.spec.max_length:
+            raise InvalidRequest(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                 f"model's context of {self.spec.max_length} tokens")
+        with self.inference_session(batch_size=input_ids.shape[0], max_length=total) as session:
+            return generate_tokens(self.head, session.step, input_ids, attention_mask,
+                                   max_new_tokens=max_new_tokens, params=params,
+                                   eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                                   on_token=on_token)
+
+    @staticmethod
+    def sampling_params(batch_size: int, do_sample: bool, temperature: float, top_p: float,
+                        seed: int | Sequence[int]) -> list[SamplingParams]:
+        """Per-row SamplingParams from generate()'s arguments (a seed per row, or one for all)."""
+        seeds = [seed] * batch_size if isinstance(seed, int) else list(seed)
+        if len(seeds) != batch_size:
+            raise ValueError(f"{len(seeds)} seeds for a batch of {batch_size}")
+        return [SamplingParams(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=s) for s in seeds]

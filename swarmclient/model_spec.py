@@ -1,0 +1,157 @@
+"""A local Hugging Face model directory: its config, architecture family, weight files and revision.
+
+Both the client (embeddings, LM head) and block servers (decoder layers) read model directories
+through this module, so both agree on the model id that names the weights on the DHT.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from swarmclient.errors import ModelDirError
+
+# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
+FAMILIES: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+REVISION_FILE = ".swarmbatch-revision.json"
+_HASH_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a process needs to know about one model directory."""
+
+    path: Path
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> ModelSpec:
+        """Validate a model directory and return its spec; raises ModelDirError with what to do."""
+        spec = cls(Path(path).expanduser().resolve())
+        if not (spec.path / "config.json").is_file():
+            raise ModelDirError(f"{spec.path} is not a model directory (no config.json); "
+                                "run 'swarmbatch model prepare smollm2' or pass a Hugging Face model dir")
+        if not spec.weight_files:
+            raise ModelDirError(f"{spec.path} has no *.safetensors weights; convert the model to safetensors")
+        if spec.config.model_type not in FAMILIES:
+            raise ModelDirError(f"{spec.path}: model_type '{spec.config.model_type}' is not supported; "
+                                f"supported: {', '.join(FAMILIES)}")
+        return spec
+
+    @cached_property
+    def config(self) -> Any:
+        """The transformers config, with the attention implementation every module here uses."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.path)
+        # AutoConfig leaves this unset; the mask factory and attention dispatch both key on it.
+        config._attn_implementation = "sdpa"
+        return config
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of transformer blocks (decoder layers)."""
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden states that travel between servers."""
+        return int(self.config.hidden_size)
+
+    @property
+    def max_length(self) -> int:
+        """Longest sequence (prompt + generated) the model supports."""
+        return int(self.config.max_position_embeddings)
+
+    @cached_property
+    def modeling(self) -> ModuleType:
+        """transformers' modeling module of this family (decoder layer, rotary embedding, norm classes)."""
+        kind = self.config.model_type
+        return importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+
+    def family_class(self, suffix: str) -> Any:
+        """A class of this family by suffix, e.g. 'DecoderLayer' -> LlamaDecoderLayer."""
+        return getattr(self.modeling, FAMILIES[self.config.model_type] + suffix)
+
+    def layer_type(self, index: int) -> str:
+        """Attention kind of block `index`: 'full_attention' or 'sliding_attention'."""
+        types = getattr(self.config, "layer_types", None)
+        if types:
+            return str(types[index])
+        if self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None):
+            return "sliding_attention"
+        return "full_attention"
+
+    @cached_property
+    def weight_files(self) -> list[Path]:
+        """The safetensors files, sorted."""
+        return sorted(self.path.glob("*.safetensors"))
+
+    @cached_property
+    def tensor_index(self) -> dict[str, Path]:
+        """Tensor name -> file holding it (reads only the safetensors headers)."""
+        index: dict[str, Path] = {}
+        for file in self.weight_files:
+            with safe_open(file, framework="pt") as f:
+                index.update({name: file for name in f.keys()})
+        return index
+
+    def load_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with `prefix`, keyed by the rest of its name; nothing else is read."""
+        wanted: dict[Path, list[str]] = {}
+        for name, file in self.tensor_index.items():
+            if name.startswith(prefix):
+                wanted.setdefault(file, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, names in wanted.items():
+            with safe_open(file, framework="pt") as f:
+                out.update({n[len(prefix):]: f.get_tensor(n) for n in names})
+        return out
+
+    @cached_property
+    def revision(self) -> str:
+        """sha256 of config.json and the weight files; cached beside them, keyed by size and mtime."""
+        stamp = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in self._revision_inputs()]
+        cached = self._read_cached_revision(stamp)
+        if cached:
+            return cached
+        digest = hashlib.sha256()
+        for file in self._revision_inputs():
+            digest.update(file.name.encode())
+            with open(file, "rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    digest.update(chunk)
+        revision = digest.hexdigest()
+        self._write_cached_revision(stamp, revision)
+        return revision
+
+    @property
+    def model_id(self) -> str:
+        """The name servers announce under: family and weights revision, so different weights never mix."""
+        return f"{self.config.model_type}-{self.num_blocks}L-{self.revision[:16]}"
+
+    def _revision_inputs(self) -> list[Path]:
+        return [self.path / "config.json", *self.weight_files]
+
+    def _read_cached_revision(self, stamp: list[list[Any]]) -> str | None:
+        try:
+            data = json.loads((self.path / REVISION_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return data.get("revision") if data.get("stamp") == stamp else None
+
+    def _write_cached_revision(self, stamp: list[list[Any]], revision: str) -> None:
+        tmp = self.path / f"{REVISION_FILE}.{os.getpid()}.tmp"
+        try:
+            tmp.write_text(json.dumps({"stamp": stamp, "revision": revision}))
+            tmp.replace(self.path / REVISION_FILE)
+        except OSError:  # a read-only model dir: hash again next time
+            tmp.unlink(missing_ok=True)

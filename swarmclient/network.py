@@ -1,0 +1,96 @@
+"""hivemind P2P + DHT node plumbing shared by clients and servers, and a background event loop for sync callers.
+
+We run `P2P` and `DHTNode` in-process (never `hivemind.DHT`, which forks a child process): this works inside
+Celery prefork children and leaves no orphan process but the p2pd daemon, which dies with our process group.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, P2PDaemonError
+
+from swarmclient.errors import DHTUnreachable
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class NetworkOptions:
+    """Where a P2P node listens and how it identifies itself."""
+
+    host: str = "127.0.0.1"          # listen address; 0.0.0.0 to accept peers from other machines
+    port: int = 0                    # 0 = any free port
+    identity_path: str | None = None  # a private key file: keeps the peer id across restarts
+    announce_host: str | None = None  # the address other machines should dial, if not `host`
+
+    def p2p_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `P2P.create`. NAT port mapping, AutoNAT and relays stay off: no LAN probing."""
+        kwargs: dict[str, Any] = dict(
+            host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
+            nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
+            identity_path=self.identity_path,
+        )
+        if self.announce_host:
+            kwargs["announce_maddrs"] = [f"/ip4/{self.announce_host}/tcp/{self.port}"]
+        return kwargs
+
+
+async def start_dht_node(
+    initial_peers: Sequence[str], options: NetworkOptions, *, client_mode: bool
+) -> tuple[P2P, DHTNode]:
+    """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers."""
+    try:
+        p2p = await P2P.create(initial_peers=list(initial_peers), **options.p2p_kwargs())
+    except P2PDaemonError as e:
+        raise DHTUnreachable(f"cannot start P2P or reach {list(initial_peers)}: {e}. "
+                             "Check that 'swarmbatch dht' runs and the multiaddr is right") from e
+    try:
+        node = await DHTNode.create(
+            p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
+            ensure_bootstrap_success=bool(initial_peers), wait_timeout=3,
+        )
+    except Exception as e:  # hivemind raises RuntimeError/P2P errors when bootstrap fails
+        await p2p.shutdown()
+        raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
+                             "Start 'swarmbatch dht' or fix --initial-peers") from e
+    return p2p, node
+
+
+async def visible_maddrs(p2p: P2P) -> list[str]:
+    """Full multiaddrs (with /p2p/<peer id>) that other peers can use as initial peers."""
+    return [str(addr) for addr in await p2p.get_visible_maddrs()]
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread, so synchronous code can run coroutines on it."""
+
+    def __init__(self, name: str = "swarmbatch-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop (hivemind leaves background tasks), stop it and join its thread."""
+        if not self.loop.is_running():
+            return
+        try:
+            self.run(_cancel_other_tasks(), timeout=5)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+
+
+async def _cancel_other_tasks() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

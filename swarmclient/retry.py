@@ -1,0 +1,90 @@
+"""The one retry policy of the client: exponential backoff with jitter (tenacity) and growing peer bans."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
+
+from swarmclient.config import ClientConfig
+from swarmclient.errors import MissingBlocksError, PeerFailed
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def backoff_delay(attempt: int, config: ClientConfig) -> float:
+    """Seconds to wait before retry number `attempt` (1-based): exponential, capped, with full jitter."""
+    ceiling = min(config.max_backoff, config.min_backoff * 2 ** (attempt - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+@dataclass
+class BanList:
+    """Peers to avoid for a while; each further failure doubles the ban, a success forgives."""
+
+    base_timeout: float
+    max_timeout: float
+    clock: Callable[[], float] = time.monotonic
+    _until: dict[str, float] = field(default_factory=dict)
+    _strikes: dict[str, int] = field(default_factory=dict)
+
+    def ban(self, peer_id: str) -> float:
+        """Ban a peer; returns the ban's duration in seconds."""
+        strikes = self._strikes.get(peer_id, 0)
+        duration = min(self.max_timeout, self.base_timeout * 2**strikes)
+        self._strikes[peer_id] = strikes + 1
+        self._until[peer_id] = self.clock() + duration
+        return duration
+
+    def forgive(self, peer_id: str) -> None:
+        """Reset a peer's strikes after it served us well."""
+        self._strikes.pop(peer_id, None)
+
+    def is_banned(self, peer_id: str) -> bool:
+        """Whether the peer is banned now."""
+        return self._until.get(peer_id, 0.0) > self.clock()
+
+    def banned(self) -> set[str]:
+        """All peers banned now."""
+        now = self.clock()
+        return {peer for peer, until in self._until.items() if until > now}
+
+
+def _is_recoverable(exc: BaseException) -> bool:
+    return isinstance(exc, (PeerFailed, MissingBlocksError))
+
+
+async def with_retries(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    config: ClientConfig,
+    on_failure: Callable[[BaseException], Awaitable[None]],
+) -> T:
+    """Call `fn` until it succeeds; after each recoverable failure, await `on_failure(exc)`, then back off.
+
+    Unrecoverable errors (InvalidRequest, ModelDirError, ...) propagate at once; after `config.max_retries`
+    failed attempts the last error propagates.
+    """
+
+    async def before_sleep(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if exc is not None:
+            logger.warning("Attempt %d failed (%s); retrying", state.attempt_number, exc)
+            await on_failure(exc)
+
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(config.max_retries),
+        wait=lambda state: backoff_delay(state.attempt_number, config),
+        retry=retry_if_exception(_is_recoverable),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    async def attempt() -> T:  # tenacity awaits only real coroutine functions, not lambdas returning coroutines
+        return await fn()
+
+    return await retrying(attempt)

@@ -1,0 +1,246 @@
+"""Inference sessions: `ServerSession` is one stream to one server; `InferenceSession` a fault-tolerant chain.
+
+An InferenceSession keeps, for every block boundary of its route, the hidden states it sent there at each
+step. When a server fails, the client bans it, routes the failed hop's blocks through other servers, and
+replays those inputs step by step (same shapes, same order), so the replacement caches are the same as the
+lost ones and the generation goes on with identical tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from swarmclient import protocol
+from swarmclient.data_structures import RouteHop
+from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, SwarmError
+from swarmclient.retry import with_retries
+from swarmclient.swarm import Swarm
+
+logger = logging.getLogger(__name__)
+
+
+class ServerSession:
+    """One `inference` stream to one server over blocks [hop.start, hop.end); not fault-tolerant."""
+
+    def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int) -> None:
+        self.swarm, self.hop = swarm, hop
+        self.batch_size, self.max_length = batch_size, max_length
+        self.session_id = uuid.uuid4().hex
+        self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self.steps = 0
+
+    async def open(self) -> ServerSession:
+        """Open the stream; raises PeerFailed if the server cannot be reached."""
+        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            while (item := await self._queue.get()) is not None:
+                yield item
+        try:
+            self._responses = await asyncio.wait_for(
+                self.swarm.p2p.iterate_protobuf_handler(
+                    PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE, requests(),
+                    runtime_pb2.ExpertResponse),
+                timeout=self.swarm.config.connect_timeout)
+        except Exception as e:
+            raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
+        return self
+
+    async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+                   ) -> torch.Tensor:
+        """Send one step's hidden states; returns the hop's output hidden states."""
+        assert self._responses is not None, "open() first"
+        meta: dict[str, Any] = {"session_id": self.session_id, "start": self.hop.start, "end": self.hop.end,
+                                "batch_size": self.batch_size, "max_length": self.max_length}
+        await self._queue.put(protocol.make_request([hidden, attention_mask, position_ids], meta))
+        response = await self._next_response()
+        tensors, meta = protocol.read_message(response)
+        error = protocol.response_error(meta)
+        if error is not None:
+            code, message = error
+            if code.retryable:
+                raise PeerFailed(self.hop.peer_id, f"{code.value}: {message}")
+            raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
+        self.steps += 1
+        return tensors[0]
+
+    async def _next_response(self) -> runtime_pb2.ExpertResponse:
+        assert self._responses is not None
+        try:
+            return await asyncio.wait_for(anext(self._responses), timeout=self.swarm.config.step_timeout)
+        except asyncio.TimeoutError as e:
+            raise SessionTimeout(self.hop.peer_id, f"no answer in {self.swarm.config.step_timeout:.0f} s") from e
+        except StopAsyncIteration as e:
+            raise PeerFailed(self.hop.peer_id, "the stream closed (server gone)") from e
+        except SwarmError:
+            raise
+        except Exception as e:
+            raise PeerFailed(self.hop.peer_id, f"{type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        """End the stream politely; the server frees the session's cache."""
+        await self._queue.put(None)
+        if self._responses is None:
+            return
+        try:
+            await asyncio.wait_for(self._drain(), timeout=2)
+        except Exception:  # the server may already be gone: nothing left to free
+            pass
+
+    async def _drain(self) -> None:
+        assert self._responses is not None
+        async for _ in self._responses:
+            pass
+
+
+class InferenceSession:
+    """A chain of server sessions covering blocks [0, num_blocks) that survives server failures."""
+
+    def __init__(self, swarm: Swarm, *, batch_size: int, max_length: int) -> None:
+        self.swarm, self.batch_size, self.max_length = swarm, batch_size, max_length
+        self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
+        self._broken: set[int] = set()                   # hop starts whose server failed
+        self._inputs: dict[int, list[torch.Tensor]] = {}  # hop start -> hidden states sent at each step
+        self._positions: list[torch.Tensor] = []          # position ids of each step
+        self._lengths: list[int] = []                     # total length after each step
+        self._mask: torch.Tensor | None = None            # the latest 2D attention mask (earlier ones are prefixes)
+        self.failovers = 0
+
+    @property
+    def position(self) -> int:
+        """Tokens processed so far (prompt included)."""
+        return self._lengths[-1] if self._lengths else 0
+
+    @property
+    def route(self) -> list[RouteHop]:
+        """The current hops, in block order."""
+        return [self._sessions[start].hop for start in sorted(self._sessions)]
+
+    # ---- sync facade (runs on the swarm's event loop) ---------------------------------------------------
+    def __enter__(self) -> InferenceSession:
+        self.swarm.loop.run(self.open())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.swarm.loop.run(self.close())
+
+    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Run one step (a prefill of T tokens or a decode token) through all blocks; returns final hidden states."""
+        return self.swarm.loop.run(self.astep(hidden, attention_mask, position_ids))
+
+    # ---- async core -----------------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Find a route and open a session with each of its servers."""
+        await with_retries(lambda: self._open_range(0, self.swarm.num_blocks), config=self.swarm.config,
+                           on_failure=self._on_failure)
+
+    async def close(self) -> None:
+        """Close every server session."""
+        await asyncio.gather(*(s.close() for s in self._sessions.values()), return_exceptions=True)
+        self._sessions.clear()
+
+    async def astep(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+                    ) -> torch.Tensor:
+        """Async `step`."""
+        self._check_step(hidden, attention_mask, position_ids)
+        hidden = hidden.float().contiguous()
+        attention_mask, position_ids = attention_mask.long(), position_ids.long()
+        position = 0
+        while position < self.swarm.num_blocks:
+            hidden_in = hidden
+            hidden, position_next = await with_retries(
+                lambda: self._step_hop(position, hidden_in, attention_mask, position_ids),
+                config=self.swarm.config, on_failure=self._on_failure)
+            self._inputs[position].append(hidden_in)
+            position = position_next
+        self._mask = attention_mask
+        self._positions.append(position_ids)
+        self._lengths.append(attention_mask.shape[1])
+        return hidden
+
+    def _check_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+        batch, length = hidden.shape[0], hidden.shape[1]
+        if batch != self.batch_size or attention_mask.shape != (batch, self.position + length) or \
+                position_ids.shape != (batch, length):
+            raise InvalidRequest(
+                f"step shapes do not fit the session: hidden {tuple(hidden.shape)}, mask {tuple(attention_mask.shape)},"
+                f" positions {tuple(position_ids.shape)} at position {self.position} with batch {self.batch_size}")
+        if attention_mask.shape[1] > self.max_length:
+            raise InvalidRequest(f"the session is {self.max_length} tokens long; step would reach "
+                                 f"{attention_mask.shape[1]}")
+
+    async def _step_hop(self, position: int, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                        position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if position in self._broken:
+            await self._repair(position)
+        session = self._sessions[position]
+        try:
+            output = await session.step(hidden, attention_mask, position_ids)
+        except PeerFailed:
+            self._broken.add(position)
+            raise
+        self.swarm.bans.forgive(session.hop.peer_id)
+        return output, session.hop.end
+
+    async def _on_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, PeerFailed):
+            duration = self.swarm.bans.ban(exc.peer_id)
+            logger.warning("Server %s failed (%s); banned for %.0f s, routing around it",
+                           exc.peer_id[-8:], exc.reason, duration)
+
+    async def _repair(self, position: int) -> None:
+        """Replace the failed hop starting at `position` with a new route, and replay its history."""
+        failed = self._sessions.pop(position)
+        asyncio.ensure_future(failed.close())
+        self._broken.discard(position)
+        hops: list[RouteHop] = []
+        try:
+            hops = await self._open_range(failed.hop.start, failed.hop.end)
+            await self._replay(hops)
+        except BaseException:
+            # drop the half-made replacement; the range stays broken so the next attempt repairs it again
+            for hop in hops:
+                asyncio.ensure_future(self._sessions.pop(hop.start).close())
+            self._sessions[position] = failed
+            self._broken.add(position)
+            raise
+        self.failovers += 1
+
+    async def _open_range(self, start: int, end: int) -> list[RouteHop]:
+        hops = await self.swarm.route(start, end)
+        sessions = [ServerSession(self.swarm, hop, batch_size=self.batch_size, max_length=self.max_length)
+                    for hop in hops]
+        opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)
+        failure = next((r for r in opened if isinstance(r, BaseException)), None)
+        if failure is not None:
+            await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+            raise failure
+        for session in sessions:
+            self._sessions[session.hop.start] = session
+            self._inputs.setdefault(session.hop.start, [])
+        return hops
+
+    async def _replay(self, hops: list[RouteHop]) -> None:
+        """Feed the new hops every past step's inputs, in order, so their caches match the lost ones."""
+        steps = len(self._inputs[hops[0].start])
+        for hop in hops[1:]:
+            self._inputs[hop.start] = []
+        for index in range(steps):
+            hidden = self._inputs[hops[0].start][index]
+            mask = self._mask_at(index)
+            for number, hop in enumerate(hops):
+                if number > 0:
+                    self._inputs[hop.start].append(hidden)
+                hidden = await self._sessions[hop.start].step(hidden, mask, self._positions[index])
+        if steps:
+            logger.info("Replayed %d steps to %s", steps, ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in hops))
+
+    def _mask_at(self, index: int) -> torch.Tensor:
+        assert self._mask is not None
+        return self._mask[:, : self._lengths[index]]
