@@ -45,7 +45,11 @@ def load_span(spec: ModelSpec, start: int, end: int, *, dtype: DType = DType.flo
         state = spec.load_tensors(f"model.layers.{index}.")
         if not state:
             raise ServerConfigError(f"{spec.path}: no tensors for block {index}")
-        span.layers[offset].load_state_dict(state, strict=True, assign=True)
+        try:
+            span.layers[offset].load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as e:
+            detail = str(e).strip().splitlines()[-1].strip()
+            raise ServerConfigError(f"{spec.path}: block {index} does not match the model config ({detail})") from e
     span.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)  # buffers computed, not loaded
     span.to(dtype.torch)
     span.compute_dtype = dtype.torch

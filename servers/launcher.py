@@ -32,6 +32,7 @@ class ManagedProcess:
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **OFFLINE_ENV, **(env or {})}, start_new_session=True)
         self.lines: queue.Queue[str] = queue.Queue()
+        self.ready_line = ""
         threading.Thread(target=self._read, daemon=True).start()
 
     @property
@@ -55,13 +56,17 @@ class ManagedProcess:
                     raise ServerError(f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}")
                 continue
             if line.startswith(prefix):
+                self.ready_line = line
                 return line
         raise ServerError(f"{self.name} was not ready in {timeout:.0f} s; see {self.log_path}")
 
     def terminate(self, timeout: float = 15.0) -> None:
-        """SIGTERM (graceful: a server announces OFFLINE), then SIGKILL the whole group if it lingers."""
+        """SIGTERM to the process (graceful: a server announces OFFLINE), then SIGKILL its group.
+
+        Only the process gets SIGTERM: it still needs its p2pd daemon to say goodbye on the DHT.
+        """
         if self.proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -76,6 +81,12 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
+
+    @property
+    def peer_id(self) -> str:
+        """The peer id a server printed in its ready line ('Serving blocks A:B of M as PEER at ...')."""
+        words = self.ready_line.split()
+        return words[words.index("as") + 1] if "as" in words else ""
 
     def _signal_group(self, sig: signal.Signals) -> None:
         try:

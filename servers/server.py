@@ -139,8 +139,11 @@ class BlockServer:
         if hasattr(self, "handler"):
             self.handler.executor.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "node"):
-            await self.node.shutdown()
-            await self.p2p.shutdown()
+            for step in (self.node.shutdown, self.p2p.shutdown):
+                try:
+                    await asyncio.wait_for(step(), timeout=5)
+                except Exception:
+                    logger.warning("Shutdown step %s failed", step.__qualname__, exc_info=True)
 
 
 def run_server(config: ServerConfig, on_ready: Callable[[BlockServer, list[str]], None]) -> None:

@@ -6,8 +6,10 @@ Celery prefork children and leaves no orphan process but the p2pd daemon, which 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,7 +47,8 @@ async def start_dht_node(
 ) -> tuple[P2P, DHTNode]:
     """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers."""
     try:
-        p2p = await P2P.create(initial_peers=list(initial_peers), **options.p2p_kwargs())
+        with _children_ignore_sigint():
+            p2p = await P2P.create(initial_peers=list(initial_peers), **options.p2p_kwargs())
     except P2PDaemonError as e:
         raise DHTUnreachable(f"cannot start P2P or reach {list(initial_peers)}: {e}. "
                              "Check that 'swarmbatch dht' runs and the multiaddr is right") from e
@@ -59,6 +62,23 @@ async def start_dht_node(
         raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
                              "Start 'swarmbatch dht' or fix --initial-peers") from e
     return p2p, node
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Spawn p2pd with SIGINT ignored (inherited through exec), so Ctrl-C in a terminal reaches only us.
+
+    Otherwise the terminal's SIGINT kills p2pd at once, and a server can no longer announce OFFLINE.
+    Only the main thread may change signal handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def visible_maddrs(p2p: P2P) -> list[str]:

@@ -1,0 +1,416 @@
+"""Benchmark: local `generate` vs the swarm (1 server, 2 servers) in tokens/s, plus the per-hop round trip.
+
+Run:  .venv/bin/python bench/swarm.py [--model smollm2|PATH] [--new-tokens 64] [--reps 1] [--out results.json]
+
+What it measures (one run, same prompts, greedy, exactly N new tokens per row):
+  local     transformers AutoModelForCausalLM.generate, min_new_tokens=N, 1 torch thread in this process
+  swarm-1   LocalSwarm with one server holding all blocks (pinned to one core, 1 thread)
+  swarm-2   LocalSwarm with two servers holding halves (each pinned to its own core, 1 thread)
+The swarm client runs in this process with 1 torch thread too. To force exactly N tokens on the swarm (what
+min_new_tokens does for HF) it runs the client's own decode loop (`swarmclient.generation.generate_tokens`)
+over `model.inference_session` with no EOS ids; `--allow-eos` uses `model.generate_new_tokens` instead (may
+stop early). Tokens are counted the same way for every config: non-pad tokens up to and including EOS.
+
+Hop round trip (2-server swarm, batch 1, after a prefill):
+  hop-1blk  a ServerSession on a 1-block sub-span of each server: 1x1xH decode steps, time of `await step`
+            on the client's loop, minus the same block's compute timed locally (same shapes, same cache length)
+  hop-span  the same over each server's whole half-span (15 blocks), minus that span's local compute
+  chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
+            divided by 2 (per hop)
+  ping      `Swarm.ping` (the unary `info` RPC), 50 calls per server
+"""
+from __future__ import annotations
+
+import os
+
+# one thread everywhere in this process, before torch is imported (the client's loop thread included)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+PARAGRAPHS = [
+    "The city council voted on Tuesday to turn the old rail yard into a public park. Construction starts next "
+    "spring and should take two years.",
+    "Honeybees communicate the location of flowers through a waggle dance. The angle of the dance shows the "
+    "direction relative to the sun, and its length tells the distance. Scientists decoded this behaviour in the "
+    "1940s, and it remains one of the best studied examples of symbolic communication in animals.",
+    "Our quarterly report shows revenue grew by eight percent, mostly from the new subscription plan. Costs rose "
+    "as well because we hired twelve engineers.",
+    "A heat wave hit the southern region last week. Temperatures passed forty degrees for five days in a row, "
+    "schools closed early, and hospitals reported more cases of dehydration. Officials urged residents to drink "
+    "water, avoid the midday sun and check on elderly neighbours. Rain is expected to bring relief on Sunday.",
+    "The library will extend its opening hours during exam season.",
+    "Researchers trained a small robot to fold laundry by watching videos of people. After a week of practice it "
+    "folded towels correctly nine times out of ten, but shirts with buttons still confused it.",
+    "The bakery on Main Street is closing after forty years. The owners are retiring and could not find a buyer, "
+    "so the last loaf will be sold on Saturday. Regular customers plan a small farewell party in front of the "
+    "shop.",
+    "Volcanic eruptions can cool the planet for a few years because the sulfur they release reflects sunlight. "
+    "The 1991 eruption of Mount Pinatubo lowered global temperatures by about half a degree.",
+]
+
+
+def summarize_prompt(paragraph: str) -> str:
+    """One user message asking for a one-sentence summary."""
+    return f"Summarize the following paragraph in one sentence.\n\n{paragraph}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def count_new_tokens(new: torch.Tensor, eos_ids: set[int], pad_id: int) -> int:
+    """Tokens actually generated: per row, everything up to and including the first EOS (pads after it dropped)."""
+    total = 0
+    for row in new.tolist():
+        count = 0
+        for token in row:
+            count += 1
+            if token in eos_ids:
+                break
+        total += count
+    return total
+
+
+def resolve_model(name: str) -> Path:
+    """'smollm2' is prepared in $SWARMBATCH_HOME/models (default ~/.swarmbatch); a path is validated."""
+    from modelprep import prepare_model
+
+    home = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")).expanduser()
+    return prepare_model(name, cache_dir=home / "models")
+
+
+class Prompts:
+    """The 8 chat-templated prompts, tokenized (left padded) for batch 8 and the first one alone for batch 1."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from swarmclient.textgen import load_tokenizer, render_prompt
+
+        self.tokenizer = load_tokenizer(model_dir)
+        self.texts = [render_prompt(self.tokenizer, summarize_prompt(p), chat=True) for p in PARAGRAPHS]
+
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        encoded = self.tokenizer(self.texts[:size], return_tensors="pt", padding=True, add_special_tokens=False)
+        return encoded.input_ids, encoded.attention_mask
+
+    def lengths(self) -> list[int]:
+        return [int(m.sum()) for m in self.batch(len(self.texts))[1]]
+
+
+def timed_runs(name: str, batch: int, run: Callable[[], torch.Tensor], reps: int, eos_ids: set[int],
+               pad_id: int) -> dict[str, Any]:
+    """`reps` timed runs of `run` (which returns new tokens [B, N]); the median run is the result."""
+    runs = []
+    for _ in range(reps):
+        began = time.perf_counter()
+        new = run()
+        seconds = time.perf_counter() - began
+        runs.append({"seconds": seconds, "tokens": count_new_tokens(new, eos_ids, pad_id), "steps": new.shape[1]})
+    median = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+    result = {"config": name, "batch": batch, **median, "tokens_per_s": median["tokens"] / median["seconds"],
+              "all_seconds": [r["seconds"] for r in runs]}
+    print(f"  {name:8s} batch {batch}: {result['tokens']} tokens in {result['seconds']:.2f} s "
+          f"= {result['tokens_per_s']:.1f} tok/s  (runs: {', '.join(f'{s:.2f}' for s in result['all_seconds'])})",
+          flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# local baseline
+
+
+def bench_local(model_dir: Path, prompts: Prompts, new_tokens: int, reps: int, batches: Sequence[int]
+                ) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    pad_id = prompts.tokenizer.pad_token_id
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
+        return out[:, ids.shape[1]:]
+
+    results = []
+    for batch in batches:
+        ids, mask = prompts.batch(batch)
+        run(ids, mask, 4)  # warm-up
+        results.append(timed_runs("local", batch, lambda: run(ids, mask, new_tokens), reps, eos_ids, pad_id))
+    del model
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# swarm
+
+
+def swarm_runner(model: Any, allow_eos: bool) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    from swarmclient.generation import generate_tokens
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+        params = model.sampling_params(ids.shape[0], False, 1.0, 1.0, 0)
+        if allow_eos:
+            return model.generate_new_tokens(ids, mask, max_new_tokens=n, params=params)
+        # exactly n tokens (like HF min_new_tokens): the same decode loop with no EOS to stop on
+        with model.inference_session(batch_size=ids.shape[0], max_length=ids.shape[1] + n) as session:
+            return generate_tokens(model.head, session.step, ids, mask, max_new_tokens=n, params=params,
+                                   eos_token_ids=(), pad_token_id=model.pad_token_id)
+    return run
+
+
+def bench_swarm(name: str, model_dir: Path, spans: list[tuple[int, int]], prompts: Prompts, new_tokens: int,
+                reps: int, batches: Sequence[int], allow_eos: bool, hop_steps: int, log_root: Path | None
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    from servers.launcher import LocalSwarm
+    from swarmclient.model import DistributedModelForCausalLM
+
+    results: list[dict[str, Any]] = []
+    hops = None
+    log_dir = (log_root / name) if log_root else None
+    began = time.perf_counter()
+    with LocalSwarm(model_dir, spans, num_threads=1, pin_cpus=True, log_dir=log_dir) as swarm:
+        print(f"  {name}: {len(spans)} server(s) {spans} ready in {time.perf_counter() - began:.1f} s "
+              f"(logs {swarm.log_dir}; pids {[s.pid for s in swarm.servers]})", flush=True)
+        with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
+            run = swarm_runner(model, allow_eos)
+            # exactly-N mode counts every column (the decode loop ignored EOS, as HF min_new_tokens does)
+            eos_ids, pad_id = (model.eos_token_ids if allow_eos else set()), model.pad_token_id
+            for batch in batches:
+                ids, mask = prompts.batch(batch)
+                run(ids, mask, 4)  # warm-up (also opens the route and pings the servers)
+                results.append(timed_runs(name, batch, lambda: run(ids, mask, new_tokens), reps, eos_ids, pad_id))
+            if len(spans) > 1 and hop_steps > 0:
+                hops = measure_hops(model, model_dir, prompts, hop_steps)
+            if os.environ.get("BENCH_PAUSE"):  # for attaching a profiler: keep the swarm up
+                input(f"paused ({name}); servers {[s.pid for s in swarm.servers]}, client {os.getpid()}; Enter")
+    return results, hops
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values]
+    return {"median_ms": statistics.median(ms), "p90_ms": percentile(ms, 90), "min_ms": min(ms), "n": len(ms)}
+
+
+@torch.inference_mode()
+def measure_hops(model: Any, model_dir: Path, prompts: Prompts, steps: int) -> dict[str, Any]:
+    """Round trips of decode-sized (1x1xH) hops on the 2-server swarm; see the module docstring."""
+    from servers.block_loading import load_span
+    from swarmclient.data_structures import RouteHop
+    from swarmclient.session import ServerSession
+
+    swarm = model.swarm
+    spec = model.spec
+    ids, _ = prompts.batch(1)
+    prompt_len = ids.shape[1]
+    max_length = prompt_len + steps + 2
+
+    async def timed_step(session: ServerSession, hidden: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
+                         ) -> tuple[torch.Tensor, float]:
+        began = time.perf_counter()
+        out = await session.step(hidden, mask, pos)
+        return out, time.perf_counter() - began
+
+    # the route the client uses (one hop per server)
+    route = swarm.loop.run(swarm.route(0, spec.num_blocks))
+    results: dict[str, Any] = {"route": [f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in route]}
+
+    def hop_series(sub_hops: list[RouteHop]) -> dict[str, Any]:
+        """Open one ServerSession per hop, prefill, then time 1-token steps per hop and the local compute."""
+        spans = [load_span(spec, h.start, h.end) for h in sub_hops]
+        caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, sub_hops)]
+        sessions = [ServerSession(swarm, h, batch_size=1, max_length=max_length) for h in sub_hops]
+        for s in sessions:
+            swarm.loop.run(s.open())
+        remote: list[list[float]] = [[] for _ in sub_hops]
+        compute: list[list[float]] = [[] for _ in sub_hops]
+        try:
+            hidden = model.head.embed(ids)
+            mask = torch.ones(1, prompt_len, dtype=torch.long)
+            pos = torch.arange(prompt_len)[None]
+            for step in range(steps + 1):
+                for number, (s, span) in enumerate(zip(sessions, spans)):
+                    out, seconds = swarm.loop.run(timed_step(s, hidden, mask, pos))
+                    began = time.perf_counter()
+                    span(hidden, mask, pos, caches[number])
+                    local = time.perf_counter() - began
+                    if step > 0:  # step 0 is the prefill
+                        remote[number].append(seconds)
+                        compute[number].append(local)
+                    hidden = out
+                hidden = hidden[:, -1:, :]  # the next decode step feeds the last position (values do not matter)
+                mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
+                pos = torch.tensor([[mask.shape[1] - 1]])
+        finally:
+            for s in sessions:
+                swarm.loop.run(s.close())
+        per_hop = []
+        for h, r, c in zip(sub_hops, remote, compute):
+            overhead = [a - b for a, b in zip(r, c)]
+            per_hop.append({"hop": f"{h.start}:{h.end}@{h.peer_id[-6:]}", "round_trip": summary(r),
+                            "local_compute": summary(c), "overhead": summary(overhead)})
+        return {"hops": per_hop}
+
+    # (1) 1-block sub-span on each server: almost no compute, so round trip - compute is the hop cost
+    results["hop_1block"] = hop_series([RouteHop(h.peer_id, h.start, h.start + 1) for h in route])
+    # (2) each server's whole span (what a decode step really sends)
+    results["hop_span"] = hop_series(route)
+
+    # (3) the full chain through InferenceSession.step (called from this thread, as generate does)
+    spans = [load_span(spec, h.start, h.end) for h in route]
+    caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, route)]
+    chain, compute = [], []
+    with model.inference_session(batch_size=1, max_length=max_length) as session:
+        hidden = model.head.embed(ids)
+        mask = torch.ones(1, prompt_len, dtype=torch.long)
+        pos = torch.arange(prompt_len)[None]
+        for step in range(steps + 1):
+            began = time.perf_counter()
+            session.step(hidden, mask, pos)
+            seconds = time.perf_counter() - began
+            local = 0.0
+            h = hidden
+            for span, cache in zip(spans, caches):
+                t = time.perf_counter()
+                h = span(h, mask, pos, cache)
+                local += time.perf_counter() - t
+            if step > 0:
+                chain.append(seconds)
+                compute.append(local)
+            hidden = model.head.embed(torch.tensor([[1]]))
+            mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
+            pos = torch.tensor([[mask.shape[1] - 1]])
+    overhead = [(a - b) / len(route) for a, b in zip(chain, compute)]
+    results["chain"] = {"step": summary(chain), "local_compute": summary(compute), "overhead_per_hop": summary(overhead)}
+
+    # (4) unary info RPC
+    results["ping"] = {}
+    for h in route:
+        times = [swarm.loop.run(swarm.ping(h.peer_id)) for _ in range(50)]
+        results["ping"][h.peer_id[-6:]] = summary(times)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: dict[str, Any]) -> None:
+    local = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == "local"}
+    print()
+    print(f"model {meta['model']} ({meta['num_blocks']} blocks), {meta['new_tokens']} new tokens, greedy, "
+          f"prompt lengths {meta['prompt_lengths']}, reps {meta['reps']}, {'EOS allowed' if meta['allow_eos'] else 'exactly N tokens'}")
+    print()
+    print("| config | batch | tokens | seconds | tokens/s | ratio vs local |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = r["tokens_per_s"] / local[r["batch"]] if r["batch"] in local else float("nan")
+        r["ratio_vs_local"] = ratio
+        print(f"| {r['config']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
+              f"{ratio:.2f}x |")
+    if not hops:
+        return
+    print()
+    print(f"Per-hop round trip, 2-server swarm, batch 1, 1x1xH decode steps (route {', '.join(hops['route'])}):")
+
+    def line(label: str, s: dict[str, float]) -> str:
+        return f"- {label}: median {s['median_ms']:.2f} ms, p90 {s['p90_ms']:.2f} ms (n={s['n']})"
+
+    for key, title in (("hop_1block", "1-block sub-span session"), ("hop_span", "whole-span session")):
+        for hop in hops[key]["hops"]:
+            print(line(f"{title} {hop['hop']}: round trip", hop["round_trip"]))
+            print(line(f"{title} {hop['hop']}: local compute of the same blocks", hop["local_compute"]))
+            print(line(f"{title} {hop['hop']}: **hop cost = round trip - compute**", hop["overhead"]))
+    chain = hops["chain"]
+    print(line("full chain InferenceSession.step (2 hops)", chain["step"]))
+    print(line("full chain local compute (both spans)", chain["local_compute"]))
+    print(line("full chain (step - compute) / 2 hops", chain["overhead_per_hop"]))
+    for peer, s in hops["ping"].items():
+        print(line(f"Swarm.ping (unary info RPC) ...{peer}", s))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="'smollm2' (prepared in $SWARMBATCH_HOME/models) or a model dir")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--batches", default="1,8", help="batch sizes, comma separated (at most 8)")
+    parser.add_argument("--configs", default="local,swarm-1,swarm-2", help="which configs to run")
+    parser.add_argument("--hop-steps", type=int, default=50, help="decode steps timed for the hop round trip")
+    parser.add_argument("--allow-eos", action="store_true", help="swarm: stop at EOS (model.generate_new_tokens)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    configs = args.configs.split(",")
+
+    # SIGTERM behaves like Ctrl-C, so the LocalSwarm context managers stop every process we started
+    def on_sigterm(*_: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    model_dir = resolve_model(args.model)
+    from swarmclient.model_spec import ModelSpec
+
+    num_blocks = ModelSpec.open(model_dir).num_blocks
+    prompts = Prompts(model_dir)
+    meta = {"model": str(model_dir), "num_blocks": num_blocks, "new_tokens": args.new_tokens, "reps": args.reps,
+            "prompt_lengths": prompts.lengths(), "allow_eos": args.allow_eos, "torch_threads": torch.get_num_threads(),
+            "cpus": os.cpu_count()}
+    print(f"model {model_dir}: {num_blocks} blocks; prompt lengths {meta['prompt_lengths']}; "
+          f"torch threads {torch.get_num_threads()}", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    hops = None
+    try:
+        if "local" in configs:
+            rows += bench_local(model_dir, prompts, args.new_tokens, args.reps, batches)
+        if "swarm-1" in configs:
+            got, _ = bench_swarm("swarm-1", model_dir, [(0, num_blocks)], prompts, args.new_tokens, args.reps,
+                                 batches, args.allow_eos, 0, args.log_dir)
+            rows += got
+        if "swarm-2" in configs:
+            half = num_blocks // 2
+            got, hops = bench_swarm("swarm-2", model_dir, [(0, half), (half, num_blocks)], prompts, args.new_tokens,
+                                    args.reps, batches, args.allow_eos, args.hop_steps, args.log_dir)
+            rows += got
+    except KeyboardInterrupt:
+        print("interrupted; every process started here has been stopped", file=sys.stderr)
+        return 130
+    print_report(rows, hops, meta)
+    if args.out:
+        args.out.write_text(json.dumps({"meta": meta, "results": rows, "hop_rtt": hops}, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

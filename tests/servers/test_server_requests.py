@@ -1,0 +1,149 @@
+"""A real server validates every request before compute, answers bad ones with an error, and keeps serving."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from servers.block_loading import load_span
+from servers.launcher import LocalSwarm
+from swarmclient import protocol
+from swarmclient.data_structures import RouteHop
+from swarmclient.errors import InvalidRequest, PeerFailed
+from swarmclient.model_spec import ModelSpec
+from swarmclient.session import ServerSession
+from swarmclient.swarm import Swarm
+
+MAX_BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def server_and_client(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm]]:
+    spec = ModelSpec.open(tiny_model)
+    with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("server")) as swarm:
+        swarm.start_server(0, 6, extra_args=["--max-batch-size", str(MAX_BATCH), "--attn-cache-tokens", "64"])
+        swarm.start_server(0, 6, extra_args=["--quant", "int8"])
+        swarm.start_server(0, 6, extra_args=["--dtype", "bfloat16"])
+        client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
+        try:
+            yield swarm, client
+        finally:
+            client.close()
+
+
+def forward(client: Swarm, peer_id: str, tensors: list[torch.Tensor], meta: dict) -> tuple[list[torch.Tensor], dict]:
+    request = protocol.make_request(tensors, meta)
+    response = client.loop.run(client.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), protocol.RPC_FORWARD,
+                                                                request, runtime_pb2.ExpertResponse))
+    return protocol.read_message(response)
+
+
+def good_inputs(hidden_size: int, batch: int = 1, length: int = 4) -> list[torch.Tensor]:
+    hidden = torch.randn(batch, length, hidden_size, generator=torch.Generator().manual_seed(0))
+    return [hidden, torch.ones(batch, length, dtype=torch.long), torch.arange(length).expand(batch, length)]
+
+
+def test_a_remote_forward_equals_the_same_blocks_run_locally(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    spec = ModelSpec.open(tiny_model)
+    inputs = good_inputs(spec.hidden_size)
+    (remote,), meta = forward(client, swarm.servers[0].peer_id, inputs, {"start": 1, "end": 5})
+    assert protocol.response_error(meta) is None
+    assert torch.equal(remote, load_span(spec, 1, 5)(*inputs))
+
+
+@pytest.mark.parametrize("case, tensors, meta, message", [
+    ("wrong hidden size", lambda h: [torch.zeros(1, 4, h + 1), torch.ones(1, 4, dtype=torch.long),
+                                     torch.arange(4)[None]], {"start": 0, "end": 6}, "hidden states must be"),
+    ("wrong dtype", lambda h: [torch.zeros(1, 4, h, dtype=torch.int64), torch.ones(1, 4, dtype=torch.long),
+                               torch.arange(4)[None]], {"start": 0, "end": 6}, "float32"),
+    ("too many tokens", lambda h: [torch.zeros(1, 4096, h), torch.ones(1, 4096, dtype=torch.long),
+                                   torch.arange(4096)[None]], {"start": 0, "end": 6}, "too many tokens"),
+    ("batch over the limit", lambda h: good_inputs(h, batch=MAX_BATCH + 1), {"start": 0, "end": 6}, "batch size"),
+    ("blocks outside the span", lambda h: good_inputs(h), {"start": 0, "end": 7}, "'end'"),
+    ("a missing tensor", lambda h: good_inputs(h)[:2], {"start": 0, "end": 6}, "expected 3 tensors"),
+])
+def test_a_malformed_forward_gets_an_error_and_the_next_good_one_is_served(
+        tiny_model: Path, server_and_client, case: str, tensors, meta: dict, message: str) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    peer = swarm.servers[0].peer_id
+    _, error_meta = forward(client, peer, tensors(hidden_size), meta)
+    code, text = protocol.response_error(error_meta) or (None, "")
+    assert code == protocol.ErrorCode.INVALID and message in text, case
+    (output,), ok_meta = forward(client, peer, good_inputs(hidden_size), {"start": 0, "end": 6})
+    assert protocol.response_error(ok_meta) is None and output.shape == (1, 4, hidden_size)
+
+
+def open_session(client: Swarm, peer_id: str, *, batch_size: int = 1, max_length: int = 16) -> ServerSession:
+    session = ServerSession(client, RouteHop(peer_id, 0, 6), batch_size=batch_size, max_length=max_length)
+    return client.loop.run(session.open())
+
+
+def step(client: Swarm, session: ServerSession, inputs: list[torch.Tensor]) -> torch.Tensor:
+    return client.loop.run(session.step(*inputs))
+
+
+def test_a_step_for_an_unknown_session_is_refused_and_the_session_goes_on(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    session = open_session(client, swarm.servers[0].peer_id)
+    step(client, session, good_inputs(hidden_size, length=3))
+    real_id, session.session_id = session.session_id, "not-this-session"
+    with pytest.raises(InvalidRequest, match="unknown_session"):
+        step(client, session, good_inputs(hidden_size, length=1))
+    session.session_id = real_id
+    hidden, _, _ = good_inputs(hidden_size, length=1)
+    output = step(client, session, [hidden, torch.ones(1, 4, dtype=torch.long), torch.tensor([[3]])])
+    assert output.shape == (1, 1, hidden_size)
+    client.loop.run(session.close())
+
+
+def test_a_session_step_past_its_length_is_refused(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    session = open_session(client, swarm.servers[0].peer_id, max_length=4)
+    with pytest.raises(InvalidRequest, match="too many tokens"):
+        step(client, session, good_inputs(hidden_size, length=5))
+    assert step(client, session, good_inputs(hidden_size, length=4)).shape == (1, 4, hidden_size)
+    client.loop.run(session.close())
+
+
+def test_a_session_that_does_not_fit_the_cache_is_refused_as_retryable(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    session = open_session(client, swarm.servers[0].peer_id, batch_size=2, max_length=64)  # 128 > 64 tokens
+    with pytest.raises(PeerFailed, match="cache_full"):
+        step(client, session, good_inputs(hidden_size, batch=2))
+    client.loop.run(session.close())
+
+
+def test_an_int8_server_stays_close_to_float32(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    spec = ModelSpec.open(tiny_model)
+    inputs = good_inputs(spec.hidden_size)
+    (exact,), _ = forward(client, swarm.servers[0].peer_id, inputs, {"start": 0, "end": 6})
+    (int8,), meta = forward(client, swarm.servers[1].peer_id, inputs, {"start": 0, "end": 6})
+    assert protocol.response_error(meta) is None
+    assert (int8 - exact).norm() / exact.norm() < 0.1
+
+
+def test_a_bfloat16_server_serves_float32_hidden_states(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    spec = ModelSpec.open(tiny_model)
+    inputs = good_inputs(spec.hidden_size)
+    (exact,), _ = forward(client, swarm.servers[0].peer_id, inputs, {"start": 0, "end": 6})
+    (half,), meta = forward(client, swarm.servers[2].peer_id, inputs, {"start": 0, "end": 6})
+    assert protocol.response_error(meta) is None and half.dtype == torch.float32
+    assert (half - exact).norm() / exact.norm() < 0.05
+
+
+def test_info_reports_the_servers_announcement(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    info = client.loop.run(client.call_info(swarm.servers[1].peer_id))
+    assert info["start"] == 0 and info["end"] == 6 and info["quant"] == "int8" and info["state"] == "online"
+    assert info["model_id"] == ModelSpec.open(tiny_model).model_id

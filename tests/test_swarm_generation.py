@@ -1,0 +1,129 @@
+"""Generation through real block-server processes on 127.0.0.1 equals transformers' generate."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from servers.launcher import LocalSwarm
+from swarmclient.config import ClientConfig
+from swarmclient.errors import DHTUnreachable, MissingBlocksError
+from swarmclient.generation import generate_tokens
+from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.textgen import load_tokenizer
+
+PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and then", "one two three"]
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "Summarize in one sentence: The bakery on Main Street has been open for fifty years. It is famous "
+                "for its sourdough bread and cinnamon rolls. The owners plan to retire next spring.",
+                "List three uses of a paperclip, briefly."]
+
+
+def reference_tokens(model_dir: Path, batch: dict, max_new_tokens: int) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+@pytest.fixture(scope="module")
+def tiny_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    """Two servers splitting the tiny model's 6 blocks at 3."""
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("tiny-swarm"),
+                    server_args=["--max-batch-size", "4"]) as swarm:
+        yield swarm
+
+
+def test_greedy_generation_through_two_servers_equals_transformers(tiny_model: Path, tiny_swarm: LocalSwarm) -> None:
+    batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
+    expected = reference_tokens(tiny_model, batch, 32)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=tiny_swarm.initial_peers) as model:
+        got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=32)
+    assert torch.equal(got[:, batch.input_ids.shape[1]:], expected)
+
+
+def test_sampling_through_the_swarm_is_reproducible_for_a_seed(tiny_model: Path, tiny_swarm: LocalSwarm) -> None:
+    batch = load_tokenizer(tiny_model)(PROMPTS[:2], return_tensors="pt", padding=True)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=tiny_swarm.initial_peers) as model:
+        runs = [model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=16, do_sample=True,
+                               temperature=1.0, top_p=0.95, seed=seed) for seed in (5, 5, 6)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+@pytest.mark.slow
+def test_smollm2_through_two_servers_equals_transformers(smollm2_model: Path, local_swarm) -> None:
+    tokenizer = load_tokenizer(smollm2_model)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in CHAT_PROMPTS]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert len(set(batch.attention_mask.sum(1).tolist())) == 4, "prompts of different lengths"
+    expected = reference_tokens(smollm2_model, batch, 32)
+    swarm = local_swarm(smollm2_model, [(0, 15), (15, 30)])
+    with DistributedModelForCausalLM.from_pretrained(smollm2_model, initial_peers=swarm.initial_peers) as model:
+        got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=32)
+    assert torch.equal(got[:, batch.input_ids.shape[1]:], expected)
+
+
+def test_killing_the_server_in_use_mid_generation_changes_no_token(tiny_model: Path, local_swarm) -> None:
+    # Given three servers: one with all blocks, two with halves
+    swarm = local_swarm(tiny_model, [(0, 6), (0, 3), (3, 6)])
+    by_peer = {server.peer_id: server for server in swarm.servers}
+    batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
+    expected = reference_tokens(tiny_model, batch, 32)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        session = model.inference_session(batch_size=4, max_length=batch.input_ids.shape[1] + 32)
+        stamps: list[float] = []
+        killed: dict[str, float] = {}
+
+        def on_token(_: torch.Tensor) -> None:
+            stamps.append(time.perf_counter())
+            if len(stamps) == 12:  # When the server of the first hop is killed -9 mid-generation
+                victim = session.route[0].peer_id
+                by_peer[victim].kill()
+                killed[victim] = time.perf_counter()
+
+        with session:
+            params = model.sampling_params(4, False, 1.0, 1.0, 0)
+            got = generate_tokens(model.head, session.step, batch.input_ids, batch.attention_mask, max_new_tokens=32,
+                                  params=params, eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id,
+                                  on_token=on_token)
+            route_after = session.route
+    # Then the generation completes with the same tokens, on other servers, after a short stall
+    assert killed and torch.equal(got, expected)
+    assert session.failovers >= 1
+    assert all(hop.peer_id not in killed for hop in route_after)
+    stall = stamps[12] - stamps[11]
+    print(f"\nfailover stall after kill -9: {stall:.2f} s (normal step {stamps[11] - stamps[10]:.3f} s)")
+    assert stall < 5.0
+
+
+def test_a_server_without_cache_room_is_routed_around(tiny_model: Path, local_swarm) -> None:
+    swarm = local_swarm(tiny_model, [])
+    swarm.start_server(0, 6, extra_args=["--attn-cache-tokens", "4"])   # far too small for any session
+    swarm.start_server(0, 3)
+    swarm.start_server(3, 6)
+    batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
+    expected = reference_tokens(tiny_model, batch, 8)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=8)
+    assert torch.equal(got[:, batch.input_ids.shape[1]:], expected)
+
+
+def test_missing_blocks_are_named_in_one_error(tiny_model: Path, local_swarm) -> None:
+    swarm = local_swarm(tiny_model, [(0, 4)])
+    config = ClientConfig(max_retries=2, min_backoff=0.01)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=config) as model:
+        with pytest.raises(MissingBlocksError, match=r"blocks 4:6 .*swarmbatch serve"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
+
+
+def test_an_unreachable_dht_is_one_clear_error(tiny_model: Path) -> None:
+    dead_peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
+    with pytest.raises(DHTUnreachable, match="swarmbatch dht"):
+        DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=[dead_peer])
