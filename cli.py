@@ -222,7 +222,7 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
 @app.command("demo")
 def demo() -> None:
     """The main job, embedded: a local DHT and two block servers, SmolLM2 generating summaries."""
-    from swarmclient.demo import run_demo
+    from jobs.demo import run_demo
 
     guarded(lambda: run_demo(echo=typer.echo))
 

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then run the main job: `swarmbatch demo` (embedded: local DHT + two block servers + SmolLM2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/swarmbatch demo "$@"

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install swarmbatch with its test extras. torch goes first, alone, as the CPU build
+# (`torch==2.13.0` is the CPU wheel on this machine's index); the project's range then keeps pip from
+# replacing it with a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[test]"

@@ -1,0 +1,115 @@
+"""The CLI through typer's runner: JSON shapes, one-line errors and documented exit codes."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import cli
+from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+from swarmclient.textgen import load_tokenizer
+
+runner = CliRunner()
+DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
+ANNOUNCE_PERIOD = 3.0
+
+
+@pytest.fixture(scope="module")
+def cli_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("cli-swarm"),
+                    server_args=["--announce-period", str(ANNOUNCE_PERIOD)]) as swarm:
+        yield swarm
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(cli.app, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_every_command_has_help() -> None:
+    for command in (["model", "prepare"], ["model", "tiny"], ["dht"], ["serve"], ["swarm", "status"],
+                    ["generate"], ["demo"]):
+        code, out, _ = invoke(*command, "--help")
+        assert code == 0 and "Usage" in out, command
+
+
+def test_model_tiny_writes_a_loadable_model(tmp_path: Path) -> None:
+    code, out, _ = invoke("model", "tiny", str(tmp_path / "m"), "--layers", "2", "--arch", "qwen2")
+    assert code == 0 and Path(out.strip()) == tmp_path / "m"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.num_hidden_layers == 2
+
+
+def test_model_prepare_of_a_non_model_is_a_usage_error(tmp_path: Path) -> None:
+    code, _, err = invoke("model", "prepare", str(tmp_path / "nothing-here"))
+    assert code == cli.EXIT_USAGE and err.startswith("Error: ModelPrepError:") and len(err.strip().splitlines()) == 1
+
+
+def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
+    code, out, err = invoke("generate", str(tiny_model), "Hello world", "The quick brown fox", "--max-new-tokens", "12",
+                            "--json", "--initial-peers", *cli_swarm.initial_peers)
+    assert code == 0, err
+    outputs = json.loads(out)["outputs"]
+    assert [o["prompt"] for o in outputs] == ["Hello world", "The quick brown fox"]
+    tokenizer = load_tokenizer(tiny_model)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for item in outputs:
+        encoded = tokenizer(item["prompt"], return_tensors="pt")
+        with torch.inference_mode():
+            expected = reference.generate(**encoded, max_new_tokens=12, do_sample=False)[0, encoded.input_ids.shape[1]:]
+        assert item["token_ids"] == expected.tolist()[: len(item["token_ids"])]
+        assert item["text"] == tokenizer.decode(item["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_with_an_unreachable_dht_exits_4_with_one_line(tiny_model: Path) -> None:
+    code, _, err = invoke("generate", str(tiny_model), "hi", "--initial-peers", DEAD_PEER)
+    assert code == cli.EXIT_SWARM_UNAVAILABLE
+    assert err.startswith("Error: DHTUnreachable:") and len(err.strip().splitlines()) == 1
+
+
+def test_serve_rejects_a_malformed_block_range(tiny_model: Path) -> None:
+    code, _, err = invoke("serve", str(tiny_model), "--blocks", "3-5", "--initial-peers", DEAD_PEER)
+    assert code == cli.EXIT_USAGE and "START:END" in err
+
+
+def test_serve_needs_exactly_one_span_option(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
+    code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *cli_swarm.initial_peers)
+    assert code == cli.EXIT_USAGE and "--blocks" in err and "--num-blocks" in err
+
+
+def test_a_server_with_num_blocks_fills_the_least_covered_span(tiny_model: Path, local_swarm) -> None:
+    swarm = local_swarm(tiny_model, [(0, 3)])
+    chooser = ManagedProcess(cli_command("serve", str(tiny_model), "--num-blocks", "3", "--num-threads", "1",
+                                         "--initial-peers", *swarm.initial_peers), name="chooser", log_dir=swarm.log_dir)
+    try:
+        line = chooser.wait_for_line("Serving blocks", timeout=120)
+    finally:
+        chooser.terminate()
+    assert line.startswith("Serving blocks 3:6 ")
+
+
+def test_swarm_status_shows_a_leaving_server_as_missing_within_one_announce_period(
+        tiny_model: Path, local_swarm) -> None:
+    swarm = local_swarm(tiny_model, [(0, 3), (3, 6)], server_args=["--announce-period", str(ANNOUNCE_PERIOD)])
+    code, out, _ = invoke("swarm", "status", str(tiny_model), "--json", "--initial-peers", *swarm.initial_peers)
+    report = json.loads(out)
+    assert code == 0 and report["complete"] and report["missing"] == []
+    assert all(len(block["servers"]) == 1 for block in report["blocks"])
+    # When the second server leaves
+    swarm.servers[1].terminate()
+    left_at = time.monotonic()
+    while True:
+        report = json.loads(invoke("swarm", "status", str(tiny_model), "--json", "--initial-peers",
+                                   *swarm.initial_peers)[1])
+        if report["missing"] or time.monotonic() - left_at > ANNOUNCE_PERIOD:
+            break
+    # Then its blocks show as missing within one announce period
+    assert report["missing"] == [[3, 6]] and not report["complete"]
+    assert {s["state"] for s in report["blocks"][4]["servers"]} <= {"offline"}
+    code, text, _ = invoke("swarm", "status", str(tiny_model), "--initial-peers", *swarm.initial_peers)
+    assert "Missing blocks 3:6" in text
