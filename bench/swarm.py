@@ -6,7 +6,9 @@ What it measures (one run, same prompts, greedy, exactly N new tokens per row):
   local     transformers AutoModelForCausalLM.generate, min_new_tokens=N, 1 torch thread in this process
   swarm-1   LocalSwarm with one server holding all blocks (pinned to one core, 1 thread)
   swarm-2   LocalSwarm with two servers holding halves (each pinned to its own core, 1 thread)
-The swarm client runs in this process with 1 torch thread too. To force exactly N tokens on the swarm (what
+The swarm client runs in this process with 1 torch thread too. All three configs are started up front and their
+timed runs interleaved rep by rep (local b1, swarm-1 b1, swarm-2 b1, then b8, ...), so noise from other work on
+the machine hits them alike; each row is the median of --reps runs, after a short warm-up generation. To force exactly N tokens on the swarm (what
 min_new_tokens does for HF) it runs the client's own decode loop (`swarmclient.generation.generate_tokens`)
 over `model.inference_session` with no EOS ids; `--allow-eos` uses `model.generate_new_tokens` instead (may
 stop early). Tokens are counted the same way for every config: non-pad tokens up to and including EOS.
@@ -36,6 +38,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
+from contextlib import ExitStack  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -123,30 +126,42 @@ class Prompts:
         return [int(m.sum()) for m in self.batch(len(self.texts))[1]]
 
 
-def timed_runs(name: str, batch: int, run: Callable[[], torch.Tensor], reps: int, eos_ids: set[int],
-               pad_id: int) -> dict[str, Any]:
-    """`reps` timed runs of `run` (which returns new tokens [B, N]); the median run is the result."""
-    runs = []
-    for _ in range(reps):
+RunFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""(input_ids, attention_mask, n) -> the new tokens [B, n]."""
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Config:
+    """One configuration under test: a generate function and how to count its tokens."""
+
+    def __init__(self, name: str, run: RunFn, eos_ids: set[int], pad_id: int) -> None:
+        self.name, self.run, self.eos_ids, self.pad_id = name, run, eos_ids, pad_id
+        self.runs: dict[int, list[dict[str, Any]]] = {}
+
+    def timed(self, batch: int, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
         began = time.perf_counter()
-        new = run()
+        new = self.run(ids, mask, new_tokens)
         seconds = time.perf_counter() - began
-        runs.append({"seconds": seconds, "tokens": count_new_tokens(new, eos_ids, pad_id), "steps": new.shape[1]})
-    median = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
-    result = {"config": name, "batch": batch, **median, "tokens_per_s": median["tokens"] / median["seconds"],
-              "all_seconds": [r["seconds"] for r in runs]}
-    print(f"  {name:8s} batch {batch}: {result['tokens']} tokens in {result['seconds']:.2f} s "
-          f"= {result['tokens_per_s']:.1f} tok/s  (runs: {', '.join(f'{s:.2f}' for s in result['all_seconds'])})",
-          flush=True)
-    return result
+        tokens = count_new_tokens(new, self.eos_ids, self.pad_id)
+        self.runs.setdefault(batch, []).append({"seconds": seconds, "tokens": tokens, "steps": new.shape[1]})
+        log(f"  {self.name:8s} batch {batch}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
+
+    def result(self, batch: int) -> dict[str, Any]:
+        """The median run (by wall time) of this batch size."""
+        runs = self.runs[batch]
+        median = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
+        return {"config": self.name, "batch": batch, **median, "tokens_per_s": median["tokens"] / median["seconds"],
+                "all_seconds": [round(r["seconds"], 3) for r in runs]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # local baseline
 
 
-def bench_local(model_dir: Path, prompts: Prompts, new_tokens: int, reps: int, batches: Sequence[int]
-                ) -> list[dict[str, Any]]:
+def local_config(model_dir: Path, prompts: Prompts) -> Config:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -160,20 +175,14 @@ def bench_local(model_dir: Path, prompts: Prompts, new_tokens: int, reps: int, b
                                  do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
         return out[:, ids.shape[1]:]
 
-    results = []
-    for batch in batches:
-        ids, mask = prompts.batch(batch)
-        run(ids, mask, 4)  # warm-up
-        results.append(timed_runs("local", batch, lambda: run(ids, mask, new_tokens), reps, eos_ids, pad_id))
-    del model
-    return results
+    return Config("local", run, eos_ids, pad_id)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # swarm
 
 
-def swarm_runner(model: Any, allow_eos: bool) -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+def swarm_runner(model: Any, allow_eos: bool) -> RunFn:
     from swarmclient.generation import generate_tokens
 
     def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -187,32 +196,22 @@ def swarm_runner(model: Any, allow_eos: bool) -> Callable[[torch.Tensor, torch.T
     return run
 
 
-def bench_swarm(name: str, model_dir: Path, spans: list[tuple[int, int]], prompts: Prompts, new_tokens: int,
-                reps: int, batches: Sequence[int], allow_eos: bool, hop_steps: int, log_root: Path | None
-                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def start_swarm(stack: ExitStack, name: str, model_dir: Path, spans: list[tuple[int, int]], allow_eos: bool,
+                log_root: Path | None) -> tuple[Config, Any]:
+    """A LocalSwarm (stopped by `stack`, also on Ctrl-C) and a client connected to it."""
     from servers.launcher import LocalSwarm
     from swarmclient.model import DistributedModelForCausalLM
 
-    results: list[dict[str, Any]] = []
-    hops = None
-    log_dir = (log_root / name) if log_root else None
     began = time.perf_counter()
-    with LocalSwarm(model_dir, spans, num_threads=1, pin_cpus=True, log_dir=log_dir) as swarm:
-        print(f"  {name}: {len(spans)} server(s) {spans} ready in {time.perf_counter() - began:.1f} s "
-              f"(logs {swarm.log_dir}; pids {[s.pid for s in swarm.servers]})", flush=True)
-        with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
-            run = swarm_runner(model, allow_eos)
-            # exactly-N mode counts every column (the decode loop ignored EOS, as HF min_new_tokens does)
-            eos_ids, pad_id = (model.eos_token_ids if allow_eos else set()), model.pad_token_id
-            for batch in batches:
-                ids, mask = prompts.batch(batch)
-                run(ids, mask, 4)  # warm-up (also opens the route and pings the servers)
-                results.append(timed_runs(name, batch, lambda: run(ids, mask, new_tokens), reps, eos_ids, pad_id))
-            if len(spans) > 1 and hop_steps > 0:
-                hops = measure_hops(model, model_dir, prompts, hop_steps)
-            if os.environ.get("BENCH_PAUSE"):  # for attaching a profiler: keep the swarm up
-                input(f"paused ({name}); servers {[s.pid for s in swarm.servers]}, client {os.getpid()}; Enter")
-    return results, hops
+    swarm = stack.enter_context(LocalSwarm(model_dir, spans, num_threads=1, pin_cpus=True,
+                                           log_dir=(log_root / name) if log_root else None))
+    log(f"{name}: {len(spans)} server(s) {spans} ready in {time.perf_counter() - began:.1f} s "
+        f"(logs {swarm.log_dir}; pids {[s.pid for s in swarm.servers]})")
+    model = stack.enter_context(DistributedModelForCausalLM.from_pretrained(model_dir,
+                                                                            initial_peers=swarm.initial_peers))
+    # exactly-N mode counts every column (the decode loop ignored EOS, as HF min_new_tokens does)
+    eos_ids = model.eos_token_ids if allow_eos else set()
+    return Config(name, swarm_runner(model, allow_eos), eos_ids, model.pad_token_id), model
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
@@ -385,26 +384,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"model": str(model_dir), "num_blocks": num_blocks, "new_tokens": args.new_tokens, "reps": args.reps,
             "prompt_lengths": prompts.lengths(), "allow_eos": args.allow_eos, "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count()}
-    print(f"model {model_dir}: {num_blocks} blocks; prompt lengths {meta['prompt_lengths']}; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    log(f"model {model_dir}: {num_blocks} blocks; prompt lengths {meta['prompt_lengths']}; "
+        f"torch threads {torch.get_num_threads()}")
 
-    rows: list[dict[str, Any]] = []
+    configs_run: list[Config] = []
     hops = None
     try:
-        if "local" in configs:
-            rows += bench_local(model_dir, prompts, args.new_tokens, args.reps, batches)
-        if "swarm-1" in configs:
-            got, _ = bench_swarm("swarm-1", model_dir, [(0, num_blocks)], prompts, args.new_tokens, args.reps,
-                                 batches, args.allow_eos, 0, args.log_dir)
-            rows += got
-        if "swarm-2" in configs:
-            half = num_blocks // 2
-            got, hops = bench_swarm("swarm-2", model_dir, [(0, half), (half, num_blocks)], prompts, args.new_tokens,
-                                    args.reps, batches, args.allow_eos, args.hop_steps, args.log_dir)
-            rows += got
+        with ExitStack() as stack:
+            # every configuration stays up at once and the timed runs are interleaved (rep by rep), so a
+            # disturbance from other work on the machine hits all of them alike; the median run is reported
+            if "local" in configs:
+                configs_run.append(local_config(model_dir, prompts))
+            two_servers = None
+            if "swarm-1" in configs:
+                configs_run.append(start_swarm(stack, "swarm-1", model_dir, [(0, num_blocks)], args.allow_eos,
+                                               args.log_dir)[0])
+            if "swarm-2" in configs:
+                half = num_blocks // 2
+                config, two_servers = start_swarm(stack, "swarm-2", model_dir, [(0, half), (half, num_blocks)],
+                                                  args.allow_eos, args.log_dir)
+                configs_run.append(config)
+            for config in configs_run:  # warm-up: a short generation per batch size
+                for batch in batches:
+                    config.run(*prompts.batch(batch), 4)
+            log(f"warm-up done; timing {args.reps} rep(s) of {[c.name for c in configs_run]} x batch {batches}")
+            for _ in range(args.reps):
+                for batch in batches:
+                    ids, mask = prompts.batch(batch)
+                    for config in configs_run:
+                        config.timed(batch, ids, mask, args.new_tokens)
+            if two_servers is not None and args.hop_steps > 0:
+                log("measuring the per-hop round trip on swarm-2")
+                hops = measure_hops(two_servers, model_dir, prompts, args.hop_steps)
+            if os.environ.get("BENCH_PAUSE"):  # for attaching a profiler: keep the swarms up
+                input(f"paused; client pid {os.getpid()}; press Enter to stop")
+            log("stopping the swarms")
     except KeyboardInterrupt:
         print("interrupted; every process started here has been stopped", file=sys.stderr)
         return 130
+    rows = [config.result(batch) for batch in batches for config in configs_run]
     print_report(rows, hops, meta)
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "results": rows, "hop_rtt": hops}, indent=2))

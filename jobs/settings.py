@@ -28,6 +28,28 @@ class Settings(BaseSettings):
             return [p for p in value.replace(",", " ").split() if p]
         return value
 
+    checkpoint_every: int = Field(default=8, ge=1, description="commit generated tokens every K tokens")
+    worker_batch_size: int = Field(default=8, ge=1, description="requests a worker generates together")
+    lease_seconds: float = Field(default=60.0, gt=0, description="a claim expires unless renewed this often")
+    max_attempts: int = Field(default=5, ge=1, description="claims of one request before it fails")
+    max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens a request may ask")
+    max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1, description="largest accepted input file")
+    max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")
+    worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")
+    sweep_interval: float = Field(default=10.0, gt=0, description="seconds between sweeps for lost work")
+    api_url: str | None = Field(default=None, description="talk to this REST API instead of the store")
+    api_key: str | None = None
+
+    @property
+    def resolved_database_url(self) -> str:
+        """SWARMBATCH_DATABASE_URL, or SQLite under SWARMBATCH_HOME."""
+        return self.database_url or f"sqlite:///{self.home / 'swarmbatch.sqlite'}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        """SWARMBATCH_BROKER_URL, or the embedded SQLite broker under SWARMBATCH_HOME."""
+        return self.broker_url or f"sqla+sqlite:///{self.home / 'broker.sqlite'}"
+
     @property
     def models_dir(self) -> Path:
         """Where prepared models are cached."""

@@ -5,7 +5,7 @@ emit the pad token), so greedy output through the swarm equals `generate` token 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -22,6 +22,10 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
+TokenHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+"""(step index, new token column [B]) -> optional bool mask [B] of rows that must stop now (e.g. a stop string)."""
+
+
 @torch.inference_mode()
 def generate_tokens(
     head: ClientHead,
@@ -29,33 +33,42 @@ def generate_tokens(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     params: list[SamplingParams],
     eos_token_ids: Collection[int],
     pad_token_id: int,
-    on_token: Callable[[torch.Tensor], None] | None = None,
+    on_token: TokenHook | None = None,
 ) -> torch.Tensor:
-    """New tokens [B, N] (N <= max_new_tokens; stops when every row has hit EOS); `on_token` sees each column."""
+    """New tokens [B, N]: N is at most the largest limit, and the loop stops once every row is finished.
+
+    A row finishes at EOS, at its own `max_new_tokens` limit, or when `on_token` says so; after that it
+    emits the pad token.
+    """
+    batch = input_ids.shape[0]
+    limits = torch.tensor([max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens))
     mask = attention_mask.long()
     positions = prefill_positions(mask)
     real_lengths = mask.sum(-1)
-    hidden = step(head.embed(input_ids), mask, positions)
     eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long)
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool)
+    unfinished = limits > 0
     columns: list[torch.Tensor] = []
-    for index in range(max_new_tokens):
+    hidden = step(head.embed(input_ids), mask, positions) if unfinished.any() else None
+    for index in range(int(limits.max()) if batch else 0):
+        assert hidden is not None
         logits = head.logits(hidden[:, -1:, :])[:, -1, :]
         token = sample_next(logits, params, (real_lengths + index).tolist())
         token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
         columns.append(token)
+        unfinished &= ~torch.isin(token, eos) & (limits > index + 1)
         if on_token is not None:
-            on_token(token)
-        unfinished &= ~torch.isin(token, eos)
-        if not unfinished.any() or index == max_new_tokens - 1:
+            stop = on_token(index, token)
+            if stop is not None:
+                unfinished &= ~stop
+        if not unfinished.any():
             break
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
         positions = positions[:, -1:] + 1
         hidden = step(head.embed(token[:, None]), mask, positions)
     if not columns:
-        return input_ids.new_zeros(input_ids.shape[0], 0)
+        return input_ids.new_zeros(batch, 0)
     return torch.stack(columns, dim=1)

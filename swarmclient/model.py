@@ -9,7 +9,7 @@ import torch
 
 from swarmclient.config import ClientConfig
 from swarmclient.errors import InvalidRequest
-from swarmclient.generation import generate_tokens
+from swarmclient.generation import TokenHook, generate_tokens
 from swarmclient.head import ClientHead
 from swarmclient.model_spec import ModelSpec
 from swarmclient.network import NetworkOptions
@@ -75,10 +75,11 @@ class DistributedModelForCausalLM:
                                                                    top_p, seed))
         return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
 
-    def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                            params: list[SamplingParams], on_token: Any = None) -> torch.Tensor:
-        """Only the new tokens [B, N], with per-row sampling parameters."""
-        total = input_ids.shape[1] + max_new_tokens
+    def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                            max_new_tokens: int | Sequence[int], params: list[SamplingParams],
+                            on_token: TokenHook | None = None) -> torch.Tensor:
+        """Only the new tokens [B, N], with per-row sampling parameters and limits (see generate_tokens)."""
+        total = input_ids.shape[1] + (max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens, default=0))
         if total > self.spec.max_length:
             raise InvalidRequest(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
                                  f"model's context of {self.spec.max_length} tokens")

@@ -7,6 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,76 @@ def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
     yield start
     for swarm in started:
         swarm.stop()
+
+
+# ---- stores: real PostgreSQL and Redis (skip on a laptop without them, fail in CI) --------------------------------
+PG_ADMIN_URL = os.environ.get("SWARMBATCH_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("SWARMBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def _service_missing(what: str, error: Exception) -> None:
+    message = f"{what} is not reachable ({error}); CI starts it in .ci/run"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test (dropped afterwards)."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"sbtest_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as e:  # noqa: BLE001 - any connection failure means the service is missing
+        admin.dispose()
+        _service_missing("PostgreSQL", e)
+    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A real Redis database, flushed before and after the test (we like our hygiene)."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.flushdb()
+    except Exception as e:  # noqa: BLE001
+        _service_missing("Redis", e)
+    yield REDIS_URL
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def make_runtime(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Build a migrated jobs Runtime: SQLite (embedded) or a given database URL, embedded or Redis broker."""
+    from jobs.migrate import upgrade
+    from jobs.runtime import Runtime, set_runtime
+    from jobs.settings import Settings
+
+    built: list[Any] = []
+
+    def make(*, database_url: str | None = None, broker_url: str | None = None, **settings: Any) -> Any:
+        home = tmp_path / f"home{len(built)}"
+        config = Settings(home=home, database_url=database_url, broker_url=broker_url, **settings)
+        home.mkdir(parents=True, exist_ok=True)
+        upgrade(config.resolved_database_url)
+        runtime = Runtime(config)
+        built.append(runtime)
+        set_runtime(runtime)
+        return runtime
+
+    yield make
+    for runtime in built:
+        runtime.close()
+    set_runtime(None)

@@ -80,7 +80,7 @@ def test_killing_the_server_in_use_mid_generation_changes_no_token(tiny_model: P
         stamps: list[float] = []
         killed: dict[str, float] = {}
 
-        def on_token(_: torch.Tensor) -> None:
+        def on_token(index: int, _: torch.Tensor) -> None:
             stamps.append(time.perf_counter())
             if len(stamps) == 12:  # When the server of the first hop is killed -9 mid-generation
                 victim = session.route[0].peer_id

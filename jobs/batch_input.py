@@ -1,0 +1,393 @@
+"""Parse and validate an OpenAI-batch-format JSONL input file, line by line, into requests ready to store.
+
+Each non-empty line is `{"custom_id", "method": "POST", "url", "body"}`. A bad line becomes a `LineError`
+with a stable code; good lines go on. Codes: invalid_json, missing_custom_id, invalid_custom_id,
+duplicate_custom_id, invalid_method, invalid_url, invalid_body, model_mismatch, missing_prompt,
+missing_messages, invalid_messages, chat_template_missing, invalid_parameter, max_tokens_too_large,
+context_length_exceeded.
+
+Defaults of omitted (or null) body parameters: max_tokens 256 (lowered to the cap and to what the model's
+context leaves after the prompt), temperature 0.0 (greedy decoding, unlike OpenAI's 1.0), top_p 1.0,
+seed 0, stop []. `max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
+Unknown body keys are ignored and kept in the stored body.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+COMPLETIONS_URL = "/v1/completions"
+CHAT_URL = "/v1/chat/completions"
+URLS = (COMPLETIONS_URL, CHAT_URL)
+ROLES = ("system", "user", "assistant")
+DEFAULT_MAX_TOKENS = 256
+MAX_STOP_SEQUENCES = 4
+SEED_LIMIT = 2**63
+MAX_CUSTOM_ID_CHARS = 500  # jobs.models.Request.custom_id is String(500)
+SUMMARIZED_ERRORS = 3
+SHOWN_VALUE_CHARS = 60
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What one input file may hold; `context_length` is the model's max_position_embeddings."""
+
+    max_file_bytes: int
+    max_lines: int
+    max_tokens_cap: int
+    context_length: int
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One good line, ready to become a jobs.models.Request row."""
+
+    line_number: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list[str]
+
+
+@dataclass(frozen=True)
+class LineError:
+    """One bad line: its 1-based number, its custom_id when known, a stable code and a one-line reason."""
+
+    line_number: int
+    custom_id: str | None
+    code: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """`{"line_number", "custom_id", "code", "message"}`, as stored in Job.line_errors."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ParsedBatch:
+    """The good requests, the line errors, and the endpoint most good lines use."""
+
+    requests: list[ParsedRequest]
+    errors: list[LineError]
+    endpoint: str
+
+
+class BatchFileRejected(Exception):
+    """Raised when the whole file is refused (nothing is created); the one-line message says what to do."""
+
+
+class _LineProblem(Exception):
+    """Raised inside the line checks: a stable code and a one-line reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every line is checked against."""
+
+    tokenizer: Any
+    model_name: str
+    limits: InputLimits
+
+
+def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: InputLimits) -> ParsedBatch:
+    """Check every line: good ones become requests, bad ones errors; raise BatchFileRejected to refuse the file."""
+    context = _Context(tokenizer, model_name, limits)
+    requests: list[ParsedRequest] = []
+    errors: list[LineError] = []
+    seen: dict[str, int] = {}
+    for number, text in _split_lines(data, limits):
+        outcome = _parse_line(number, text, context, seen)
+        if isinstance(outcome, ParsedRequest):
+            requests.append(outcome)
+        else:
+            errors.append(outcome)
+    if not requests:
+        raise BatchFileRejected(_no_valid_request(errors))
+    return ParsedBatch(requests, errors, _main_endpoint(requests))
+
+
+def _split_lines(data: bytes, limits: InputLimits) -> list[tuple[int, str]]:
+    """The non-empty lines with their 1-based numbers, after the whole-file checks."""
+    if len(data) > limits.max_file_bytes:
+        raise BatchFileRejected(f"the input file is {len(data)} bytes; the limit is {limits.max_file_bytes} "
+                                f"(SWARMBATCH_MAX_FILE_BYTES); split it into smaller files")
+    lines = [(n, line) for n, line in enumerate(_decode(data).split("\n"), start=1) if line.strip()]
+    if len(lines) > limits.max_lines:
+        raise BatchFileRejected(f"the input file has {len(lines)} non-empty lines; the limit is {limits.max_lines} "
+                                f"(SWARMBATCH_MAX_LINES); split it into smaller files")
+    return lines
+
+
+def _decode(data: bytes) -> str:
+    """The file as text (a leading UTF-8 BOM is dropped), or BatchFileRejected naming the first bad byte's line."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise BatchFileRejected(f"the input file is not valid UTF-8 (line {line}, byte {exc.start}); "
+                                f"save it as UTF-8 and submit it again") from None
+
+
+def _parse_line(number: int, text: str, context: _Context, seen: dict[str, int]) -> ParsedRequest | LineError:
+    """One line as a request, or as the first problem found in it."""
+    custom_id: str | None = None
+    try:
+        line = _load_object(text)
+        custom_id = _custom_id(line)
+        _claim(custom_id, number, seen)
+        return _parse_request(number, custom_id, line, context)
+    except _LineProblem as problem:
+        return LineError(number, custom_id, problem.code, problem.message)
+
+
+def _load_object(text: str) -> dict[str, Any]:
+    """The line's JSON object (NaN and Infinity are refused: they are not JSON)."""
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise _LineProblem("invalid_json", f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    except (ValueError, RecursionError) as exc:
+        raise _LineProblem("invalid_json", f"not valid JSON: {_one_line(exc)}") from None
+    if not isinstance(value, dict):
+        raise _LineProblem("invalid_json", f"a line must be a JSON object, not {_json_type(value)}")
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    """json.loads hook: NaN, Infinity and -Infinity are not JSON."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _custom_id(line: dict[str, Any]) -> str:
+    """The line's custom_id: a non-empty string that fits the requests table."""
+    value = line.get("custom_id")
+    if not isinstance(value, str) or not value:
+        raise _LineProblem("missing_custom_id", f"custom_id must be a non-empty string (got {_show(value)})")
+    if len(value) > MAX_CUSTOM_ID_CHARS:
+        raise _LineProblem("invalid_custom_id", f"custom_id is {len(value)} characters; "
+                                                f"the limit is {MAX_CUSTOM_ID_CHARS}")
+    return value
+
+
+def _claim(custom_id: str, number: int, seen: dict[str, int]) -> None:
+    """Remember the custom_id, or refuse it if an earlier line used it."""
+    if custom_id in seen:
+        raise _LineProblem("duplicate_custom_id", f"custom_id {_show(custom_id)} is already used on line "
+                                                  f"{seen[custom_id]}; each line needs its own")
+    seen[custom_id] = number
+
+
+def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _Context) -> ParsedRequest:
+    """The checked request of one line whose custom_id is known."""
+    url = _url(line)
+    body = _body(line, context.model_name)
+    prompt = _messages(body) if url == CHAT_URL else _prompt(body)
+    requested = _requested_max_tokens(body, context.limits.max_tokens_cap)
+    sampling = (_temperature(body), _top_p(body), _seed(body), _stop(body))
+    prompt_ids = _prompt_ids(prompt, context.tokenizer)
+    max_tokens = _fit_max_tokens(requested, len(prompt_ids), context.limits)
+    return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling)
+
+
+def _url(line: dict[str, Any]) -> str:
+    """The line's endpoint, after checking the method is POST."""
+    method = line.get("method")
+    if method != "POST":
+        raise _LineProblem("invalid_method", f'method must be "POST" (got {_show(method)})')
+    url = line.get("url")
+    if url not in URLS:
+        raise _LineProblem("invalid_url", f"url must be {COMPLETIONS_URL} or {CHAT_URL} (got {_show(url)})")
+    return str(url)
+
+
+def _body(line: dict[str, Any], model_name: str) -> dict[str, Any]:
+    """The line's body object; its `model`, when given, must be the job's model."""
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise _LineProblem("invalid_body", f"body must be a JSON object, not {_json_type(body)}")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise _LineProblem("model_mismatch", f"body.model is {_show(model)} but this job runs {_show(model_name)}; "
+                                             f"drop body.model or submit the file for that model")
+    return body
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    """The completion prompt: a non-empty string."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise _LineProblem("missing_prompt", f"body.prompt must be a non-empty string for {COMPLETIONS_URL} "
+                                             f"(got {_show(prompt)})")
+    return prompt
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """The chat messages, reduced to their role and content."""
+    messages = body.get("messages")
+    if messages is None or messages == []:
+        raise _LineProblem("missing_messages", f"body.messages must be a non-empty list of "
+                                               f"{{role, content}} for {CHAT_URL}")
+    if not isinstance(messages, list):
+        raise _LineProblem("invalid_messages", f"body.messages must be a list, not {_json_type(messages)}")
+    return [_message(index, message) for index, message in enumerate(messages)]
+
+
+def _message(index: int, message: Any) -> dict[str, str]:
+    """One chat message: a system, user or assistant role and a non-empty string content."""
+    if not isinstance(message, dict):
+        raise _LineProblem("invalid_messages", f"messages[{index}] must be an object, not {_json_type(message)}")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise _LineProblem("invalid_messages", f"messages[{index}].role must be one of {', '.join(ROLES)} "
+                                               f"(got {_show(role)})")
+    if not isinstance(content, str) or not content:
+        raise _LineProblem("invalid_messages", f"messages[{index}].content must be a non-empty string "
+                                               f"(got {_show(content)})")
+    return {"role": str(role), "content": content}
+
+
+def _requested_max_tokens(body: dict[str, Any], cap: int) -> int | None:
+    """max_tokens (or its alias max_completion_tokens) as asked, None when omitted."""
+    name = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise _invalid(name, "an integer >= 1", value)
+    if value > cap:
+        raise _LineProblem("max_tokens_too_large", f"{name} is {value}; the limit is {cap} "
+                                                   f"(SWARMBATCH_MAX_TOKENS_CAP); ask for fewer tokens")
+    return int(value)
+
+
+def _fit_max_tokens(requested: int | None, prompt_tokens: int, limits: InputLimits) -> int:
+    """The max_tokens to store: as asked, or the default lowered to fit; the total must fit the context."""
+    room = limits.context_length - prompt_tokens
+    max_tokens = requested if requested is not None else max(1, min(DEFAULT_MAX_TOKENS, limits.max_tokens_cap, room))
+    if prompt_tokens + max_tokens > limits.context_length:
+        raise _LineProblem("context_length_exceeded",
+                           f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                           f"{prompt_tokens + max_tokens} in all, but the model's context is "
+                           f"{limits.context_length} tokens; shorten the prompt or lower max_tokens")
+    return max_tokens
+
+
+def _temperature(body: dict[str, Any]) -> float:
+    """temperature in [0, 2]; 0.0 (greedy) when omitted."""
+    return _number(body, "temperature", 0.0, lambda v: 0 <= v <= 2, "a number from 0 to 2")
+
+
+def _top_p(body: dict[str, Any]) -> float:
+    """top_p in (0, 1]; 1.0 when omitted."""
+    return _number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number greater than 0 and at most 1")
+
+
+def _number(body: dict[str, Any], name: str, default: float, valid: Callable[[float], bool], rule: str) -> float:
+    """A numeric body parameter, checked by `valid`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+        raise _invalid(name, rule, value)
+    return float(value)
+
+
+def _seed(body: dict[str, Any]) -> int:
+    """seed: an integer in [0, 2**63); 0 when omitted."""
+    value = body.get("seed")
+    if value is None:
+        return 0
+    if not _is_int(value) or not 0 <= value < SEED_LIMIT:
+        raise _invalid("seed", "an integer from 0 to 2**63 - 1", value)
+    return int(value)
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    """stop: a string or a list of up to 4 non-empty strings; [] when omitted."""
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    valid = isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+    if not valid or len(stops) > MAX_STOP_SEQUENCES:
+        raise _invalid("stop", f"a non-empty string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings", value)
+    return list(stops)
+
+
+def _prompt_ids(prompt: str | list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """The prompt's token ids: a completion prompt as the tokenizer encodes it, chat through the chat template."""
+    if isinstance(prompt, list):
+        text = _chat_text(prompt, tokenizer)
+        return [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
+    ids = [int(i) for i in tokenizer(prompt).input_ids]
+    if not ids:
+        raise _LineProblem("missing_prompt", "body.prompt encodes to no tokens")
+    return ids
+
+
+def _chat_text(messages: list[dict[str, str]], tokenizer: Any) -> str:
+    """The messages rendered by the model's chat template, ready for the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise _LineProblem("chat_template_missing", f"this model's tokenizer has no chat template; "
+                                                    f"send the prompt as text to {COMPLETIONS_URL}")
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    except Exception as exc:  # a chat template is arbitrary Jinja that may raise on messages it refuses
+        raise _LineProblem("invalid_messages", f"the model's chat template refused these messages: "
+                                               f"{_one_line(exc)}") from None
+
+
+def _invalid(name: str, rule: str, value: Any) -> _LineProblem:
+    """The invalid_parameter problem for one body parameter."""
+    return _LineProblem("invalid_parameter", f"body.{name} must be {rule} (got {_show(value)})")
+
+
+def _is_int(value: Any) -> bool:
+    """A JSON integer (booleans are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type."""
+    names = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    """A value as short one-line JSON, for messages."""
+    text = json.dumps(value) if value is not None else "nothing"
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[:SHOWN_VALUE_CHARS - 3] + "..."
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(exc).split())[:200] or type(exc).__name__
+
+
+def _no_valid_request(errors: list[LineError]) -> str:
+    """The rejection message of a file without one good line, summarizing the first line errors."""
+    if not errors:
+        return "no valid request in the file: it has no non-empty line; put one JSON request on each line"
+    shown = "; ".join(f"line {e.line_number}: {e.code}: {e.message}" for e in errors[:SUMMARIZED_ERRORS])
+    more = f"; and {len(errors) - SUMMARIZED_ERRORS} more" if len(errors) > SUMMARIZED_ERRORS else ""
+    return f"no valid request in the file; {shown}{more}; fix these lines and submit the file again"
+
+
+def _main_endpoint(requests: list[ParsedRequest]) -> str:
+    """The url most good lines use (on a tie, the first good line's)."""
+    return Counter(r.url for r in requests).most_common(1)[0][0]

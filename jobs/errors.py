@@ -1,0 +1,37 @@
+"""Errors of the jobs layer.
+
+    JobsError                 root
+    ├── JobNotFound           no such job for this API key (HTTP 404)
+    ├── InvalidJob            the submission is refused whole (HTTP 400); nothing was created
+    ├── JobCancelled          raised inside a worker when its job is being cancelled; not retried
+    ├── LeaseLost             a worker's claim expired and another worker took the request over
+    └── StoreUnavailable      the database or broker cannot be reached (exit code 3); retry later
+"""
+from __future__ import annotations
+
+
+class JobsError(Exception):
+    """Root of job errors."""
+
+
+class JobNotFound(JobsError):
+    """Raised when a job id does not exist or belongs to another API key."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r}; list yours with 'swarmbatch jobs'")
+
+
+class InvalidJob(JobsError):
+    """Raised when a submission is refused as a whole; the message says what to fix."""
+
+
+class JobCancelled(JobsError):
+    """Raised in a worker when the job it works on is being cancelled; the partial output is kept."""
+
+
+class LeaseLost(JobsError):
+    """Raised in a worker whose lease was taken over (it stalled past its lease); it writes nothing more."""
+
+
+class StoreUnavailable(JobsError):
+    """Raised when the database or the broker does not answer; a retry later may succeed."""

@@ -1,0 +1,154 @@
+"""SQL models: the truth about every job and request, including the generated token ids (the checkpoint)."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    """Timezone-aware now (stored as UTC)."""
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend (SQLite hands back naive values otherwise)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+            if dialect.name == "sqlite":  # stored as text: keep one naive UTC format so comparisons hold
+                value = value.replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+
+
+class Base(DeclarativeBase):
+    """Declarative base; `migrations/` targets its metadata."""
+
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
+
+
+class JobStatus(str, Enum):
+    """OpenAI Batch API statuses."""
+
+    validating = "validating"
+    queued = "queued"
+    in_progress = "in_progress"
+    finalizing = "finalizing"
+    completed = "completed"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+    expired = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        """No further work will happen."""
+        return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled, JobStatus.expired)
+
+
+class RequestStatus(str, Enum):
+    """One prompt's lifecycle."""
+
+    pending = "pending"          # waiting for a worker (also after a lease expired)
+    in_progress = "in_progress"  # claimed under a lease
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+    expired = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        """No worker will touch it again."""
+        return self not in (RequestStatus.pending, RequestStatus.in_progress)
+
+
+class ApiKey(Base):
+    """A bearer key; only its sha256 is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Job(Base):
+    """A batch: one input file, many requests."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
+    model: Mapped[str] = mapped_column(String(500))
+    endpoint: Mapped[str] = mapped_column(String(40))
+    status: Mapped[str] = mapped_column(String(20), default=JobStatus.queued.value, index=True)
+    input_filename: Mapped[str | None] = mapped_column(String(500))
+    line_errors: Mapped[list[Any]] = mapped_column(default=list)
+    blocked_reason: Mapped[str | None] = mapped_column(Text)
+    checkpoint_every: Mapped[int] = mapped_column(Integer, default=8)
+    completion_window_s: Mapped[int] = mapped_column(Integer, default=24 * 3600)
+    idempotency_key: Mapped[str | None] = mapped_column(String(300), unique=True)
+    metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+
+    requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
+                                                   cascade="all, delete-orphan")
+
+
+class Request(Base):
+    """One prompt of a job; `generated_ids` is committed every K tokens and is where a resume starts."""
+
+    __tablename__ = "requests"
+    __table_args__ = (
+        UniqueConstraint("job_id", "custom_id", name="uq_requests_job_custom_id"),
+        Index("ix_requests_job_status", "job_id", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)          # 0-based position among the job's good lines
+    line_number: Mapped[int] = mapped_column(Integer)    # 1-based line in the input file
+    custom_id: Mapped[str] = mapped_column(String(500))
+    body: Mapped[dict[str, Any]] = mapped_column()
+    prompt_ids: Mapped[list[Any]] = mapped_column()
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    temperature: Mapped[float] = mapped_column(default=0.0)
+    top_p: Mapped[float] = mapped_column(default=1.0)
+    seed: Mapped[int] = mapped_column(BigInteger, default=0)
+    stop: Mapped[list[Any]] = mapped_column(default=list)
+    status: Mapped[str] = mapped_column(String(20), default=RequestStatus.pending.value)
+    generated_ids: Mapped[list[Any]] = mapped_column(default=list)
+    finish_reason: Mapped[str | None] = mapped_column(String(20))
+    output_text: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    lease_owner: Mapped[str | None] = mapped_column(String(200))
+    lease_token: Mapped[str | None] = mapped_column(String(40))
+    lease_expires_at: Mapped[datetime | None]
+    resumes: Mapped[int] = mapped_column(Integer, default=0)  # claims that started from committed tokens
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+
+    job: Mapped[Job] = relationship(back_populates="requests")

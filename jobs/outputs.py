@@ -1,0 +1,85 @@
+"""Results and errors as the OpenAI Batch API writes them: one JSON line per request, in input order."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from jobs.models import Job, Request, RequestStatus
+
+CHAT_URL = "/v1/chat/completions"
+OUTPUT_STATUSES = (RequestStatus.completed.value, RequestStatus.cancelled.value, RequestStatus.expired.value)
+
+
+def response_body(job: Job, request: Request) -> dict[str, Any]:
+    """A chat.completion or text_completion object for a request's output (partial when cancelled/expired)."""
+    created = int((request.completed_at or request.created_at).timestamp())
+    finish = request.finish_reason or ("cancelled" if request.status == RequestStatus.cancelled.value else "length")
+    text = request.output_text or ""
+    usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": len(request.generated_ids),
+             "total_tokens": len(request.prompt_ids) + len(request.generated_ids)}
+    if request.body.get("url") == CHAT_URL:
+        return {"id": f"chatcmpl-{request.id}", "object": "chat.completion", "created": created, "model": job.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": finish}], "usage": usage}
+    return {"id": f"cmpl-{request.id}", "object": "text_completion", "created": created, "model": job.model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": usage}
+
+
+def result_line(job: Job, request: Request) -> dict[str, Any]:
+    """One output line: {"id", "custom_id", "response": {"status_code", "body"}, "error"}."""
+    return {"id": f"batch_req_{request.id}", "custom_id": request.custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{request.id}", "body": response_body(job, request)},
+            "error": None}
+
+
+def error_line(job: Job, request: Request) -> dict[str, Any]:
+    """One error line for a failed request."""
+    return {"id": f"batch_req_{request.id}", "custom_id": request.custom_id, "response": None,
+            "error": {"code": "request_failed", "message": request.last_error or "failed", "line": request.line_number}}
+
+
+def iter_results(*, session: Session, job: Job) -> Iterator[str]:
+    """JSONL of finished outputs in input order (partial outputs of cancelled/expired requests included)."""
+    query = select(Request).where(Request.job_id == job.id, Request.status.in_(OUTPUT_STATUSES)).order_by(Request.index)
+    for request in session.scalars(query):
+        if request.status == RequestStatus.completed.value or request.generated_ids:
+            yield json.dumps(result_line(job, request)) + "\n"
+
+
+def iter_errors(*, session: Session, job: Job) -> Iterator[str]:
+    """JSONL of input line errors (by line number), then failed requests in input order."""
+    for error in job.line_errors:
+        yield json.dumps({"id": None, "custom_id": error.get("custom_id"), "response": None,
+                          "error": {"code": error["code"], "message": error["message"], "line": error["line_number"]}}) + "\n"
+    query = select(Request).where(Request.job_id == job.id, Request.status == RequestStatus.failed.value)
+    for request in session.scalars(query.order_by(Request.index)):
+        yield json.dumps(error_line(job, request)) + "\n"
+
+
+def unix(value: Any) -> int | None:
+    """A datetime as unix seconds (None stays None)."""
+    return int(value.timestamp()) if value is not None else None
+
+
+def job_public(*, session: Session, job: Job) -> dict[str, Any]:
+    """The job object of the REST API (OpenAI batch shape, plus tokens_generated and blocked_reason)."""
+    from jobs.store import job_counts
+
+    counts = job_counts(session=session, job_id=job.id)
+    window = job.completion_window_s
+    return {
+        "id": job.id, "object": "batch", "endpoint": job.endpoint, "model": job.model, "status": job.status,
+        "input_file_id": job.input_filename, "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",
+        "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
+        "tokens_generated": counts.tokens, "blocked_reason": job.blocked_reason,
+        "errors": {"object": "list", "data": job.line_errors} if job.line_errors else None,
+        "created_at": unix(job.created_at), "in_progress_at": unix(job.in_progress_at),
+        "finalizing_at": unix(job.finalizing_at), "completed_at": unix(job.completed_at),
+        "failed_at": unix(job.failed_at), "cancelling_at": unix(job.cancelling_at),
+        "cancelled_at": unix(job.cancelled_at), "expires_at": unix(job.expires_at), "expired_at": unix(job.expired_at),
+        "metadata": job.metadata_json,
+    }

@@ -1,0 +1,121 @@
+"""`Runtime`: the composition root of a process — settings, database, Celery app, swarm clients, tokenizers."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from jobs.celery_app import make_celery
+from jobs.db import make_engine, make_session_factory
+from jobs.errors import StoreUnavailable
+from jobs.settings import Settings, get_settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    """Lazily built collaborators of one process; workers build swarm clients after the fork."""
+
+    settings: Settings
+    _models: dict[str, Any] = field(default_factory=dict)
+    _tokenizers: dict[str, Any] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @cached_property
+    def engine(self) -> Engine:
+        """The database engine."""
+        return make_engine(self.settings)
+
+    @cached_property
+    def sessions(self) -> sessionmaker[Session]:
+        """Session factory."""
+        return make_session_factory(self.engine)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session that is closed afterwards; the caller commits."""
+        with self.sessions() as session:
+            yield session
+
+    @cached_property
+    def celery(self) -> Celery:
+        """The Celery app."""
+        return make_celery(self.settings)
+
+    @property
+    def worker_name(self) -> str:
+        """host:pid, for lease owners and logs."""
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+    def check_store(self) -> None:
+        """Raise StoreUnavailable unless the database answers and is migrated."""
+        try:
+            with self.engine.connect() as connection:
+                connection.execute(text("SELECT count(*) FROM jobs"))
+        except OperationalError as e:
+            raise StoreUnavailable(f"database {self.engine.url.render_as_string(hide_password=True)} is not usable "
+                                   f"({str(e.orig).strip().splitlines()[0]}); start it and run "
+                                   "'swarmbatch db upgrade'") from e
+
+    def model_dir(self, model: str) -> Path:
+        """A job's model name or path -> its prepared directory."""
+        from modelprep import prepare_model
+
+        return prepare_model(model, cache_dir=self.settings.models_dir)
+
+    def tokenizer(self, model: str) -> Any:
+        """The model's tokenizer (cached)."""
+        from swarmclient.textgen import load_tokenizer
+
+        with self._lock:
+            if model not in self._tokenizers:
+                self._tokenizers[model] = load_tokenizer(self.model_dir(model))
+            return self._tokenizers[model]
+
+    def swarm_model(self, model: str) -> Any:
+        """A DistributedModelForCausalLM joined to the swarm (cached per process)."""
+        from swarmclient.model import DistributedModelForCausalLM
+
+        with self._lock:
+            if model not in self._models:
+                self._models[model] = DistributedModelForCausalLM.from_pretrained(
+                    self.model_dir(model), initial_peers=self.settings.initial_peers)
+            return self._models[model]
+
+    def close(self) -> None:
+        """Leave the swarm and dispose of the engine."""
+        for model in self._models.values():
+            model.close()
+        self._models.clear()
+        if "engine" in self.__dict__:
+            self.engine.dispose()
+
+
+_runtime: Runtime | None = None
+
+
+def get_runtime() -> Runtime:
+    """This process's runtime (built on first use, from get_settings())."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime(get_settings())
+    return _runtime
+
+
+def set_runtime(runtime: Runtime | None) -> None:
+    """Replace this process's runtime (entry points and tests)."""
+    global _runtime
+    _runtime = runtime

@@ -1,0 +1,247 @@
+"""The jobs store: keyword-only functions over a SQLAlchemy session. SQL holds the truth; these are its verbs.
+
+Claims use leases: a worker owns a request while `lease_token` is its token and `lease_expires_at` is in the
+future; every write by a worker is fenced by that token, so a worker whose lease was taken over writes
+nothing. On PostgreSQL claims lock rows with FOR UPDATE SKIP LOCKED; on SQLite the single writer lock and the
+status re-check in the UPDATE give the same guarantee.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from jobs.batch_input import ParsedBatch
+from jobs.errors import JobNotFound
+from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
+
+logger = logging.getLogger(__name__)
+
+
+# ---- jobs ---------------------------------------------------------------------------------------------------
+def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id: int | None = None,
+               completion_window_s: int = 24 * 3600, checkpoint_every: int = 8, input_filename: str | None = None,
+               idempotency_key: str | None = None, metadata: dict[str, Any] | None = None) -> Job:
+    """Insert a queued job and one pending request per good line; the caller commits."""
+    now = utcnow()
+    job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model, endpoint=parsed.endpoint,
+              status=JobStatus.queued.value, input_filename=input_filename,
+              line_errors=[e.to_dict() for e in parsed.errors], checkpoint_every=checkpoint_every,
+              completion_window_s=completion_window_s, idempotency_key=idempotency_key,
+              metadata_json=metadata or {}, created_at=now, expires_at=now + timedelta(seconds=completion_window_s))
+    job.requests = [Request(index=i, line_number=r.line_number, custom_id=r.custom_id,
+                            body={"url": r.url, **r.body}, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens,
+                            temperature=r.temperature, top_p=r.top_p, seed=r.seed, stop=list(r.stop))
+                    for i, r in enumerate(parsed.requests)]
+    session.add(job)
+    session.flush()
+    logger.info("Job %s queued: %d requests, %d bad lines", job.id, len(job.requests), len(parsed.errors))
+    return job
+
+
+def get_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> Job:
+    """A job, if it exists and (when a key is given) belongs to that key; raises JobNotFound."""
+    job = session.get(Job, job_id)
+    if job is None or (api_key_id is not None and job.api_key_id != api_key_id):
+        raise JobNotFound(job_id)
+    return job
+
+
+def list_jobs(*, session: Session, api_key_id: int | None = None, limit: int = 100) -> list[Job]:
+    """Newest first; only the key's jobs when a key is given."""
+    query = select(Job).order_by(Job.created_at.desc()).limit(limit)
+    if api_key_id is not None:
+        query = query.where(Job.api_key_id == api_key_id)
+    return list(session.scalars(query))
+
+
+@dataclass(frozen=True)
+class JobCounts:
+    """Request counts of one job."""
+
+    total: int
+    completed: int
+    failed: int
+    pending: int
+    in_progress: int
+    tokens: int
+
+
+def job_counts(*, session: Session, job_id: str) -> JobCounts:
+    """Counts by request status, and generated tokens so far."""
+    rows = session.execute(select(Request.status, func.count()).where(Request.job_id == job_id)
+                           .group_by(Request.status)).all()
+    by_status: dict[str, int] = {status: count for status, count in rows}
+    tokens = sum(len(ids) for ids in session.scalars(select(Request.generated_ids).where(Request.job_id == job_id)))
+    return JobCounts(total=sum(by_status.values()), completed=by_status.get(RequestStatus.completed.value, 0),
+                     failed=by_status.get(RequestStatus.failed.value, 0) + by_status.get(RequestStatus.expired.value, 0),
+                     pending=by_status.get(RequestStatus.pending.value, 0),
+                     in_progress=by_status.get(RequestStatus.in_progress.value, 0), tokens=tokens)
+
+
+def set_job_status(job: Job, status: JobStatus, *, now: datetime | None = None) -> None:
+    """Move a job to `status` and stamp `<status>_at` (one log line per transition)."""
+    if job.status == status.value:
+        return
+    logger.info("Job %s: %s -> %s", job.id, job.status, status.value)
+    job.status = status.value
+    stamp = f"{status.value}_at"
+    if hasattr(job, stamp):
+        setattr(job, stamp, now or utcnow())
+
+
+def cancel_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> Job:
+    """Start cancelling: pending requests stop now, running ones at their next checkpoint."""
+    job = get_job(session=session, job_id=job_id, api_key_id=api_key_id)
+    if JobStatus(job.status).terminal or job.status == JobStatus.cancelling.value:
+        return job
+    set_job_status(job, JobStatus.cancelling)
+    session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending.value)
+                    .values(status=RequestStatus.cancelled.value, completed_at=utcnow()))
+    settle_job(session=session, job=job)
+    return job
+
+
+def settle_job(*, session: Session, job: Job, now: datetime | None = None) -> None:
+    """Move a job on once its requests allow it: finalize when all are terminal, cancel when none runs."""
+    now = now or utcnow()
+    counts = job_counts(session=session, job_id=job.id)
+    live = counts.pending + counts.in_progress
+    if job.status == JobStatus.cancelling.value and counts.in_progress == 0:
+        set_job_status(job, JobStatus.cancelled, now=now)
+    elif job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and live == 0:
+        set_job_status(job, JobStatus.finalizing, now=now)
+        failed_all = counts.completed == 0 and counts.failed > 0
+        set_job_status(job, JobStatus.failed if failed_all else JobStatus.completed, now=now)
+        job.blocked_reason = None
+
+
+def expire_job(*, session: Session, job: Job, now: datetime | None = None) -> None:
+    """The deadline passed: unfinished requests expire (keeping partial output), finished results stay."""
+    now = now or utcnow()
+    session.execute(update(Request).where(Request.job_id == job.id, Request.status.in_(
+        [RequestStatus.pending.value, RequestStatus.in_progress.value]))
+        .values(status=RequestStatus.expired.value, lease_token=None, lease_owner=None, completed_at=now,
+                last_error="the job's completion window ended"))
+    set_job_status(job, JobStatus.expired, now=now)
+
+
+# ---- claims and checkpoints ----------------------------------------------------------------------------------
+def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, lease_seconds: float,
+                   max_attempts: int, now: datetime | None = None) -> tuple[str, list[Request]]:
+    """Lease up to `limit` pending requests (or ones whose lease expired) to `worker`; returns (token, rows)."""
+    now = now or utcnow()
+    token = secrets.token_hex(8)
+    claimable = ((Request.status == RequestStatus.pending.value) |
+                 ((Request.status == RequestStatus.in_progress.value) & (Request.lease_expires_at < now)))
+    ids = list(session.scalars(select(Request.id).where(Request.job_id == job_id, claimable)
+                               .order_by(Request.index).limit(limit).with_for_update(skip_locked=True)))
+    if not ids:
+        return token, []
+    session.execute(update(Request).where(Request.id.in_(ids), claimable).values(
+        status=RequestStatus.in_progress.value, lease_owner=worker, lease_token=token,
+        lease_expires_at=now + timedelta(seconds=lease_seconds), attempts=Request.attempts + 1,
+        started_at=func.coalesce(Request.started_at, now)))
+    rows = list(session.scalars(select(Request).where(Request.lease_token == token).order_by(Request.index)))
+    session.commit()
+    fail_exhausted(session=session, rows=rows, token=token, max_attempts=max_attempts)
+    return token, [r for r in rows if r.status == RequestStatus.in_progress.value]
+
+
+def fail_exhausted(*, session: Session, rows: list[Request], token: str, max_attempts: int) -> None:
+    """Requests claimed more than `max_attempts` times fail: a poison request cannot loop forever."""
+    for row in rows:
+        if row.attempts > max_attempts:
+            finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.failed,
+                           error=row.last_error or f"gave up after {max_attempts} attempts")
+            row.status = RequestStatus.failed.value
+    session.commit()
+
+
+def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], lease_seconds: float) -> set[int]:
+    """Write each owned request's generated ids and renew its lease, in one transaction; returns the ids still owned."""
+    now = utcnow()
+    owned: set[int] = set()
+    for request_id, generated in progress.items():
+        result = session.execute(update(Request).where(
+            Request.id == request_id, Request.lease_token == token, Request.status == RequestStatus.in_progress.value)
+            .values(generated_ids=list(generated), lease_expires_at=now + timedelta(seconds=lease_seconds)))
+        if result.rowcount:  # type: ignore[attr-defined]
+            owned.add(request_id)
+    session.commit()
+    return owned
+
+
+def finish_request(*, session: Session, request_id: int, token: str, status: RequestStatus,
+                   generated: list[int] | None = None, finish_reason: str | None = None,
+                   output_text: str | None = None, error: str | None = None) -> bool:
+    """Record a request's end, if the lease is still ours; the caller commits. Returns whether it was written."""
+    values: dict[str, Any] = dict(status=status.value, finish_reason=finish_reason, output_text=output_text,
+                                  completed_at=utcnow(), lease_token=None, lease_owner=None, lease_expires_at=None)
+    if generated is not None:
+        values["generated_ids"] = list(generated)
+    if error is not None:
+        values["last_error"] = error
+    result = session.execute(update(Request).where(Request.id == request_id, Request.lease_token == token)
+                             .values(**values))
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def release_requests(*, session: Session, token: str, error: str) -> None:
+    """Give claimed requests back (e.g. the swarm is unavailable), keeping their committed tokens."""
+    session.execute(update(Request).where(Request.lease_token == token,
+                                          Request.status == RequestStatus.in_progress.value)
+                    .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
+                            lease_expires_at=None, last_error=error))
+    session.commit()
+
+
+def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]:
+    """Return requests whose lease expired to pending; returns the ids of the jobs affected."""
+    now = now or utcnow()
+    stale = select(Request.id, Request.job_id).where(Request.status == RequestStatus.in_progress.value,
+                                                     Request.lease_expires_at < now)
+    rows = session.execute(stale).all()
+    if rows:
+        session.execute(update(Request).where(Request.id.in_([r.id for r in rows]),
+                                              Request.status == RequestStatus.in_progress.value,
+                                              Request.lease_expires_at < now)
+                        .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
+                                lease_expires_at=None))
+        logger.info("Expired %d leases (a worker died or stalled)", len(rows))
+    session.commit()
+    return sorted({r.job_id for r in rows})
+
+
+def active_job_ids(*, session: Session) -> list[str]:
+    """Jobs that are not terminal."""
+    live = [JobStatus.queued.value, JobStatus.in_progress.value, JobStatus.cancelling.value]
+    return list(session.scalars(select(Job.id).where(Job.status.in_(live)).order_by(Job.created_at)))
+
+
+# ---- API keys ---------------------------------------------------------------------------------------------------
+def hash_key(key: str) -> str:
+    """sha256 hex of an API key."""
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_api_key(*, session: Session, name: str) -> tuple[ApiKey, str]:
+    """A new key: returns the row and the plain key (shown once; only its hash is stored)."""
+    plain = f"sb-{secrets.token_urlsafe(32)}"
+    row = ApiKey(name=name, key_hash=hash_key(plain))
+    session.add(row)
+    session.flush()
+    return row, plain
+
+
+def find_api_key(*, session: Session, key: str) -> ApiKey | None:
+    """The key's row, if the key is valid."""
+    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))

@@ -1,0 +1,63 @@
+"""Submitting a batch file: validate every line against the model, create the job, enqueue its work."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jobs.batch_input import BatchFileRejected, InputLimits, parse_batch_file
+from jobs.errors import InvalidJob
+from jobs.models import Job
+from jobs.runtime import Runtime
+from jobs.store import create_job
+
+MAX_PARALLEL_TASKS = 8  # tasks in flight per job at submission; each re-enqueues itself while work remains
+
+
+def parse_window(value: str) -> int:
+    """'24h', '90m', '3600s' or '3600' -> seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    try:
+        if value and value[-1] in units:
+            seconds = int(float(value[:-1]) * units[value[-1]])
+        else:
+            seconds = int(value)
+    except ValueError:
+        raise InvalidJob(f"completion window {value!r} is not a duration like 24h, 90m or 3600s") from None
+    if seconds <= 0:
+        raise InvalidJob("the completion window must be positive")
+    return seconds
+
+
+def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None,
+                 api_key_id: int | None = None, completion_window: str = "24h",
+                 metadata: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Job:
+    """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if no line is usable."""
+    window = parse_window(completion_window)
+    tokenizer = runtime.tokenizer(model)
+    context = int(runtime_context_length(runtime, model))
+    limits = InputLimits(max_file_bytes=runtime.settings.max_file_bytes, max_lines=runtime.settings.max_lines,
+                         max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context)
+    try:
+        parsed = parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits)
+    except BatchFileRejected as e:
+        raise InvalidJob(str(e)) from e
+    with runtime.session() as session:
+        job = create_job(session=session, parsed=parsed, model=model, api_key_id=api_key_id,
+                         completion_window_s=window, checkpoint_every=runtime.settings.checkpoint_every,
+                         input_filename=filename, metadata=metadata, idempotency_key=idempotency_key)
+        session.commit()
+    enqueue_job(runtime, job.id, tasks=math.ceil(len(parsed.requests) / runtime.settings.worker_batch_size))
+    return job
+
+
+def runtime_context_length(runtime: Runtime, model: str) -> int:
+    """The model's context length, from its config."""
+    from swarmclient.model_spec import ModelSpec
+
+    return ModelSpec.open(runtime.model_dir(model)).max_length
+
+
+def enqueue_job(runtime: Runtime, job_id: str, *, tasks: int = 1, countdown: float = 0.0) -> None:
+    """Send `tasks` process_job messages (ids only) for a job."""
+    for _ in range(max(1, min(tasks, MAX_PARALLEL_TASKS))):
+        runtime.celery.send_task("jobs.tasks.process_job", args=[job_id], countdown=countdown or None)

@@ -1,0 +1,47 @@
+"""Celery tasks: thin wrappers that load rows, call the worker logic, and schedule what comes next."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import shared_task
+from celery.signals import worker_process_init, worker_ready
+
+from jobs.runtime import get_runtime
+from jobs.worker import JobWorker, sweep_store
+
+logger = logging.getLogger(__name__)
+
+
+@worker_process_init.connect
+def _init_worker_process(**_: Any) -> None:
+    """After the fork: one torch thread per pool process (threads x processes <= cores), fresh DB connections."""
+    import torch
+
+    torch.set_num_threads(get_runtime().settings.worker_threads)
+    get_runtime().engine.dispose(close=False)
+
+
+@worker_ready.connect
+def _sweep_on_start(sender: Any = None, **_: Any) -> None:
+    """A new worker looks for work a dead one left behind, without waiting for beat."""
+    get_runtime().celery.send_task("jobs.tasks.sweep")
+
+
+@shared_task(name="jobs.tasks.process_job", bind=True, max_retries=None)
+def process_job(self: Any, job_id: str) -> None:
+    """Generate one batch of a job's pending requests; re-enqueue while work remains."""
+    runtime = get_runtime()
+    outcome = JobWorker(runtime).process(job_id)
+    if outcome.retry_in is not None:
+        raise self.retry(countdown=outcome.retry_in)
+    if outcome.more:
+        runtime.celery.send_task("jobs.tasks.process_job", args=[job_id])
+
+
+@shared_task(name="jobs.tasks.sweep")
+def sweep() -> None:
+    """Re-enqueue work whose lease expired, expire jobs past their deadline, finalize finished jobs."""
+    runtime = get_runtime()
+    for job_id in sweep_store(runtime):
+        runtime.celery.send_task("jobs.tasks.process_job", args=[job_id])

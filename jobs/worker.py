@@ -1,0 +1,182 @@
+"""What a worker does with a job id: claim a batch under a lease, generate it, record the outcome.
+
+Every step is idempotent: a redelivered or duplicated task finds the rows already claimed or finished and
+does nothing twice.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from jobs import store
+from jobs.errors import JobCancelled, LeaseLost
+from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
+from jobs.runner import BatchRunner, Checkpoint
+from jobs.runtime import Runtime
+from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
+
+logger = logging.getLogger(__name__)
+
+MIN_RETRY_DELAY, MAX_RETRY_DELAY = 2.0, 60.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the task should do next."""
+
+    more: bool = False              # pending work remains: enqueue again now
+    retry_in: float | None = None   # the swarm is unavailable: retry after this many seconds
+
+
+class JobWorker:
+    """Processes one batch of one job."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime, self.settings = runtime, runtime.settings
+
+    def process(self, job_id: str) -> Outcome:
+        """Claim up to `worker_batch_size` requests of the job and generate them."""
+        with self.runtime.session() as session:
+            job = session.get(Job, job_id)
+            if job is None or not self._ready(session, job):
+                session.commit()
+                return Outcome()
+            token, claimed = store.claim_requests(
+                session=session, job_id=job_id, worker=self.runtime.worker_name, limit=self.settings.worker_batch_size,
+                lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+            if not claimed:
+                store.settle_job(session=session, job=job)
+                session.commit()
+                return Outcome()
+            if job.status == JobStatus.queued.value:
+                store.set_job_status(job, JobStatus.in_progress)
+            session.commit()
+            logger.info("Job %s: claimed %d requests (%s)", job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
+            return self._generate(session, job, token, claimed)
+
+    def _ready(self, session: Session, job: Job) -> bool:
+        """Whether the job can take work now; expires or settles it otherwise."""
+        if JobStatus(job.status).terminal:
+            return False
+        if utcnow() > job.expires_at:
+            store.expire_job(session=session, job=job)
+            return False
+        if job.status == JobStatus.cancelling.value:
+            store.settle_job(session=session, job=job)
+            return False
+        return True
+
+    def _generate(self, session: Session, job: Job, token: str, claimed: list[Request]) -> Outcome:
+        runner = None
+        try:
+            model = self.runtime.swarm_model(job.model)
+            runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
+                                 checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token))
+            results = runner.run()
+        except JobCancelled:
+            self._finish_cancelled(session, job, token, runner)
+            return Outcome()
+        except LeaseLost as e:
+            logger.warning("Job %s: %s; leaving the batch to it", job.id, e)
+            return Outcome(more=True)
+        except InvalidRequest as e:
+            self._fail_all(session, job, token, claimed, str(e))
+            return Outcome(more=True)
+        except (MissingBlocksError, SwarmError) as e:
+            return self._blocked(session, job, token, e)
+        for request in claimed:
+            result = results[request.id]
+            store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.completed,
+                                 generated=result.generated, finish_reason=result.finish_reason,
+                                 output_text=result.text)
+        job.blocked_reason = None
+        store.settle_job(session=session, job=job)
+        session.commit()
+        logger.info("Job %s: finished %d requests", job.id, len(claimed))
+        return Outcome(more=store.job_counts(session=session, job_id=job.id).pending > 0)
+
+    def _checkpoint(self, job_id: str, token: str) -> Checkpoint:
+        def checkpoint(progress: dict[int, list[int]]) -> set[int]:
+            with self.runtime.session() as session:
+                owned = store.checkpoint(session=session, token=token, progress=progress,
+                                         lease_seconds=self.settings.lease_seconds)
+                status = session.scalar(select(Job.status).where(Job.id == job_id))
+            if status == JobStatus.cancelling.value:
+                raise JobCancelled(job_id)
+            return owned
+        return checkpoint
+
+    def _finish_cancelled(self, session: Session, job: Job, token: str, runner: BatchRunner | None) -> None:
+        """Keep the committed partial output of each claimed request and settle the job to cancelled."""
+        tokenizer = self.runtime.tokenizer(job.model)
+        for row in runner.rows if runner else []:
+            generated = row.generated[: row.committed]
+            store.finish_request(session=session, request_id=row.request_id, token=token,
+                                 status=RequestStatus.cancelled, generated=generated, finish_reason="cancelled",
+                                 output_text=tokenizer.decode(generated, skip_special_tokens=True))
+        session.commit()
+        session.refresh(job)
+        store.settle_job(session=session, job=job)
+        session.commit()
+
+    def _fail_all(self, session: Session, job: Job, token: str, claimed: list[Request], reason: str) -> None:
+        for request in claimed:
+            store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.failed,
+                                 error=reason)
+        store.settle_job(session=session, job=job)
+        session.commit()
+
+    def _blocked(self, session: Session, job: Job, token: str, error: Exception) -> Outcome:
+        """The swarm cannot serve now: give the requests back, say why on the job, retry later."""
+        reason = f"{type(error).__name__}: {error}"
+        store.release_requests(session=session, token=token, error=reason)
+        job.blocked_reason = reason
+        session.commit()
+        attempts = max(r.attempts for r in session.scalars(select(Request).where(Request.job_id == job.id)))
+        delay = min(MAX_RETRY_DELAY, MIN_RETRY_DELAY * 2 ** max(0, attempts - 1))
+        logger.warning("Job %s blocked (%s); retrying in %.0f s", job.id, reason, delay)
+        return Outcome(retry_in=delay)
+
+
+def sweep_store(runtime: Runtime) -> list[str]:
+    """Expire lost leases and overdue jobs, settle finished ones; returns the job ids that need a worker."""
+    now = utcnow()
+    needing: list[str] = []
+    with runtime.session() as session:
+        store.expire_leases(session=session, now=now)
+        for job_id in store.active_job_ids(session=session):
+            job = session.get(Job, job_id)
+            assert job is not None
+            if now > job.expires_at:
+                store.expire_job(session=session, job=job, now=now)
+                continue
+            store.settle_job(session=session, job=job, now=now)
+            counts = store.job_counts(session=session, job_id=job_id)
+            if job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and counts.pending and \
+                    not counts.in_progress:
+                needing.append(job_id)
+        session.commit()
+    purge_consumed_messages(runtime)
+    return needing
+
+
+def purge_consumed_messages(runtime: Runtime, *, older_than: timedelta = timedelta(hours=1)) -> None:
+    """The embedded SQLite broker never deletes consumed messages; drop old ones so it does not grow forever."""
+    url = runtime.settings.resolved_broker_url
+    if not url.startswith("sqla+"):
+        return
+    from sqlalchemy import create_engine
+
+    engine = create_engine(url.removeprefix("sqla+"))
+    try:
+        with engine.begin() as connection:
+            tables = connection.execute(text("SELECT name FROM sqlite_master WHERE name='kombu_message'")).all()
+            if tables:
+                connection.execute(text("DELETE FROM kombu_message WHERE visible = 0 AND timestamp < :cutoff"),
+                                   {"cutoff": (utcnow() - older_than).replace(tzinfo=None)})
+    finally:
+        engine.dispose()

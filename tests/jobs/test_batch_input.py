@@ -1,0 +1,250 @@
+"""Parsing an OpenAI-batch JSONL input file: good lines become requests, bad lines get a number, an id and a code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.batch_input import (BatchFileRejected, InputLimits, LineError, ParsedBatch, parse_batch_file)
+from swarmclient.textgen import load_tokenizer
+
+MODEL = "tiny-llama"
+LIMITS = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=512, context_length=2048)
+CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the main idea?"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    return load_tokenizer(tiny_model)
+
+
+def completion(custom_id: str = "c1", **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": "The city council voted", **body}}
+
+
+def chat(custom_id: str = "m1", **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": CHAT, **body}}
+
+
+def jsonl(*lines: dict[str, Any] | str) -> bytes:
+    return "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines).encode()
+
+
+def parse(tokenizer: Any, data: bytes, limits: InputLimits = LIMITS) -> ParsedBatch:
+    return parse_batch_file(data, tokenizer=tokenizer, model_name=MODEL, limits=limits)
+
+
+def only_error(tokenizer: Any, bad: dict[str, Any] | str, limits: InputLimits = LIMITS) -> LineError:
+    batch = parse(tokenizer, jsonl(completion("good"), bad), limits)
+    assert [r.custom_id for r in batch.requests] == ["good"] and len(batch.errors) == 1
+    return batch.errors[0]
+
+
+def test_a_good_completions_line_is_tokenized_as_the_tokenizer_does_and_keeps_its_parameters(tokenizer: Any) -> None:
+    line = completion(max_tokens=20, temperature=0.7, top_p=0.9, seed=42, stop=["\n", "END"], user="ignored")
+    batch = parse(tokenizer, jsonl(line))
+    [request] = batch.requests
+    assert request.prompt_ids == tokenizer("The city council voted").input_ids
+    assert (request.line_number, request.custom_id, request.url) == (1, "c1", "/v1/completions")
+    assert request.body == line["body"]
+    assert (request.max_tokens, request.temperature, request.top_p, request.seed, request.stop) == (
+        20, 0.7, 0.9, 42, ["\n", "END"])
+    assert batch.errors == [] and batch.endpoint == "/v1/completions"
+
+
+def test_a_good_chat_line_is_tokenized_through_the_chat_template(tokenizer: Any) -> None:
+    [request] = parse(tokenizer, jsonl(chat(max_completion_tokens=8, temperature=1.5))).requests
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert request.prompt_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert (request.url, request.max_tokens, request.temperature) == ("/v1/chat/completions", 8, 1.5)
+
+
+def test_omitted_parameters_default_to_256_tokens_of_greedy_decoding(tokenizer: Any) -> None:
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hello"}}
+    [request] = parse(tokenizer, jsonl(line)).requests
+    params = (request.max_tokens, request.temperature, request.top_p, request.seed, request.stop)
+    assert params == (256, 0.0, 1.0, 0, [])
+
+
+def test_null_parameters_take_the_defaults(tokenizer: Any) -> None:
+    line = completion(max_tokens=None, temperature=None, top_p=None, seed=None, stop=None, model=None)
+    [request] = parse(tokenizer, jsonl(line)).requests
+    params = (request.max_tokens, request.temperature, request.top_p, request.seed, request.stop)
+    assert params == (256, 0.0, 1.0, 0, [])
+
+
+def test_the_default_max_tokens_is_lowered_to_the_cap_and_to_the_room_the_context_leaves(tokenizer: Any) -> None:
+    prompt_tokens = len(tokenizer("The city council voted").input_ids)
+    small_cap = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=100, context_length=2048)
+    small_context = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=512,
+                                context_length=prompt_tokens + 10)
+    assert parse(tokenizer, jsonl(completion()), small_cap).requests[0].max_tokens == 100
+    assert parse(tokenizer, jsonl(completion()), small_context).requests[0].max_tokens == 10
+
+
+def test_a_single_stop_string_becomes_a_one_item_list(tokenizer: Any) -> None:
+    assert parse(tokenizer, jsonl(completion(stop="###"))).requests[0].stop == ["###"]
+
+
+def test_max_tokens_wins_over_its_alias_max_completion_tokens(tokenizer: Any) -> None:
+    assert parse(tokenizer, jsonl(completion(max_tokens=5, max_completion_tokens=9))).requests[0].max_tokens == 5
+
+
+def test_a_file_mixing_good_and_bad_lines_reports_each_bad_line_and_keeps_every_good_line(tokenizer: Any) -> None:
+    data = jsonl(completion("a"), "{broken", "", chat("b"), completion("a"), {"custom_id": "c", "method": "GET"},
+                 completion("d", temperature=5), "   ", chat("e"))
+    batch = parse(tokenizer, data)
+    assert [(r.line_number, r.custom_id) for r in batch.requests] == [(1, "a"), (4, "b"), (9, "e")]
+    assert [(e.line_number, e.custom_id, e.code) for e in batch.errors] == [
+        (2, None, "invalid_json"), (5, "a", "duplicate_custom_id"), (6, "c", "invalid_method"),
+        (7, "d", "invalid_parameter")]
+    assert "line 1" in batch.errors[1].message
+
+
+BAD_LINES = [
+    ("invalid_json", "{not json"),
+    ("invalid_json", "[1, 2]"),
+    ("invalid_json", '{"custom_id": "x", "body": {"temperature": NaN}}'),
+    ("missing_custom_id", {**completion(), "custom_id": None}),
+    ("missing_custom_id", {**completion(), "custom_id": 7}),
+    ("missing_custom_id", {**completion(), "custom_id": ""}),
+    ("invalid_custom_id", {**completion(), "custom_id": "x" * 501}),
+    ("duplicate_custom_id", completion("good")),
+    ("invalid_method", {**completion(), "method": "GET"}),
+    ("invalid_method", {k: v for k, v in completion().items() if k != "method"}),
+    ("invalid_url", {**completion(), "url": "/v1/embeddings"}),
+    ("invalid_body", {**completion(), "body": "prompt"}),
+    ("model_mismatch", completion(model="gpt-4o")),
+    ("missing_prompt", {**completion(), "body": {"model": MODEL}}),
+    ("missing_prompt", completion(prompt="")),
+    ("missing_prompt", completion(prompt=["a", "b"])),
+    ("missing_messages", {**chat(), "body": {"model": MODEL}}),
+    ("missing_messages", chat(messages=[])),
+    ("invalid_messages", chat(messages="hello")),
+    ("invalid_messages", chat(messages=["hello"])),
+    ("invalid_messages", chat(messages=[{"role": "tool", "content": "x"}])),
+    ("invalid_messages", chat(messages=[{"role": "user", "content": ""}])),
+    ("invalid_messages", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}])),
+    ("invalid_parameter", completion(max_tokens=0)),
+    ("invalid_parameter", completion(max_tokens=2.5)),
+    ("invalid_parameter", completion(max_tokens=True)),
+    ("invalid_parameter", completion(max_completion_tokens="10")),
+    ("invalid_parameter", completion(temperature=2.5)),
+    ("invalid_parameter", completion(temperature=-0.1)),
+    ("invalid_parameter", completion(temperature="hot")),
+    ("invalid_parameter", completion(top_p=0)),
+    ("invalid_parameter", completion(top_p=1.5)),
+    ("invalid_parameter", completion(seed=-1)),
+    ("invalid_parameter", completion(seed=2**63)),
+    ("invalid_parameter", completion(seed=1.5)),
+    ("invalid_parameter", completion(stop=["a", "b", "c", "d", "e"])),
+    ("invalid_parameter", completion(stop=[""])),
+    ("invalid_parameter", completion(stop="")),
+    ("invalid_parameter", completion(stop=5)),
+    ("max_tokens_too_large", completion(max_tokens=513)),
+    ("max_tokens_too_large", completion(max_completion_tokens=10_000)),
+    ("context_length_exceeded", completion(prompt="word " * 2000, max_tokens=100)),
+]
+
+
+@pytest.mark.parametrize(("code", "bad"), BAD_LINES, ids=[f"{code}-{i}" for i, (code, _) in enumerate(BAD_LINES)])
+def test_each_bad_line_is_reported_with_its_number_custom_id_and_code(tokenizer: Any, code: str,
+                                                                       bad: dict[str, Any] | str) -> None:
+    error = only_error(tokenizer, bad)
+    expected_id = bad.get("custom_id") if isinstance(bad, dict) else None
+    assert (error.line_number, error.code) == (2, code)
+    assert error.custom_id == (expected_id if isinstance(expected_id, str) and 0 < len(expected_id) <= 500 else None)
+    assert error.message and "\n" not in error.message
+
+
+def test_a_model_mismatch_names_both_models(tokenizer: Any) -> None:
+    message = only_error(tokenizer, completion("x", model="gpt-4o")).message
+    assert "gpt-4o" in message and MODEL in message
+
+
+def test_a_too_large_max_tokens_names_the_cap(tokenizer: Any) -> None:
+    assert "512" in only_error(tokenizer, completion("x", max_tokens=1000)).message
+
+
+def test_an_invalid_parameter_names_the_parameter(tokenizer: Any) -> None:
+    assert "top_p" in only_error(tokenizer, completion("x", top_p=2)).message
+
+
+def test_context_length_exceeded_gives_the_prompt_and_max_tokens_and_the_context(tokenizer: Any) -> None:
+    prompt_tokens = len(tokenizer("The city council voted").input_ids)
+    limits = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=512, context_length=prompt_tokens + 4)
+    error = only_error(tokenizer, completion("x", max_tokens=5), limits)
+    assert error.code == "context_length_exceeded"
+    assert all(str(n) in error.message for n in (prompt_tokens, 5, prompt_tokens + 5, prompt_tokens + 4))
+
+
+def test_a_chat_line_for_a_model_without_a_chat_template_says_to_use_completions(tiny_model: Path) -> None:
+    plain = load_tokenizer(tiny_model)
+    plain.chat_template = None
+    error = only_error(plain, chat("x"))
+    assert error.code == "chat_template_missing" and "/v1/completions" in error.message
+
+
+def test_messages_the_chat_template_refuses_are_invalid_messages(tiny_model: Path) -> None:
+    strict = load_tokenizer(tiny_model)
+    strict.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    error = only_error(strict, chat("x"))
+    assert error.code == "invalid_messages" and "no system role" in error.message
+
+
+def test_a_line_error_serializes_to_a_plain_dict() -> None:
+    error = LineError(3, "x", "invalid_url", "url must be ...")
+    assert error.to_dict() == {"line_number": 3, "custom_id": "x", "code": "invalid_url", "message": "url must be ..."}
+
+
+def test_the_endpoint_is_the_url_most_good_lines_use(tokenizer: Any) -> None:
+    assert parse(tokenizer, jsonl(completion("a"), chat("b"), chat("c"))).endpoint == "/v1/chat/completions"
+    assert parse(tokenizer, jsonl(chat("a"), completion("b"))).endpoint == "/v1/chat/completions"
+
+
+def test_crlf_line_endings_and_a_utf8_bom_are_accepted(tokenizer: Any) -> None:
+    data = b"\xef\xbb\xbf" + jsonl(completion("a"), completion("b")).replace(b"\n", b"\r\n") + b"\r\n"
+    assert [r.custom_id for r in parse(tokenizer, data).requests] == ["a", "b"]
+
+
+def test_a_file_over_the_size_limit_is_rejected_naming_both_sizes_and_the_setting(tokenizer: Any) -> None:
+    data = jsonl(completion("a"))
+    limits = InputLimits(max_file_bytes=len(data) - 1, max_lines=100, max_tokens_cap=512, context_length=2048)
+    with pytest.raises(BatchFileRejected, match=rf"is {len(data)} bytes; the limit is {len(data) - 1} "
+                                                r"\(SWARMBATCH_MAX_FILE_BYTES\)"):
+        parse(tokenizer, data, limits)
+
+
+def test_a_file_with_more_non_empty_lines_than_the_limit_is_rejected(tokenizer: Any) -> None:
+    limits = InputLimits(max_file_bytes=100_000, max_lines=2, max_tokens_cap=512, context_length=2048)
+    assert len(parse(tokenizer, jsonl(completion("a"), "", "", completion("b"), ""), limits).requests) == 2
+    with pytest.raises(BatchFileRejected, match="3 non-empty lines; the limit is 2"):
+        parse(tokenizer, jsonl(completion("a"), completion("b"), completion("c")), limits)
+
+
+def test_a_file_that_is_not_utf8_is_rejected_naming_the_line(tokenizer: Any) -> None:
+    data = jsonl(completion("a")) + b"\n" + json.dumps(completion("b")).encode("latin-1").replace(b"city", b"cit\xe9")
+    with pytest.raises(BatchFileRejected, match=r"not valid UTF-8 \(line 2"):
+        parse(tokenizer, data)
+
+
+def test_a_file_without_one_good_line_is_rejected_summarizing_the_first_errors(tokenizer: Any) -> None:
+    data = jsonl("{", completion("a", model="other"), "[]", completion("b", top_p=9), "nope")
+    with pytest.raises(BatchFileRejected) as rejected:
+        parse(tokenizer, data)
+    message = str(rejected.value)
+    assert message.startswith("no valid request in the file; line 1: invalid_json: ")
+    assert "line 2: model_mismatch: " in message and "line 3: invalid_json: " in message
+    assert "line 4" not in message and "and 2 more" in message and "\n" not in message
+
+
+def test_an_empty_or_blank_file_is_rejected(tokenizer: Any) -> None:
+    for data in (b"", b"\n  \n\r\n"):
+        with pytest.raises(BatchFileRejected, match="no valid request in the file"):
+            parse(tokenizer, data)
