@@ -44,7 +44,7 @@ def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug l
 def setup_logging(level: int) -> None:
     """Log to stderr; hivemind's chatter only at WARNING and above."""
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("hivemind", "httpx", "asyncio"):
+    for noisy in ("hivemind", "httpx", "asyncio", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING if level > logging.DEBUG else logging.INFO)
 
 
@@ -58,14 +58,17 @@ def fail(exc: BaseException, code: int) -> None:
 
 def guarded(fn: Callable[[], T]) -> T:
     """Run a command body, turning our error roots into one line and an exit code."""
+    from jobs.errors import InvalidJob, JobNotFound, StoreUnavailable
     from modelprep import ModelPrepError
     from servers.errors import ServerConfigError, ServerError
     from swarmclient.errors import InvalidRequest, ModelDirError, SwarmError
 
     try:
         return fn()
-    except (ModelPrepError, ModelDirError, ServerConfigError, InvalidRequest) as e:
+    except (ModelPrepError, ModelDirError, ServerConfigError, InvalidRequest, InvalidJob, JobNotFound) as e:
         fail(e, EXIT_USAGE)
+    except StoreUnavailable as e:
+        fail(e, EXIT_STORE_UNREACHABLE)
     except (SwarmError, ServerError) as e:
         fail(e, EXIT_SWARM_UNAVAILABLE)
     raise AssertionError("unreachable")
@@ -225,6 +228,170 @@ def demo() -> None:
     from jobs.demo import run_demo
 
     guarded(lambda: run_demo(echo=typer.echo))
+
+
+# ---- batch jobs ----------------------------------------------------------------------------------------------------
+ApiOption = Annotated[Optional[str], typer.Option("--api", envvar="SWARMBATCH_API_URL",
+                                                  help="Talk to this REST API instead of the store.")]
+KeyOption = Annotated[Optional[str], typer.Option("--key", envvar="SWARMBATCH_API_KEY", help="API key for --api.")]
+db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+
+
+def jobs_client(api: Optional[str], key: Optional[str]) -> Any:
+    """The store (default) or the REST API."""
+    from jobs.client import ApiClient, StoreClient
+    from jobs.runtime import get_runtime
+
+    return ApiClient(api, key) if api else StoreClient(get_runtime())
+
+
+def print_job(job: dict[str, Any], as_json: bool) -> None:
+    """A job object as JSON or one readable line."""
+    from jobs.progress import describe_job
+
+    typer.echo(json.dumps(job) if as_json else describe_job(job))
+
+
+@app.command("submit")
+def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="OpenAI batch JSONL.")],
+           model: Annotated[str, typer.Option(help="'smollm2' or a local model dir.")] = "smollm2",
+           completion_window: Annotated[str, typer.Option(help="Deadline, e.g. 24h or 90m.")] = "24h",
+           wait: Annotated[bool, typer.Option(help="Show progress until the job ends.")] = False,
+           as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """Submit a batch; prints the job id (or the job object with --json)."""
+    client = guarded(lambda: jobs_client(api, key))
+    job = guarded(lambda: client.submit(file, model=model, completion_window=completion_window))
+    if not wait:
+        typer.echo(json.dumps(job) if as_json else job["id"])
+        return
+    from jobs.progress import follow_job
+
+    final = guarded(lambda: follow_job(client, job["id"]))
+    print_job(final, as_json)
+    if final["status"] != "completed":
+        raise typer.Exit(EXIT_JOB_FAILED)
+
+
+@app.command("status")
+def status(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """A job's status, request counts, tokens generated and what blocks it."""
+    client = guarded(lambda: jobs_client(api, key))
+    print_job(guarded(lambda: client.get(job_id)), as_json)
+
+
+@app.command("results")
+def results(job_id: str, output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write to a file.")] = None,
+            errors: Annotated[bool, typer.Option("--errors", help="The error lines instead.")] = False,
+            api: ApiOption = None, key: KeyOption = None) -> None:
+    """The output JSONL, in input order (partial while the job runs)."""
+    client = guarded(lambda: jobs_client(api, key))
+    lines = guarded(lambda: list(client.errors(job_id) if errors else client.results(job_id)))
+    if output is None:
+        typer.echo("".join(lines), nl=False)
+        return
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text("".join(lines))
+    tmp.replace(output)
+    typer.echo(f"{len(lines)} lines written to {output}", err=True)
+
+
+@app.command("cancel")
+def cancel(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """Cancel a job; finished and partial outputs are kept."""
+    client = guarded(lambda: jobs_client(api, key))
+    print_job(guarded(lambda: client.cancel(job_id)), as_json)
+
+
+@app.command("jobs")
+def jobs(as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """Recent jobs, newest first."""
+    client = guarded(lambda: jobs_client(api, key))
+    listed = guarded(lambda: client.list())
+    if as_json:
+        typer.echo(json.dumps({"object": "list", "data": listed}))
+        return
+    for job in listed:
+        print_job(job, False)
+
+
+@app.command("worker")
+def worker(concurrency: Annotated[int, typer.Option(min=1, help="Pool processes.")] = 1,
+           pool: Annotated[str, typer.Option(help="prefork, solo or threads.")] = "prefork",
+           beat: Annotated[bool, typer.Option(help="Also run the periodic sweep (embedded beat).")] = False,
+           initial_peers: PeersOption = [],
+           loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
+    """Run a Celery worker that generates jobs through the swarm."""
+    from jobs.runtime import get_runtime
+
+    if initial_peers:
+        os.environ["SWARMBATCH_INITIAL_PEERS"] = " ".join(initial_peers)
+    runtime = get_runtime()
+    guarded(runtime.ensure_store)
+    args = ["worker", f"--concurrency={concurrency}", f"--pool={pool}", f"--loglevel={loglevel}",
+            "--without-gossip", "--without-mingle", "-n", f"swarmbatch-{os.getpid()}@%h"]
+    runtime.celery.worker_main(args + (["--beat", f"--schedule={runtime.settings.home / 'beat-schedule'}"] if beat else []))
+
+
+@app.command("beat")
+def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
+    """Run Celery beat: the periodic sweep for lost work."""
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    runtime.settings.home.mkdir(parents=True, exist_ok=True)
+    runtime.celery.start(["beat", f"--loglevel={loglevel}", f"--schedule={runtime.settings.home / 'beat-schedule'}"])
+
+
+@app.command("api")
+def api_server(host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
+               port: Annotated[int, typer.Option(help="TCP port.")] = 8000) -> None:
+    """Serve the REST API (OpenAPI at /docs)."""
+    import uvicorn
+
+    from jobs.api.main import make_app
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    guarded(runtime.ensure_store)
+    uvicorn.run(make_app(runtime), host=host, port=port)
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Migrate the database (SWARMBATCH_DATABASE_URL, or the embedded SQLite) to the latest schema."""
+    from jobs.errors import StoreUnavailable
+    from jobs.migrate import upgrade
+    from jobs.settings import get_settings
+
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+
+    def run() -> None:
+        try:
+            upgrade(settings.resolved_database_url, revision)
+        except Exception as e:  # SQLAlchemy OperationalError and friends: the database is not reachable
+            raise StoreUnavailable(f"cannot migrate {settings.resolved_database_url.split('@')[-1]}: "
+                                   f"{str(e).splitlines()[0]}") from e
+
+    guarded(run)
+    typer.echo(f"database at {revision}")
+
+
+@keys_app.command("create")
+def keys_create(name: Annotated[str, typer.Argument(help="Who the key is for.")]) -> None:
+    """Create an API key; prints it once (only its hash is stored)."""
+    from jobs import store
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    guarded(runtime.ensure_store)
+    with runtime.session() as session:
+        _, plain = store.create_api_key(session=session, name=name)
+        session.commit()
+    typer.echo(plain)
 
 
 def main() -> None:

@@ -375,6 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_sigterm(*_: object) -> None:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
 
     model_dir = resolve_model(args.model)
     from swarmclient.model_spec import ModelSpec

@@ -70,6 +70,15 @@ class Runtime:
                                    f"({str(e.orig).strip().splitlines()[0]}); start it and run "
                                    "'swarmbatch db upgrade'") from e
 
+    def ensure_store(self) -> None:
+        """Embedded SQLite migrates itself on first use; any other database must answer and be migrated."""
+        if self.settings.resolved_database_url.startswith("sqlite"):
+            from jobs.migrate import upgrade
+
+            self.settings.home.mkdir(parents=True, exist_ok=True)
+            upgrade(self.settings.resolved_database_url)
+        self.check_store()
+
     def model_dir(self, model: str) -> Path:
         """A job's model name or path -> its prepared directory."""
         from modelprep import prepare_model

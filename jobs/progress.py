@@ -1,0 +1,43 @@
+"""Showing a job to a person: one status line, and a live progress bar while it runs."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+TERMINAL = {"completed", "failed", "cancelled", "expired"}
+
+
+def describe_job(job: dict[str, Any]) -> str:
+    """One line: id, status, counts, tokens, and what blocks it."""
+    counts = job["request_counts"]
+    line = (f"{job['id']}  {job['status']:<11} {counts['completed']}/{counts['total']} completed, "
+            f"{counts['failed']} failed, {job.get('tokens_generated', 0)} tokens")
+    if job.get("errors"):
+        line += f", {len(job['errors']['data'])} bad input lines"
+    if job.get("blocked_reason") and job["status"] not in TERMINAL:
+        line += f"; blocked: {job['blocked_reason']}"
+    return line
+
+
+def follow_job(client: Any, job_id: str, *, interval: float = 1.0) -> dict[str, Any]:
+    """Poll a job and draw a progress bar of requests and tokens on stderr until it ends; returns the job."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    began = time.monotonic()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} requests"),
+                  TextColumn("{task.fields[tokens]} tokens, {task.fields[rate]:.1f} tok/s"), TimeElapsedColumn(),
+                  TextColumn("{task.fields[note]}"), transient=False,
+                  console=Console(file=sys.stderr)) as bar:
+        task = bar.add_task(job_id, total=None, tokens=0, rate=0.0, note="")
+        while True:
+            job = client.get(job_id)
+            counts = job["request_counts"]
+            tokens = job.get("tokens_generated", 0)
+            bar.update(task, total=counts["total"], completed=counts["completed"] + counts["failed"], tokens=tokens,
+                       rate=tokens / max(time.monotonic() - began, 1e-6), description=job["status"],
+                       note=f"blocked: {job['blocked_reason']}" if job.get("blocked_reason") else "")
+            if job["status"] in TERMINAL:
+                return job
+            time.sleep(interval)

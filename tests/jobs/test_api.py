@@ -1,0 +1,332 @@
+"""The REST API, served by a real uvicorn on 127.0.0.1 and called with httpx, over a real store and Redis broker.
+
+No worker runs: process_job messages wait in Redis. Where a test needs finished requests it writes them with
+the store's own claim/finish functions, as a worker would.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from jobs import store
+from jobs.api.main import make_app
+from jobs.models import RequestStatus
+from jobs.runtime import Runtime
+from jobs.settings import Settings
+
+Client = Callable[..., httpx.Client]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Runtime], str]]:
+    """Start make_app(runtime) under uvicorn in a thread; returns its base URL. Every server is stopped after."""
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(runtime: Runtime) -> str:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+        thread.start()
+        running.append((server, thread))
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on port {port}")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(serve: Callable[[Runtime], str]) -> Iterator[Client]:
+    """An httpx client of the API serving a runtime, with an optional Bearer key; closed after the test."""
+    clients: list[httpx.Client] = []
+
+    def make(runtime: Runtime, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        clients.append(httpx.Client(base_url=serve(runtime), headers=headers, timeout=60))
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def runtime(make_runtime: Callable[..., Runtime], redis_url: str) -> Runtime:
+    """SQLite store, real Redis broker."""
+    return make_runtime(broker_url=redis_url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_store_runtime(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime], redis_url: str) -> Runtime:
+    """The runtime on each supported database: SQLite, then PostgreSQL."""
+    if request.param == "postgresql":
+        return make_runtime(database_url=request.getfixturevalue("postgres_url"), broker_url=redis_url)
+    return make_runtime(broker_url=redis_url)
+
+
+def new_key(runtime: Runtime, name: str = "tester") -> str:
+    """A real API key row; returns the plain key."""
+    with runtime.session() as session:
+        _, plain = store.create_api_key(session=session, name=name)
+        session.commit()
+    return plain
+
+
+def request_line(custom_id: str, prompt: str = "Hello there", **body: Any) -> dict[str, Any]:
+    """One OpenAI batch request line for /v1/completions."""
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": prompt, "max_tokens": 4, **body}}
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    """Lines as a JSONL file (strings are written as they are, to make bad lines)."""
+    return "\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines).encode() + b"\n"
+
+
+def upload(api: httpx.Client, model: Path, lines: list[Any], **fields: str) -> httpx.Response:
+    """POST /v1/batches as a multipart upload."""
+    return api.post("/v1/batches", files={"file": ("batch.jsonl", jsonl(lines), "application/jsonl")},
+                    data={"model": str(model), **fields})
+
+
+def read_jsonl(response: httpx.Response) -> list[dict[str, Any]]:
+    """A JSONL response's lines."""
+    return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+
+def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, client: Client, tiny_model: Path,
+                                                              redis_url: str) -> None:
+    api = client(runtime, new_key(runtime))
+
+    response = upload(api, tiny_model, [request_line("a"), request_line("b")], metadata='{"team": "docs"}')
+
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["id"].startswith("batch_")
+    assert job["object"] == "batch" and job["status"] == "queued"
+    assert job["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert job["input_file_id"] == "batch.jsonl" and job["metadata"] == {"team": "docs"}
+    assert job["completion_window"] == "24h" and job["errors"] is None
+    assert redis.Redis.from_url(redis_url).llen("celery") >= 1  # process_job waits in the real broker
+    assert api.get(f"/v1/batches/{job['id']}").json()["status"] == "queued"
+
+
+def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client: Client, tiny_model: Path) -> None:
+    api = client(runtime, new_key(runtime))
+    body = {"model": str(tiny_model), "completion_window": "2h", "metadata": {"run": 7},
+            "requests": [request_line("a", model=str(tiny_model)), request_line("b"), request_line("c")]}
+
+    response = api.post("/v1/batches", json=body)
+
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "queued" and job["request_counts"]["total"] == 3
+    assert job["completion_window"] == "2h" and job["metadata"] == {"run": 7}
+    assert [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
+
+
+def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime, client: Client,
+                                                               tiny_model: Path) -> None:
+    api = client(runtime, new_key(runtime))
+    lines = [request_line("good-1"), "{not json", {**request_line("get"), "method": "GET"}, request_line("good-1"),
+             request_line("good-2")]
+
+    response = upload(api, tiny_model, lines)
+
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["request_counts"]["total"] == 2
+    expected = [(2, "invalid_json"), (3, "invalid_method"), (4, "duplicate_custom_id")]
+    assert [(e["line_number"], e["code"]) for e in job["errors"]["data"]] == expected
+    errors = api.get(f"/v1/batches/{job['id']}/errors")
+    assert errors.status_code == 200 and errors.headers["content-type"].startswith("application/jsonl")
+    assert [(e["error"]["line"], e["error"]["code"]) for e in read_jsonl(errors)] == expected
+
+
+def test_a_file_without_a_good_line_is_refused_and_creates_no_job(runtime: Runtime, client: Client,
+                                                                  tiny_model: Path) -> None:
+    api = client(runtime, new_key(runtime))
+
+    response = upload(api, tiny_model, ["{not json", {**request_line("x"), "url": "/v1/embeddings"}])
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "InvalidJob"
+    assert "no valid request" in error["message"] and "\n" not in error["message"]
+    assert "line 1: invalid_json" in error["message"] and "line 2: invalid_url" in error["message"]
+    assert api.get("/v1/batches").json()["data"] == []
+
+
+def test_a_malformed_body_is_refused_with_what_is_missing(runtime: Runtime, client: Client) -> None:
+    api = client(runtime, new_key(runtime))
+
+    no_model = api.post("/v1/batches", files={"file": ("b.jsonl", jsonl([request_line("a")]))})
+    no_requests = api.post("/v1/batches", json={"model": "m"})
+
+    assert no_model.status_code == 400 and "model" in no_model.json()["error"]["message"]
+    assert no_requests.status_code == 400 and "requests" in no_requests.json()["error"]["message"]
+
+
+def test_requests_without_a_valid_key_are_refused_with_a_hint(runtime: Runtime, client: Client) -> None:
+    anonymous, stranger = client(runtime), client(runtime, "sb-not-a-key")
+
+    missing = anonymous.get("/v1/batches")
+    unknown = stranger.get("/v1/batches")
+
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert "swarmbatch keys create NAME" in missing.json()["detail"]
+    assert unknown.status_code == 401 and "unknown API key" in unknown.json()["detail"]
+    assert anonymous.post("/v1/batches", json={"model": "m", "requests": []}).status_code == 401
+    assert anonymous.post("/v1/batches", content=b"{not json", headers={"content-type": "application/json"}
+                          ).status_code == 401  # refused before the body is read
+
+
+def test_another_key_can_neither_see_nor_touch_a_job(any_store_runtime: Runtime, client: Client,
+                                                     tiny_model: Path) -> None:
+    # Given a job submitted with the owner's key
+    owner = client(any_store_runtime, new_key(any_store_runtime, "owner"))
+    other = client(any_store_runtime, new_key(any_store_runtime, "other"))
+    job_id = upload(owner, tiny_model, [request_line("a")]).json()["id"]
+
+    # When the other key asks for it, Then it does not exist for that key
+    for response in (other.get(f"/v1/batches/{job_id}"), other.get(f"/v1/batches/{job_id}/results"),
+                     other.get(f"/v1/batches/{job_id}/errors"), other.post(f"/v1/batches/{job_id}/cancel")):
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["type"] == "JobNotFound"
+    assert other.get("/v1/batches").json() == {"object": "list", "data": []}
+    # and the owner's job was not cancelled
+    assert owner.get(f"/v1/batches/{job_id}").json()["status"] == "queued"
+    assert [j["id"] for j in owner.get("/v1/batches").json()["data"]] == [job_id]
+
+
+def test_jobs_are_listed_newest_first_up_to_the_limit(runtime: Runtime, client: Client, tiny_model: Path) -> None:
+    api = client(runtime, new_key(runtime))
+    ids = [upload(api, tiny_model, [request_line("a")]).json()["id"] for _ in range(3)]
+
+    listed = api.get("/v1/batches", params={"limit": 2}).json()
+
+    assert listed["object"] == "list" and [j["id"] for j in listed["data"]] == ids[::-1][:2]
+    assert api.get("/v1/batches", params={"limit": 0}).status_code == 422
+    assert api.get("/v1/batches", params={"limit": 101}).status_code == 422
+
+
+def finish(runtime: Runtime, job_id: str, outcomes: dict[int, tuple[RequestStatus, list[int]]]) -> None:
+    """As a worker would: claim the first requests, then finish them (in reverse order) with these outcomes."""
+    with runtime.session() as session:
+        token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=len(outcomes),
+                                           lease_seconds=60, max_attempts=5)
+        for row in sorted(rows, key=lambda r: -r.index):
+            status, generated = outcomes[row.index]
+            assert store.finish_request(session=session, request_id=row.id, token=token, status=status,
+                                        generated=generated, finish_reason="length", output_text=f"out {row.index}",
+                                        error="swarm gave up" if status == RequestStatus.failed else None)
+        session.commit()
+
+
+def test_cancelling_keeps_the_completed_outputs_in_input_order(runtime: Runtime, client: Client,
+                                                               tiny_model: Path) -> None:
+    # Given a job of four requests: 0 and 2 completed, 1 failed, 3 still pending
+    api = client(runtime, new_key(runtime))
+    job_id = upload(api, tiny_model, [request_line(f"r{i}", prompt=f"Hi {i}") for i in range(4)]).json()["id"]
+    finish(runtime, job_id, {0: (RequestStatus.completed, [5, 6]), 1: (RequestStatus.failed, []),
+                             2: (RequestStatus.completed, [7, 8, 9])})
+    partial = read_jsonl(api.get(f"/v1/batches/{job_id}/results"))
+
+    # When it is cancelled (no request is running)
+    cancelled = api.post(f"/v1/batches/{job_id}/cancel")
+
+    # Then it is cancelled at once and the finished outputs stay, in input order, in the OpenAI line shape
+    assert cancelled.status_code == 200, cancelled.text
+    job = cancelled.json()
+    assert job["status"] == "cancelled" and job["cancelled_at"] is not None
+    assert job["request_counts"] == {"total": 4, "completed": 2, "failed": 1}
+    results = api.get(f"/v1/batches/{job_id}/results")
+    assert results.headers["content-type"].startswith("application/jsonl")
+    lines = read_jsonl(results)
+    assert lines == partial
+    assert [line["custom_id"] for line in lines] == ["r0", "r2"]
+    first = lines[0]
+    assert set(first) == {"id", "custom_id", "response", "error"} and first["error"] is None
+    assert first["response"]["status_code"] == 200
+    body = first["response"]["body"]
+    assert body["object"] == "text_completion" and body["model"] == str(tiny_model)
+    assert body["choices"][0]["text"] == "out 0" and body["usage"]["completion_tokens"] == 2
+    failed = read_jsonl(api.get(f"/v1/batches/{job_id}/errors"))
+    assert [(e["custom_id"], e["error"]["code"], e["error"]["message"]) for e in failed] == \
+        [("r1", "request_failed", "swarm gave up")]
+    assert api.get(f"/v1/batches/{job_id}").json()["status"] == "cancelled"
+
+
+def test_healthz_answers_ok_when_the_database_is_migrated(runtime: Runtime, client: Client) -> None:
+    response = client(runtime).get("/healthz")
+
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_healthz_answers_503_when_the_database_is_not_migrated(tmp_path: Path, client: Client) -> None:
+    bare = Runtime(Settings(home=tmp_path / "bare", database_url=f"sqlite:///{tmp_path / 'empty.sqlite'}"))
+    try:
+        response = client(bare).get("/healthz")
+    finally:
+        bare.close()
+
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["type"] == "StoreUnavailable" and "swarmbatch db upgrade" in error["message"]
+
+
+def test_metrics_count_jobs_requests_and_generated_tokens(any_store_runtime: Runtime, client: Client,
+                                                          tiny_model: Path) -> None:
+    # Given one queued job with one completed request (3 tokens) and one pending
+    api = client(any_store_runtime, new_key(any_store_runtime))
+    job_id = upload(api, tiny_model, [request_line("a"), request_line("b")]).json()["id"]
+    finish(any_store_runtime, job_id, {0: (RequestStatus.completed, [1, 2, 3])})
+
+    # When Prometheus scrapes, without a key
+    response = client(any_store_runtime).get("/metrics")
+
+    # Then the numbers match the rows
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in response.text.splitlines() if line and not line.startswith("#")}
+    assert samples['swarmbatch_jobs{status="queued"}'] == 1.0
+    assert samples['swarmbatch_jobs{status="completed"}'] == 0.0
+    assert samples['swarmbatch_requests{status="completed"}'] == 1.0
+    assert samples['swarmbatch_requests{status="pending"}'] == 1.0
+    assert samples["swarmbatch_tokens_generated_total"] == 3.0
+
+
+def test_the_openapi_docs_describe_the_routes(runtime: Runtime, client: Client) -> None:
+    api = client(runtime)
+
+    docs = api.get("/docs")
+    schema = api.get("/openapi.json").json()
+
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert {"/v1/batches", "/v1/batches/{job_id}", "/v1/batches/{job_id}/results", "/v1/batches/{job_id}/errors",
+            "/v1/batches/{job_id}/cancel", "/healthz", "/metrics"} <= set(schema["paths"])
+    body = schema["paths"]["/v1/batches"]["post"]["requestBody"]["content"]
+    assert {"multipart/form-data", "application/json"} <= set(body)
