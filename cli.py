@@ -330,7 +330,8 @@ def worker(concurrency: Annotated[int, typer.Option(min=1, help="Pool processes.
         os.environ["SWARMBATCH_INITIAL_PEERS"] = " ".join(initial_peers)
     runtime = get_runtime()
     guarded(runtime.ensure_store)
-    args = ["worker", f"--concurrency={concurrency}", f"--pool={pool}", f"--loglevel={loglevel}",
+    level = "debug" if VERBOSE["on"] else loglevel  # celery resets the root level to its own
+    args = ["worker", f"--concurrency={concurrency}", f"--pool={pool}", f"--loglevel={level}",
             "--without-gossip", "--without-mingle", "-n", f"swarmbatch-{os.getpid()}@%h"]
     runtime.celery.worker_main(args + (["--beat", f"--schedule={runtime.settings.home / 'beat-schedule'}"] if beat else []))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from celery import Celery
 from sqlalchemy import Engine, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.celery_app import make_celery
@@ -65,7 +65,7 @@ class Runtime:
         try:
             with self.engine.connect() as connection:
                 connection.execute(text("SELECT count(*) FROM jobs"))
-        except OperationalError as e:
+        except DBAPIError as e:
             raise StoreUnavailable(f"database {self.engine.url.render_as_string(hide_password=True)} is not usable "
                                    f"({str(e.orig).strip().splitlines()[0]}); start it and run "
                                    "'swarmbatch db upgrade'") from e

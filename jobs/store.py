@@ -193,12 +193,17 @@ def finish_request(*, session: Session, request_id: int, token: str, status: Req
     return bool(result.rowcount)  # type: ignore[attr-defined]
 
 
-def release_requests(*, session: Session, token: str, error: str) -> None:
-    """Give claimed requests back (e.g. the swarm is unavailable), keeping their committed tokens."""
+def release_requests(*, session: Session, token: str, error: str, count_attempt: bool = True) -> None:
+    """Give claimed requests back, keeping their committed tokens.
+
+    `count_attempt=False` (missing blocks: nothing was tried) gives the claim's attempt back, so a job waiting
+    for servers is bounded by its deadline, not by max_attempts.
+    """
     session.execute(update(Request).where(Request.lease_token == token,
                                           Request.status == RequestStatus.in_progress.value)
                     .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
-                            lease_expires_at=None, last_error=error))
+                            lease_expires_at=None, last_error=error,
+                            attempts=Request.attempts - (0 if count_attempt else 1)))
     session.commit()
 
 

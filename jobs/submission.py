@@ -9,6 +9,8 @@ from jobs.errors import InvalidJob
 from jobs.models import Job
 from jobs.runtime import Runtime
 from jobs.store import create_job
+from modelprep import ModelPrepError
+from swarmclient.errors import ModelDirError
 
 MAX_PARALLEL_TASKS = 8  # tasks in flight per job at submission; each re-enqueues itself while work remains
 
@@ -33,8 +35,11 @@ def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | N
                  metadata: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Job:
     """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if no line is usable."""
     window = parse_window(completion_window)
-    tokenizer = runtime.tokenizer(model)
-    context = int(runtime_context_length(runtime, model))
+    try:
+        tokenizer = runtime.tokenizer(model)
+        context = runtime_context_length(runtime, model)
+    except (ModelPrepError, ModelDirError) as e:
+        raise InvalidJob(str(e)) from e
     limits = InputLimits(max_file_bytes=runtime.settings.max_file_bytes, max_lines=runtime.settings.max_lines,
                          max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context)
     try:

@@ -8,7 +8,7 @@ from celery import shared_task
 from celery.signals import worker_process_init, worker_ready
 
 from jobs.runtime import get_runtime
-from jobs.worker import JobWorker, sweep_store
+from jobs.worker import JobWorker, retry_delay, sweep_store
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ def process_job(self: Any, job_id: str) -> None:
     """Generate one batch of a job's pending requests; re-enqueue while work remains."""
     runtime = get_runtime()
     outcome = JobWorker(runtime).process(job_id)
-    if outcome.retry_in is not None:
-        raise self.retry(countdown=outcome.retry_in)
+    if outcome.retry:
+        raise self.retry(countdown=retry_delay(self.request.retries))
     if outcome.more:
         runtime.celery.send_task("jobs.tasks.process_job", args=[job_id])
 

@@ -24,12 +24,17 @@ logger = logging.getLogger(__name__)
 MIN_RETRY_DELAY, MAX_RETRY_DELAY = 2.0, 60.0
 
 
+def retry_delay(retries: int) -> float:
+    """Seconds before retry number `retries` + 1 of a blocked job: exponential, capped."""
+    return min(MAX_RETRY_DELAY, MIN_RETRY_DELAY * 2 ** retries)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What the task should do next."""
 
-    more: bool = False              # pending work remains: enqueue again now
-    retry_in: float | None = None   # the swarm is unavailable: retry after this many seconds
+    more: bool = False   # pending work remains: enqueue again now
+    retry: bool = False  # the swarm is unavailable: retry with backoff
 
 
 class JobWorker:
@@ -131,15 +136,18 @@ class JobWorker:
         session.commit()
 
     def _blocked(self, session: Session, job: Job, token: str, error: Exception) -> Outcome:
-        """The swarm cannot serve now: give the requests back, say why on the job, retry later."""
+        """The swarm cannot serve now: give the requests back, say why on the job, retry later.
+
+        Missing blocks cost no attempt (the job waits for servers until its deadline); other swarm failures
+        count, so a request that keeps failing ends as failed with its reason.
+        """
         reason = f"{type(error).__name__}: {error}"
-        store.release_requests(session=session, token=token, error=reason)
+        store.release_requests(session=session, token=token, error=reason,
+                               count_attempt=not isinstance(error, MissingBlocksError))
         job.blocked_reason = reason
         session.commit()
-        attempts = max(r.attempts for r in session.scalars(select(Request).where(Request.job_id == job.id)))
-        delay = min(MAX_RETRY_DELAY, MIN_RETRY_DELAY * 2 ** max(0, attempts - 1))
-        logger.warning("Job %s blocked (%s); retrying in %.0f s", job.id, reason, delay)
-        return Outcome(retry_in=delay)
+        logger.warning("Job %s blocked: %s", job.id, reason)
+        return Outcome(retry=True)
 
 
 def sweep_store(runtime: Runtime) -> list[str]:

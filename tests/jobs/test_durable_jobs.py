@@ -1,0 +1,205 @@
+"""Durable jobs end to end: real worker processes, a real swarm, real stores (embedded, and Redis + PostgreSQL)."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from jobs import store
+from jobs.models import Job, Request
+from jobs.outputs import iter_errors, iter_results
+from jobs.runtime import Runtime
+from jobs.submission import submit_batch
+from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+
+K = 4  # checkpoint every K tokens
+
+
+@pytest.fixture(scope="module")
+def jobs_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("jobs-swarm")) as swarm:
+        yield swarm
+
+
+@pytest.fixture(params=["embedded", "redis+postgres"])
+def backend(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime]) -> Runtime:
+    """A migrated store and broker: SQLite + the embedded SQLite broker, or PostgreSQL + Redis."""
+    if request.param == "embedded":
+        return make_runtime(checkpoint_every=K)
+    return make_runtime(database_url=request.getfixturevalue("postgres_url"),
+                        broker_url=request.getfixturevalue("redis_url"), checkpoint_every=K)
+
+
+WorkerFactory = Callable[..., ManagedProcess]
+
+
+@pytest.fixture
+def start_worker(jobs_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFactory]:
+    """Start `swarmbatch worker` processes (own process groups) on a runtime's store and broker."""
+    workers: list[ManagedProcess] = []
+
+    def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = 6.0) -> ManagedProcess:
+        settings = runtime.settings
+        env = {"SWARMBATCH_HOME": str(settings.home), "SWARMBATCH_DATABASE_URL": settings.resolved_database_url,
+               "SWARMBATCH_BROKER_URL": settings.resolved_broker_url,
+               "SWARMBATCH_INITIAL_PEERS": " ".join(jobs_swarm.initial_peers),
+               "SWARMBATCH_CHECKPOINT_EVERY": str(settings.checkpoint_every),
+               "SWARMBATCH_WORKER_BATCH_SIZE": str(batch_size), "SWARMBATCH_LEASE_SECONDS": str(lease_seconds),
+               "SWARMBATCH_SWEEP_INTERVAL": "2", "OMP_NUM_THREADS": "1"}
+        worker = ManagedProcess(cli_command("-v", "worker", "--beat"), name=f"worker{len(workers)}",
+                                log_dir=tmp_path, env=env)
+        workers.append(worker)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.terminate()
+
+
+def batch_file(count: int, *, max_tokens: int = 40, bad_lines: bool = False) -> bytes:
+    """`count` requests, half greedy and half sampled with a seed; optionally with bad lines mixed in."""
+    lines = []
+    for i in range(count):
+        body: dict[str, Any] = {"prompt": f"Request number {i} says that", "max_tokens": max_tokens}
+        if i % 2:
+            body.update(temperature=0.9, top_p=0.95, seed=1000 + i)
+        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+        if bad_lines and i == 2:
+            lines.append("{broken json")
+            lines.append(json.dumps({"custom_id": "req-0", "method": "POST", "url": "/v1/completions",
+                                     "body": {"prompt": "duplicate id"}}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job_status(runtime: Runtime, job_id: str) -> str:
+    with runtime.session() as session:
+        return str(session.scalar(select(Job.status).where(Job.id == job_id)))
+
+
+def requests_of(runtime: Runtime, job_id: str) -> list[Request]:
+    with runtime.session() as session:
+        return list(session.scalars(select(Request).where(Request.job_id == job_id).order_by(Request.index)))
+
+
+def texts(runtime: Runtime, job_id: str) -> dict[str, str]:
+    with runtime.session() as session:
+        job = store.get_job(session=session, job_id=job_id)
+        lines = [json.loads(line) for line in iter_results(session=session, job=job)]
+    custom_ids = [line["custom_id"] for line in lines]
+    assert len(custom_ids) == len(set(custom_ids)), "a request appears twice in the results"
+    return {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in lines}
+
+
+def steps_reached(log: Path) -> dict[int, int]:
+    """Per request id, the most tokens a worker had generated (from its debug step lines)."""
+    reached: dict[int, int] = {}
+    for match in re.finditer(r"step \d+: ((?:\d+=\d+ ?)+)", log.read_text()):
+        for pair in match.group(1).split():
+            request_id, count = (int(x) for x in pair.split("="))
+            reached[request_id] = max(reached.get(request_id, 0), count)
+    return reached
+
+
+def test_a_job_survives_kill_9_of_its_worker_with_identical_output(
+        backend: Runtime, start_worker: WorkerFactory, tiny_model: Path) -> None:
+    # Given a job of 12 requests (greedy and sampled), some bad lines, and a worker generating it
+    job = submit_batch(backend, batch_file(12, bad_lines=True), model=str(tiny_model))
+    first = start_worker(backend)
+    wait_for(lambda: any(len(r.generated_ids) >= K and r.status == "in_progress" for r in requests_of(backend, job.id)),
+             120, "committed tokens of an unfinished request")
+    # When the worker's whole process group is killed -9 mid-generation
+    first.kill()
+    committed = {r.id: len(r.generated_ids) for r in requests_of(backend, job.id) if r.status != "completed"}
+    reached = steps_reached(first.log_path)
+    # Then another worker completes the job
+    second = start_worker(backend)
+    wait_for(lambda: job_status(backend, job.id) == "completed", 180, "the job to complete")
+    interrupted = {r.id: len(r.generated_ids) for r in requests_of(backend, job.id)}
+    assert any(0 < n for n in committed.values()), "the kill should interrupt a request that had committed tokens"
+    # and recomputes at most K tokens per interrupted request
+    assert reached, "the first worker's step log should show its progress"
+    recomputed = {rid: reached[rid] - committed[rid] for rid in committed if rid in reached}
+    print(f"\nrecomputed tokens per interrupted request (K={K}): {recomputed}")
+    assert recomputed and all(0 <= n <= K for n in recomputed.values()), recomputed
+    assert all(n > 0 for n in interrupted.values())
+    # and its texts equal an uninterrupted run's, with no request lost or twice
+    reference = submit_batch(backend, batch_file(12, bad_lines=True), model=str(tiny_model))
+    wait_for(lambda: job_status(backend, reference.id) == "completed", 180, "the reference job")
+    got, expected = texts(backend, job.id), texts(backend, reference.id)
+    assert sorted(got) == [f"req-{i}" for i in sorted(range(12), key=lambda i: f"req-{i}")]
+    assert got == expected
+    # and the bad lines are reported with their line numbers
+    with backend.session() as session:
+        errors = [json.loads(line)["error"] for line in
+                  iter_errors(session=session, job=store.get_job(session=session, job_id=job.id))]
+    assert [(e["line"], e["code"]) for e in errors] == [(4, "invalid_json"), (5, "duplicate_custom_id")]
+    assert second.proc.poll() is None
+
+
+def test_two_workers_never_generate_the_same_request(
+        make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str, start_worker: WorkerFactory,
+        tiny_model: Path) -> None:
+    runtime = make_runtime(database_url=postgres_url, broker_url=redis_url, checkpoint_every=K)
+    job = submit_batch(runtime, batch_file(16, max_tokens=24), model=str(tiny_model))
+    workers = [start_worker(runtime, batch_size=2), start_worker(runtime, batch_size=2)]
+    wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
+    rows = requests_of(runtime, job.id)
+    assert [r.attempts for r in rows] == [1] * 16, "a request was claimed twice"
+    claimed = [set(map(int, m.split(", "))) for w in workers
+               for m in re.findall(r"claimed \d+ requests \(([\d, ]+)\)", w.log_path.read_text())]
+    all_ids = [rid for batch in claimed for rid in batch]
+    assert sorted(all_ids) == sorted(r.id for r in rows), "every request generated exactly once"
+
+
+def test_cancelling_mid_job_keeps_finished_and_partial_outputs(
+        backend: Runtime, start_worker: WorkerFactory, tiny_model: Path) -> None:
+    job = submit_batch(backend, batch_file(8, max_tokens=400), model=str(tiny_model))
+    start_worker(backend, batch_size=4)
+    wait_for(lambda: any(len(r.generated_ids) >= K for r in requests_of(backend, job.id)), 120, "progress")
+    with backend.session() as session:
+        store.cancel_job(session=session, job_id=job.id)
+        session.commit()
+    wait_for(lambda: job_status(backend, job.id) == "cancelled", 30, "cancelled")
+    rows = requests_of(backend, job.id)
+    assert {r.status for r in rows} <= {"completed", "cancelled"}
+    partial = [r for r in rows if r.status == "cancelled" and r.generated_ids]
+    assert partial and all(r.finish_reason == "cancelled" for r in partial)
+    results = texts(backend, job.id)
+    assert {f"req-{rows.index(r)}" for r in partial} <= set(results)
+
+
+def test_a_job_waits_for_missing_blocks_and_says_so(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
+    runtime = make_runtime(checkpoint_every=K)
+    with LocalSwarm(tiny_model, [(0, 3)], log_dir=tmp_path / "half-swarm") as swarm:
+        env = {"SWARMBATCH_HOME": str(runtime.settings.home), "SWARMBATCH_INITIAL_PEERS": swarm.initial_peers[0],
+               "SWARMBATCH_SWEEP_INTERVAL": "2", "OMP_NUM_THREADS": "1"}
+        worker = ManagedProcess(cli_command("worker", "--beat"), name="worker", log_dir=tmp_path, env=env)
+        try:
+            job = submit_batch(runtime, batch_file(2, max_tokens=8), model=str(tiny_model))
+
+            def blocked() -> bool:
+                with runtime.session() as session:
+                    reason = session.scalar(select(Job.blocked_reason).where(Job.id == job.id))
+                return bool(reason and "3:6" in reason)
+            wait_for(blocked, 120, "the job to report the missing blocks")
+            assert job_status(runtime, job.id) in ("queued", "in_progress")
+            swarm.start_server(3, 6)
+            wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
+        finally:
+            worker.terminate()
