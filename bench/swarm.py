@@ -20,6 +20,9 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
   ping      `Swarm.ping` (the unary `info` RPC), 50 calls per server
+  transport one more pinned server of a random 1-layer model with the same hidden size (modelprep's tiny
+            model): 1x1xH steps through it minus that layer's local compute, so almost all of the round trip
+            is the hop itself (client + p2pd x2 + server Python), not compute
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -219,75 +224,79 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     return {"median_ms": statistics.median(ms), "p90_ms": percentile(ms, 90), "min_ms": min(ms), "n": len(ms)}
 
 
+async def _timed_step(session: Any, hidden: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
+                     ) -> tuple[torch.Tensor, float]:
+    """One ServerSession step, timed on the client's event loop (no cross-thread hand-off included)."""
+    began = time.perf_counter()
+    out = await session.step(hidden, mask, pos)
+    return out, time.perf_counter() - began
+
+
 @torch.inference_mode()
-def measure_hops(model: Any, model_dir: Path, prompts: Prompts, steps: int) -> dict[str, Any]:
+def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) -> dict[str, Any]:
+    """Open one ServerSession per hop, prefill `prompt_len` tokens, then time `steps` 1x1xH steps per hop.
+
+    Each remote step is paired with the same blocks run locally (servers.block_loading.load_span, same shapes,
+    same cache length, 1 thread), so round trip - local compute = what the hop adds on top of compute.
+    """
+    from servers.block_loading import load_span
+    from swarmclient.session import ServerSession
+
+    swarm, spec = model.swarm, model.spec
+    spans = [load_span(spec, h.start, h.end) for h in hops]
+    caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, hops)]
+    sessions = [ServerSession(swarm, h, batch_size=1, max_length=prompt_len + steps + 2) for h in hops]
+    remote: list[list[float]] = [[] for _ in hops]
+    compute: list[list[float]] = [[] for _ in hops]
+    try:
+        for session in sessions:
+            swarm.loop.run(session.open())
+        hidden = torch.randn(1, prompt_len, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(1, prompt_len, dtype=torch.long)
+        pos = torch.arange(prompt_len)[None]
+        for step in range(steps + 1):
+            for number, (session, span) in enumerate(zip(sessions, spans)):
+                out, seconds = swarm.loop.run(_timed_step(session, hidden, mask, pos))
+                began = time.perf_counter()
+                span(hidden, mask, pos, caches[number])
+                local = time.perf_counter() - began
+                if step > 0:  # step 0 is the prefill
+                    remote[number].append(seconds)
+                    compute[number].append(local)
+                hidden = out
+            hidden = hidden[:, -1:, :]  # the next 1-token step (its values do not matter for timing)
+            mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
+            pos = torch.tensor([[mask.shape[1] - 1]])
+    finally:
+        for session in sessions:
+            swarm.loop.run(session.close())
+    return {"hops": [{"hop": f"{h.start}:{h.end}@{h.peer_id[-6:]}", "round_trip": summary(r),
+                      "local_compute": summary(c), "overhead": summary([a - b for a, b in zip(r, c)])}
+                     for h, r, c in zip(hops, remote, compute)]}
+
+
+@torch.inference_mode()
+def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     """Round trips of decode-sized (1x1xH) hops on the 2-server swarm; see the module docstring."""
     from servers.block_loading import load_span
     from swarmclient.data_structures import RouteHop
-    from swarmclient.session import ServerSession
 
-    swarm = model.swarm
-    spec = model.spec
+    swarm, spec = model.swarm, model.spec
     ids, _ = prompts.batch(1)
     prompt_len = ids.shape[1]
-    max_length = prompt_len + steps + 2
-
-    async def timed_step(session: ServerSession, hidden: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor
-                         ) -> tuple[torch.Tensor, float]:
-        began = time.perf_counter()
-        out = await session.step(hidden, mask, pos)
-        return out, time.perf_counter() - began
-
-    # the route the client uses (one hop per server)
     route = swarm.loop.run(swarm.route(0, spec.num_blocks))
     results: dict[str, Any] = {"route": [f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in route]}
-
-    def hop_series(sub_hops: list[RouteHop]) -> dict[str, Any]:
-        """Open one ServerSession per hop, prefill, then time 1-token steps per hop and the local compute."""
-        spans = [load_span(spec, h.start, h.end) for h in sub_hops]
-        caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, sub_hops)]
-        sessions = [ServerSession(swarm, h, batch_size=1, max_length=max_length) for h in sub_hops]
-        for s in sessions:
-            swarm.loop.run(s.open())
-        remote: list[list[float]] = [[] for _ in sub_hops]
-        compute: list[list[float]] = [[] for _ in sub_hops]
-        try:
-            hidden = model.head.embed(ids)
-            mask = torch.ones(1, prompt_len, dtype=torch.long)
-            pos = torch.arange(prompt_len)[None]
-            for step in range(steps + 1):
-                for number, (s, span) in enumerate(zip(sessions, spans)):
-                    out, seconds = swarm.loop.run(timed_step(s, hidden, mask, pos))
-                    began = time.perf_counter()
-                    span(hidden, mask, pos, caches[number])
-                    local = time.perf_counter() - began
-                    if step > 0:  # step 0 is the prefill
-                        remote[number].append(seconds)
-                        compute[number].append(local)
-                    hidden = out
-                hidden = hidden[:, -1:, :]  # the next decode step feeds the last position (values do not matter)
-                mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
-                pos = torch.tensor([[mask.shape[1] - 1]])
-        finally:
-            for s in sessions:
-                swarm.loop.run(s.close())
-        per_hop = []
-        for h, r, c in zip(sub_hops, remote, compute):
-            overhead = [a - b for a, b in zip(r, c)]
-            per_hop.append({"hop": f"{h.start}:{h.end}@{h.peer_id[-6:]}", "round_trip": summary(r),
-                            "local_compute": summary(c), "overhead": summary(overhead)})
-        return {"hops": per_hop}
-
-    # (1) 1-block sub-span on each server: almost no compute, so round trip - compute is the hop cost
-    results["hop_1block"] = hop_series([RouteHop(h.peer_id, h.start, h.start + 1) for h in route])
+    # (1) a 1-block sub-span of each server: the least compute a real hop can carry
+    results["hop_1block"] = hop_series(model, [RouteHop(h.peer_id, h.start, h.start + 1) for h in route], steps,
+                                       prompt_len)
     # (2) each server's whole span (what a decode step really sends)
-    results["hop_span"] = hop_series(route)
+    results["hop_span"] = hop_series(model, route, steps, prompt_len)
 
     # (3) the full chain through InferenceSession.step (called from this thread, as generate does)
     spans = [load_span(spec, h.start, h.end) for h in route]
     caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, route)]
     chain, compute = [], []
-    with model.inference_session(batch_size=1, max_length=max_length) as session:
+    with model.inference_session(batch_size=1, max_length=prompt_len + steps + 2) as session:
         hidden = model.head.embed(ids)
         mask = torch.ones(1, prompt_len, dtype=torch.long)
         pos = torch.arange(prompt_len)[None]
@@ -295,8 +304,7 @@ def measure_hops(model: Any, model_dir: Path, prompts: Prompts, steps: int) -> d
             began = time.perf_counter()
             session.step(hidden, mask, pos)
             seconds = time.perf_counter() - began
-            local = 0.0
-            h = hidden
+            local, h = 0.0, hidden
             for span, cache in zip(spans, caches):
                 t = time.perf_counter()
                 h = span(h, mask, pos, cache)
@@ -307,15 +315,32 @@ def measure_hops(model: Any, model_dir: Path, prompts: Prompts, steps: int) -> d
             hidden = model.head.embed(torch.tensor([[1]]))
             mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
             pos = torch.tensor([[mask.shape[1] - 1]])
-    overhead = [(a - b) / len(route) for a, b in zip(chain, compute)]
-    results["chain"] = {"step": summary(chain), "local_compute": summary(compute), "overhead_per_hop": summary(overhead)}
+    results["chain"] = {"step": summary(chain), "local_compute": summary(compute),
+                        "overhead_per_hop": summary([(a - b) / len(route) for a, b in zip(chain, compute)])}
 
-    # (4) unary info RPC
-    results["ping"] = {}
-    for h in route:
-        times = [swarm.loop.run(swarm.ping(h.peer_id)) for _ in range(50)]
-        results["ping"][h.peer_id[-6:]] = summary(times)
+    # (4) the unary info RPC
+    results["ping"] = {h.peer_id[-6:]: summary([swarm.loop.run(swarm.ping(h.peer_id)) for _ in range(50)])
+                       for h in route}
     return results
+
+
+def measure_transport_hop(stack: ExitStack, hidden_size: int, steps: int, log_root: Path | None) -> dict[str, Any]:
+    """A decode-sized hop with almost no compute: one pinned server of a random 1-layer model of the same
+    hidden size (modelprep.write_tiny_model), 1x1xH steps, round trip - local compute of that layer."""
+    from modelprep import write_tiny_model
+    from servers.launcher import LocalSwarm
+    from swarmclient.data_structures import RouteHop
+    from swarmclient.model import DistributedModelForCausalLM
+
+    folder = tempfile.mkdtemp(prefix="swarmbatch-bench-tiny-")
+    stack.callback(shutil.rmtree, folder, ignore_errors=True)
+    tiny = write_tiny_model(Path(folder) / "tiny", layers=1, hidden_size=hidden_size)
+    swarm = stack.enter_context(LocalSwarm(tiny, [(0, 1)], num_threads=1, pin_cpus=True,
+                                           log_dir=(log_root / "tiny") if log_root else None))
+    model = stack.enter_context(DistributedModelForCausalLM.from_pretrained(tiny, initial_peers=swarm.initial_peers))
+    route = model.swarm.loop.run(model.swarm.route(0, 1))
+    hop_series(model, [RouteHop(route[0].peer_id, 0, 1)], 10)  # warm-up
+    return hop_series(model, [RouteHop(route[0].peer_id, 0, 1)], steps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,6 +373,12 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
             print(line(f"{title} {hop['hop']}: round trip", hop["round_trip"]))
             print(line(f"{title} {hop['hop']}: local compute of the same blocks", hop["local_compute"]))
             print(line(f"{title} {hop['hop']}: **hop cost = round trip - compute**", hop["overhead"]))
+    if "transport" in hops:
+        hop = hops["transport"]["hops"][0]
+        title = "transport-only hop (1-layer tiny model, same H)"
+        print(line(f"{title}: round trip", hop["round_trip"]))
+        print(line(f"{title}: local compute of that layer", hop["local_compute"]))
+        print(line(f"{title}: **hop cost = round trip - compute**", hop["overhead"]))
     chain = hops["chain"]
     print(line("full chain InferenceSession.step (2 hops)", chain["step"]))
     print(line("full chain local compute (both spans)", chain["local_compute"]))
@@ -380,7 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     from swarmclient.model_spec import ModelSpec
 
-    num_blocks = ModelSpec.open(model_dir).num_blocks
+    opened = ModelSpec.open(model_dir)
+    num_blocks, hidden_size = opened.num_blocks, opened.hidden_size
     prompts = Prompts(model_dir)
     meta = {"model": str(model_dir), "num_blocks": num_blocks, "new_tokens": args.new_tokens, "reps": args.reps,
             "prompt_lengths": prompts.lengths(), "allow_eos": args.allow_eos, "torch_threads": torch.get_num_threads(),
@@ -416,7 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         config.timed(batch, ids, mask, args.new_tokens)
             if two_servers is not None and args.hop_steps > 0:
                 log("measuring the per-hop round trip on swarm-2")
-                hops = measure_hops(two_servers, model_dir, prompts, args.hop_steps)
+                hops = measure_hops(two_servers, prompts, args.hop_steps)
+                log("measuring a transport-only hop (1-layer tiny model server, same hidden size)")
+                hops["transport"] = measure_transport_hop(stack, hidden_size, 4 * args.hop_steps, args.log_dir)
             if os.environ.get("BENCH_PAUSE"):  # for attaching a profiler: keep the swarms up
                 input(f"paused; client pid {os.getpid()}; press Enter to stop")
             log("stopping the swarms")

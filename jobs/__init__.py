@@ -1,6 +1,21 @@
 """jobs: durable batch generation on top of the swarm.
 
 Modules:
-    settings   Settings (SWARMBATCH_* environment) and get_settings()
-    demo       `swarmbatch demo`: the embedded main job
+    settings     Settings (SWARMBATCH_* environment) and get_settings()
+    models       SQLAlchemy models: Job, Request (generated token ids = the checkpoint), ApiKey
+    db, migrate  engines and sessions; Alembic from code
+    batch_input  OpenAI batch JSONL -> validated requests + per-line errors
+    store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel, expire, keys
+    submission   submit_batch: validate against the model, store, enqueue
+    runner       BatchRunner: generate a claimed batch, committing every K tokens; resumes from committed ids
+    worker       JobWorker (one batch of one job) and sweep_store (lost leases, deadlines, finalization)
+    celery_app   make_celery(settings): Redis or the embedded SQLite broker
+    tasks        the Celery tasks: process_job, sweep
+    runtime      Runtime: the composition root of a process
+    outputs      results / errors JSONL and the job object, in the OpenAI shapes
+    client       StoreClient / ApiClient: how the CLI reaches jobs
+    progress     status lines and the live progress bar
+    api/         the FastAPI app (REST)
+    demo         `swarmbatch demo`: the embedded main job
+    errors       the JobsError tree
 """

@@ -1,17 +1,27 @@
-"""`swarmbatch demo`: the main job, embedded — a local swarm of two block servers summarizes sample documents."""
+"""`swarmbatch demo`: the main job, embedded — SQLite store, SQLite broker, a local swarm, one worker.
+
+It summarizes the sample documents shipped in `samples/documents/` through the whole product: a batch job
+in the OpenAI format, a Celery worker generating through two block servers, checkpoints in SQL.
+"""
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from jobs.settings import get_settings
+from jobs.client import StoreClient
+from jobs.progress import follow_job
+from jobs.runtime import Runtime
+from jobs.settings import Settings, get_settings
+from jobs.submission import submit_batch
 from modelprep import prepare_model
-from servers.launcher import LocalSwarm
-from swarmclient.textgen import generate_texts
+from servers.launcher import LocalSwarm, ManagedProcess, cli_command
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "documents"
 PROMPT = "Summarize the following text in one sentence.\n\n{text}"
+MODEL = "smollm2"
 
 
 def sample_documents() -> list[Path]:
@@ -19,24 +29,50 @@ def sample_documents() -> list[Path]:
     return sorted(SAMPLES.glob("*.txt"))
 
 
-def run_demo(echo: Callable[[str], None], *, max_new_tokens: int = 48) -> None:
-    """Prepare SmolLM2, start a DHT and two servers (15 blocks each), summarize, report, stop everything."""
+def summarization_batch(docs: list[Path], *, max_tokens: int) -> bytes:
+    """One chat request per document, in the OpenAI batch format."""
+    lines = [json.dumps({"custom_id": doc.name, "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": PROMPT.format(text=doc.read_text().strip())}],
+                                  "max_tokens": max_tokens}}) for doc in docs]
+    return ("\n".join(lines) + "\n").encode()
+
+
+@contextmanager
+def embedded_worker(settings: Settings, initial_peers: list[str]) -> Iterator[ManagedProcess]:
+    """A `swarmbatch worker --beat` process on the embedded store and broker, stopped afterwards."""
+    env = {"SWARMBATCH_HOME": str(settings.home), "SWARMBATCH_INITIAL_PEERS": " ".join(initial_peers),
+           "OMP_NUM_THREADS": "1"}
+    worker = ManagedProcess(cli_command("worker", "--beat"), name="worker", log_dir=settings.home / "demo-logs",
+                            env=env)
+    try:
+        yield worker
+    finally:
+        worker.terminate()
+
+
+def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
+    """Prepare SmolLM2, start a DHT, two servers (15 blocks each) and a worker, run the job, stop everything."""
     settings = get_settings()
     began = time.perf_counter()
-    echo("Preparing SmolLM2-135M-Instruct (converted once, then cached)...")
-    model_dir = prepare_model("smollm2", cache_dir=settings.models_dir)
+    echo("Preparing SmolLM2-135M-Instruct (converted once from its PyPI wheel, then cached)...")
+    model_dir = prepare_model(MODEL, cache_dir=settings.models_dir)
+    (settings.home / "demo-logs").mkdir(parents=True, exist_ok=True)
     echo("Starting a DHT node and two block servers (blocks 0:15 and 15:30) on 127.0.0.1...")
-    with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm:
-        echo(f"Swarm ready in {time.perf_counter() - began:.1f} s; DHT at {swarm.initial_peers[0]}")
+    with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm, \
+            embedded_worker(settings, swarm.initial_peers):
+        runtime = Runtime(settings.model_copy(update={"initial_peers": swarm.initial_peers}))
+        client = StoreClient(runtime)
         docs = sample_documents()
-        prompts = [PROMPT.format(text=doc.read_text().strip()) for doc in docs]
-        echo(f"Summarizing {len(docs)} documents through the swarm...")
-        generation_began = time.perf_counter()
-        outputs = generate_texts(model_dir, prompts, initial_peers=swarm.initial_peers, chat=True,
-                                 max_new_tokens=max_new_tokens)
-        seconds = time.perf_counter() - generation_began
-    for doc, output in zip(docs, outputs):
-        echo(f"\n{doc.name}:\n  {output['text'].strip()}")
-    tokens = sum(len(o["token_ids"]) for o in outputs)
-    echo(f"\n{tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s; "
-         f"total wall time {time.perf_counter() - began:.1f} s. All processes stopped.")
+        job = submit_batch(runtime, summarization_batch(docs, max_tokens=max_tokens), model=MODEL,
+                           filename="samples/documents")
+        echo(f"Swarm ready in {time.perf_counter() - began:.1f} s. Job {job.id}: {len(docs)} documents")
+        job_began = time.perf_counter()
+        final = follow_job(client, job.id)
+        seconds = time.perf_counter() - job_began
+        results = [json.loads(line) for line in client.results(job.id)]
+        runtime.close()
+    for line in results:
+        echo(f"\n{line['custom_id']}:\n  {line['response']['body']['choices'][0]['message']['content'].strip()}")
+    echo(f"\nJob {final['status']}: {final['tokens_generated']} tokens in {seconds:.1f} s = "
+         f"{final['tokens_generated'] / seconds:.1f} tokens/s; total wall time {time.perf_counter() - began:.1f} s. "
+         f"All processes stopped. Logs: {settings.home / 'demo-logs'}")

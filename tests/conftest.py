@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from collections.abc import Callable, Iterator, Sequence
+import socket
+import threading
+import time
 from typing import Any
 from pathlib import Path
 
@@ -130,3 +133,41 @@ def make_runtime(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     for runtime in built:
         runtime.close()
     set_runtime(None)
+
+
+# ---- the REST API under a real uvicorn ------------------------------------------------------------------------------
+import uvicorn  # noqa: E402
+
+from jobs.api.main import make_app  # noqa: E402
+from jobs.runtime import Runtime  # noqa: E402
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Runtime], str]]:
+    """Start make_app(runtime) under uvicorn in a thread; returns its base URL. Every server is stopped after."""
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(runtime: Runtime) -> str:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+        thread.start()
+        running.append((server, thread))
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on port {port}")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in running:
+        server.should_exit = True
+        thread.join(timeout=10)

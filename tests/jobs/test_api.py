@@ -6,8 +6,6 @@ the store's own claim/finish functions, as a worker would.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,46 +14,13 @@ from typing import Any
 import httpx
 import pytest
 import redis
-import uvicorn
 
 from jobs import store
-from jobs.api.main import make_app
 from jobs.models import RequestStatus
 from jobs.runtime import Runtime
 from jobs.settings import Settings
 
 Client = Callable[..., httpx.Client]
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[[Runtime], str]]:
-    """Start make_app(runtime) under uvicorn in a thread; returns its base URL. Every server is stopped after."""
-    running: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def start(runtime: Runtime) -> str:
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-        thread.start()
-        running.append((server, thread))
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"uvicorn did not start on port {port}")
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for server, thread in running:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture

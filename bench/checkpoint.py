@@ -1,0 +1,96 @@
+"""Benchmark: the cost of checkpointing generated tokens in SQL (K=1, K=8, no checkpoint) on a real swarm.
+
+Runs the worker's own code path (JobWorker.process: claim, generate through the swarm, checkpoint, finish)
+in this process, without Celery, so the difference between runs is the checkpoint writes alone.
+
+usage: python bench/checkpoint.py [--model smollm2|PATH] [--requests 16] [--max-tokens 32] [--database-url URL]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from jobs.migrate import upgrade  # noqa: E402
+from jobs.runtime import Runtime  # noqa: E402
+from jobs.settings import Settings  # noqa: E402
+from jobs.submission import submit_batch  # noqa: E402
+from jobs.worker import JobWorker  # noqa: E402
+from modelprep import prepare_model  # noqa: E402
+from servers.launcher import LocalSwarm  # noqa: E402
+from swarmclient.model_spec import ModelSpec  # noqa: E402
+
+NO_CHECKPOINT = 10**9  # K larger than any request: only the final write happens
+
+
+def batch(requests: int, max_tokens: int) -> bytes:
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": f"Write a short story about robot {i}."}],
+                                  "max_tokens": max_tokens}}) for i in range(requests)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def run_job(runtime: Runtime, model: str, data: bytes) -> tuple[float, int]:
+    """(seconds, tokens) to run one job to completion with this runtime's checkpoint interval."""
+    job = submit_batch(runtime, data, model=model)
+    began = time.perf_counter()
+    worker = JobWorker(runtime)
+    while worker.process(job.id).more:
+        pass
+    seconds = time.perf_counter() - began
+    with runtime.session() as session:
+        from jobs.store import job_counts
+
+        counts = job_counts(session=session, job_id=job.id)
+    assert counts.completed == counts.total, counts
+    return seconds, counts.tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--database-url", default=None, help="default: a fresh SQLite file")
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
+    model_dir = prepare_model(args.model, cache_dir=Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models")
+    blocks = ModelSpec.open(model_dir).num_blocks
+    data = batch(args.requests, args.max_tokens)
+    rows = []
+    with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
+        for label, k in (("no checkpoint", NO_CHECKPOINT), ("K=8", 8), ("K=1", 1)):
+            settings = Settings(home=home / label.replace(" ", "_").replace("=", ""), database_url=args.database_url,
+                                initial_peers=swarm.initial_peers, checkpoint_every=k,
+                                worker_batch_size=args.batch_size, broker_url="memory://")
+            settings.home.mkdir(parents=True, exist_ok=True)
+            upgrade(settings.resolved_database_url)
+            runtime = Runtime(settings)
+            run_job(runtime, str(model_dir), batch(2, 4))  # warm-up: swarm join, first routes
+            results = [run_job(runtime, str(model_dir), data) for _ in range(args.reps)]
+            runtime.close()
+            seconds = min(r[0] for r in results)
+            tokens = results[0][1]
+            rows.append((label, tokens, seconds, tokens / seconds))
+    base = rows[0][3]
+    print(f"\n{args.requests} requests x {args.max_tokens} tokens, batch {args.batch_size}, "
+          f"{'SQLite' if not args.database_url else args.database_url.split('@')[-1]}, 2 servers, best of {args.reps}")
+    print("| checkpoint | tokens | seconds | tokens/s | vs no checkpoint |")
+    print("|---|---|---|---|---|")
+    for label, tokens, seconds, rate in rows:
+        print(f"| {label} | {tokens} | {seconds:.2f} | {rate:.1f} | {rate / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
