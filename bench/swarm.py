@@ -8,10 +8,11 @@ What it measures (one run, same prompts, greedy, exactly N new tokens per row):
   swarm-2   LocalSwarm with two servers holding halves (each pinned to its own core, 1 thread)
 The swarm client runs in this process with 1 torch thread too. All three configs are started up front and their
 timed runs interleaved rep by rep (local b1, swarm-1 b1, swarm-2 b1, then b8, ...), so noise from other work on
-the machine hits them alike; each row is the median of --reps runs, after a short warm-up generation. To force exactly N tokens on the swarm (what
-min_new_tokens does for HF) it runs the client's own decode loop (`swarmclient.generation.generate_tokens`)
-over `model.inference_session` with no EOS ids; `--allow-eos` uses `model.generate_new_tokens` instead (may
-stop early). Tokens are counted the same way for every config: non-pad tokens up to and including EOS.
+the machine hits them alike; each row is the median of --reps runs, after a short warm-up generation.
+To force exactly N tokens on the swarm (what min_new_tokens does for HF) it runs the client's own decode loop
+(`swarmclient.generation.generate_tokens`) over `model.inference_session` with no EOS ids; `--allow-eos` uses
+`model.generate_new_tokens` instead (may stop early). Tokens are counted the same way for every config:
+non-pad tokens up to and including EOS.
 
 Hop round trip (2-server swarm, batch 1, after a prefill):
   hop-1blk  a ServerSession on a 1-block sub-span of each server: 1x1xH decode steps, time of `await step`
@@ -20,9 +21,6 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
   ping      `Swarm.ping` (the unary `info` RPC), 50 calls per server
-  transport one more pinned server of a random 1-layer model with the same hidden size (modelprep's tiny
-            model): 1x1xH steps through it minus that layer's local compute, so almost all of the round trip
-            is the hop itself (client + p2pd x2 + server Python), not compute
 """
 from __future__ import annotations
 
@@ -42,8 +40,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from contextlib import ExitStack  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -324,25 +320,6 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     return results
 
 
-def measure_transport_hop(stack: ExitStack, hidden_size: int, steps: int, log_root: Path | None) -> dict[str, Any]:
-    """A decode-sized hop with almost no compute: one pinned server of a random 1-layer model of the same
-    hidden size (modelprep.write_tiny_model), 1x1xH steps, round trip - local compute of that layer."""
-    from modelprep import write_tiny_model
-    from servers.launcher import LocalSwarm
-    from swarmclient.data_structures import RouteHop
-    from swarmclient.model import DistributedModelForCausalLM
-
-    folder = tempfile.mkdtemp(prefix="swarmbatch-bench-tiny-")
-    stack.callback(shutil.rmtree, folder, ignore_errors=True)
-    tiny = write_tiny_model(Path(folder) / "tiny", layers=1, hidden_size=hidden_size)
-    swarm = stack.enter_context(LocalSwarm(tiny, [(0, 1)], num_threads=1, pin_cpus=True,
-                                           log_dir=(log_root / "tiny") if log_root else None))
-    model = stack.enter_context(DistributedModelForCausalLM.from_pretrained(tiny, initial_peers=swarm.initial_peers))
-    route = model.swarm.loop.run(model.swarm.route(0, 1))
-    hop_series(model, [RouteHop(route[0].peer_id, 0, 1)], 10)  # warm-up
-    return hop_series(model, [RouteHop(route[0].peer_id, 0, 1)], steps)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # report
 
@@ -351,7 +328,8 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
     local = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == "local"}
     print()
     print(f"model {meta['model']} ({meta['num_blocks']} blocks), {meta['new_tokens']} new tokens, greedy, "
-          f"prompt lengths {meta['prompt_lengths']}, reps {meta['reps']}, {'EOS allowed' if meta['allow_eos'] else 'exactly N tokens'}")
+          f"prompt lengths {meta['prompt_lengths']}, reps {meta['reps']}, "
+          f"{'EOS allowed' if meta['allow_eos'] else 'exactly N tokens'}")
     print()
     print("| config | batch | tokens | seconds | tokens/s | ratio vs local |")
     print("|---|---|---|---|---|---|")
@@ -373,12 +351,6 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
             print(line(f"{title} {hop['hop']}: round trip", hop["round_trip"]))
             print(line(f"{title} {hop['hop']}: local compute of the same blocks", hop["local_compute"]))
             print(line(f"{title} {hop['hop']}: **hop cost = round trip - compute**", hop["overhead"]))
-    if "transport" in hops:
-        hop = hops["transport"]["hops"][0]
-        title = "transport-only hop (1-layer tiny model, same H)"
-        print(line(f"{title}: round trip", hop["round_trip"]))
-        print(line(f"{title}: local compute of that layer", hop["local_compute"]))
-        print(line(f"{title}: **hop cost = round trip - compute**", hop["overhead"]))
     chain = hops["chain"]
     print(line("full chain InferenceSession.step (2 hops)", chain["step"]))
     print(line("full chain local compute (both spans)", chain["local_compute"]))
@@ -389,7 +361,8 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (prepared in $SWARMBATCH_HOME/models) or a model dir")
+    parser.add_argument("--model", default="smollm2",
+                        help="'smollm2' (prepared in $SWARMBATCH_HOME/models) or a model dir")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -411,8 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = resolve_model(args.model)
     from swarmclient.model_spec import ModelSpec
 
-    opened = ModelSpec.open(model_dir)
-    num_blocks, hidden_size = opened.num_blocks, opened.hidden_size
+    num_blocks = ModelSpec.open(model_dir).num_blocks
     prompts = Prompts(model_dir)
     meta = {"model": str(model_dir), "num_blocks": num_blocks, "new_tokens": args.new_tokens, "reps": args.reps,
             "prompt_lengths": prompts.lengths(), "allow_eos": args.allow_eos, "torch_threads": torch.get_num_threads(),
@@ -449,8 +421,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             if two_servers is not None and args.hop_steps > 0:
                 log("measuring the per-hop round trip on swarm-2")
                 hops = measure_hops(two_servers, prompts, args.hop_steps)
-                log("measuring a transport-only hop (1-layer tiny model server, same hidden size)")
-                hops["transport"] = measure_transport_hop(stack, hidden_size, 4 * args.hop_steps, args.log_dir)
             if os.environ.get("BENCH_PAUSE"):  # for attaching a profiler: keep the swarms up
                 input(f"paused; client pid {os.getpid()}; press Enter to stop")
             log("stopping the swarms")

@@ -130,9 +130,7 @@ class LocalSwarm:
         """Start the DHT node, then every server in parallel, and wait until all are ready."""
         self.dht = ManagedProcess(cli_command("dht", "--host", self.host), name="dht", log_dir=self.log_dir)
         self.initial_peers = [self.dht.wait_for_line("/ip4/", timeout=60)]
-        started = [self.start_server(start, end, wait=False) for start, end in self.spans]
-        for server in started:
-            server.wait_for_line("Serving blocks", timeout=self.ready_timeout)
+        self.start_servers([(start, end, ()) for start, end in self.spans])
 
     def start_server(self, start: int, end: int, *, wait: bool = True, extra_args: Sequence[str] = ()
                      ) -> ManagedProcess:
@@ -148,6 +146,13 @@ class LocalSwarm:
         if wait:
             server.wait_for_line("Serving blocks", timeout=self.ready_timeout)
         return server
+
+    def start_servers(self, specs: Sequence[tuple[int, int, Sequence[str]]]) -> list[ManagedProcess]:
+        """Start several servers at once, each (start, end, extra_args), and wait until all are ready."""
+        started = [self.start_server(start, end, wait=False, extra_args=args) for start, end, args in specs]
+        for server in started:
+            server.wait_for_line("Serving blocks", timeout=self.ready_timeout)
+        return started
 
     def stop(self) -> None:
         """Stop every server (gracefully), then the DHT node."""

@@ -104,9 +104,8 @@ def test_killing_the_server_in_use_mid_generation_changes_no_token(tiny_model: P
 
 def test_a_server_without_cache_room_is_routed_around(tiny_model: Path, local_swarm) -> None:
     swarm = local_swarm(tiny_model, [])
-    swarm.start_server(0, 6, extra_args=["--attn-cache-tokens", "4"])   # far too small for any session
-    swarm.start_server(0, 3)
-    swarm.start_server(3, 6)
+    swarm.start_servers([(0, 6, ["--attn-cache-tokens", "4"]),   # far too small for any session
+                         (0, 3, []), (3, 6, [])])
     batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
     expected = reference_tokens(tiny_model, batch, 8)
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:

@@ -304,6 +304,30 @@ def test_release_requests_returns_claimed_requests_to_pending_keeping_generated_
     assert load_request(runtime, first).generated_ids == [11, 12, 13]
 
 
+def test_release_without_counting_the_attempt_gives_the_claims_attempt_back(runtime: Runtime) -> None:
+    # Given a job whose claims keep being released because blocks are missing (nothing was tried)
+    job_id = new_job(runtime, 1)
+    for _ in range(3):
+        token, got = claim(runtime, job_id, max_attempts=1)
+        assert len(got) == 1
+        with runtime.session() as session:
+            store.release_requests(session=session, token=token, error="MissingBlocksError: 3-4",
+                                   count_attempt=False)
+    # Then the request never used up its attempts and is still pending
+    (row,) = load_requests(runtime, job_id)
+    assert (row.status, row.attempts) == ("pending", 0)
+
+
+def test_release_counts_the_attempt_by_default(runtime: Runtime) -> None:
+    job_id = new_job(runtime, 1)
+    token, _ = claim(runtime, job_id)
+
+    with runtime.session() as session:
+        store.release_requests(session=session, token=token, error="PeerFailed: reset")
+
+    assert load_requests(runtime, job_id)[0].attempts == 1
+
+
 def test_a_request_claimed_more_than_max_attempts_times_fails_with_a_reason(runtime: Runtime) -> None:
     # Given a poison request whose workers keep dying (their leases expire), with max_attempts 2
     job_id = new_job(runtime, 1)
@@ -376,6 +400,28 @@ def test_cancel_job_waits_for_the_request_in_progress_and_keeps_finished_results
     rows = load_requests(runtime, job_id)
     assert (rows[0].status, rows[0].generated_ids, rows[0].output_text) == ("completed", [3, 4], "finished")
     assert (rows[1].status, rows[1].generated_ids) == ("cancelled", [8])
+
+
+def test_a_cancelled_job_whose_worker_died_leaves_no_request_pending(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a job being cancelled while its only request runs with committed tokens
+    job_id = new_job(runtime, 1)
+    token, (request_id,) = claim(runtime, job_id)
+    save_progress(runtime, token, {request_id: [1, 2]})
+    with runtime.session() as session:
+        store.cancel_job(session=session, job_id=job_id)
+        session.commit()
+    # When its worker dies and the sweep runs after the lease expired
+    lease_end = load_request(runtime, request_id).lease_expires_at
+    assert lease_end is not None
+    set_clock(monkeypatch, lease_end + timedelta(seconds=1))
+    needing = sweep_store(runtime)
+    # Then the job is cancelled and so is its request, with its partial tokens: none is left pending in a
+    # terminal job (where no worker would ever take it, and results would leave it out)
+    assert needing == []
+    assert load_job(runtime, job_id).status == JobStatus.cancelled.value
+    row = load_request(runtime, request_id)
+    assert (row.status, row.generated_ids) == (RequestStatus.cancelled.value, [1, 2])
 
 
 def test_cancel_job_of_a_finished_job_changes_nothing(runtime: Runtime) -> None:
@@ -472,6 +518,23 @@ def test_sweep_past_the_deadline_expires_the_job_and_keeps_finished_output(
     assert save_progress(runtime, token, {running: [5, 6, 7]}) == set()
     assert finish(runtime, running, token, generated=[5, 6, 7], output_text="late") is False
     assert load_request(runtime, running).status == RequestStatus.expired.value
+
+
+def test_expire_job_fences_out_the_worker_that_holds_a_live_lease(runtime: Runtime) -> None:
+    # Given a worker in the middle of a request whose lease still holds
+    job_id = new_job(runtime, 1)
+    token, (request_id,) = claim(runtime, job_id)
+    save_progress(runtime, token, {request_id: [3]})
+    # When the job expires (a worker found it past its deadline)
+    with runtime.session() as session:
+        store.expire_job(session=session, job=store.get_job(session=session, job_id=job_id))
+        session.commit()
+    # Then the request expired with its partial tokens, and the worker can neither checkpoint nor finish it
+    assert save_progress(runtime, token, {request_id: [3, 4]}) == set()
+    assert finish(runtime, request_id, token, generated=[3, 4], output_text="late") is False
+    row = load_request(runtime, request_id)
+    assert (row.status, row.generated_ids, row.lease_token) == ("expired", [3], None)
+    assert load_job(runtime, job_id).status == JobStatus.expired.value
 
 
 def test_sweep_before_the_deadline_does_not_expire_the_job(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,9 +25,8 @@ MAX_BATCH = 2
 def server_and_client(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm]]:
     spec = ModelSpec.open(tiny_model)
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("server")) as swarm:
-        swarm.start_server(0, 6, extra_args=["--max-batch-size", str(MAX_BATCH), "--attn-cache-tokens", "64"])
-        swarm.start_server(0, 6, extra_args=["--quant", "int8"])
-        swarm.start_server(0, 6, extra_args=["--dtype", "bfloat16"])
+        swarm.start_servers([(0, 6, ["--max-batch-size", str(MAX_BATCH), "--attn-cache-tokens", "64"]),
+                             (0, 6, ["--quant", "int8"]), (0, 6, ["--dtype", "bfloat16"])])
         client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
         try:
             yield swarm, client
