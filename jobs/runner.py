@@ -19,8 +19,10 @@ from swarmclient.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-Checkpoint = Callable[[dict[int, list[int]]], set[int]]
-"""Commit {request id: all generated ids}; returns the ids still leased to us (raises JobCancelled to stop)."""
+Checkpoint = Callable[[dict[int, list[int]], dict[int, str]], set[int]]
+"""Commit {request id: all generated ids} and their texts; returns the ids still leased to us.
+
+It raises JobCancelled to stop the batch."""
 
 
 @dataclass
@@ -119,12 +121,19 @@ class BatchRunner:
             row.finish_reason = "stop" if eos else "length"
         return row.finish_reason is not None
 
+    def _text(self, row: RowState) -> str:
+        """The row's output text so far (cut at a stop string once finished)."""
+        if row.finish_reason is not None:
+            return row.text
+        return str(self.tokenizer.decode(row.generated, skip_special_tokens=True))
+
     def _commit(self, *, force: bool = False) -> None:
         """Checkpoint rows that gained tokens; drop rows whose lease we lost."""
         progress = {row.request_id: row.generated for row in self.rows if len(row.generated) > row.committed}
         if not progress and not force:
             return
-        owned = self.checkpoint(progress)
+        texts = {rid: self._text(row) for row in self.rows if (rid := row.request_id) in progress}
+        owned = self.checkpoint(progress, texts)
         for row in self.rows:
             if row.request_id in progress:
                 if row.request_id not in owned:

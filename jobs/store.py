@@ -114,6 +114,9 @@ def settle_job(*, session: Session, job: Job, now: datetime | None = None) -> No
     counts = job_counts(session=session, job_id=job.id)
     live = counts.pending + counts.in_progress
     if job.status == JobStatus.cancelling.value and counts.in_progress == 0:
+        # requests whose worker died after the cancel came back to pending through the sweep: cancel them too
+        session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending.value)
+                        .values(status=RequestStatus.cancelled.value, completed_at=now))
         set_job_status(job, JobStatus.cancelled, now=now)
     elif job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and live == 0:
         set_job_status(job, JobStatus.finalizing, now=now)
@@ -164,14 +167,21 @@ def fail_exhausted(*, session: Session, rows: list[Request], token: str, max_att
     session.commit()
 
 
-def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], lease_seconds: float) -> set[int]:
-    """Write each owned request's generated ids and renew its lease, in one transaction; returns the ids still owned."""
+def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], lease_seconds: float,
+               texts: dict[int, str] | None = None) -> set[int]:
+    """Write each owned request's generated ids (and text so far) and renew its lease, in one transaction.
+
+    Returns the ids still owned. The text keeps partial outputs readable if the job is cancelled or expires.
+    """
     now = utcnow()
     owned: set[int] = set()
     for request_id, generated in progress.items():
+        values: dict[str, Any] = dict(generated_ids=list(generated), lease_expires_at=now + timedelta(seconds=lease_seconds))
+        if texts is not None and request_id in texts:
+            values["output_text"] = texts[request_id]
         result = session.execute(update(Request).where(
             Request.id == request_id, Request.lease_token == token, Request.status == RequestStatus.in_progress.value)
-            .values(generated_ids=list(generated), lease_expires_at=now + timedelta(seconds=lease_seconds)))
+            .values(**values))
         if result.rowcount:  # type: ignore[attr-defined]
             owned.add(request_id)
     session.commit()

@@ -105,9 +105,9 @@ class JobWorker:
         return Outcome(more=store.job_counts(session=session, job_id=job.id).pending > 0)
 
     def _checkpoint(self, job_id: str, token: str) -> Checkpoint:
-        def checkpoint(progress: dict[int, list[int]]) -> set[int]:
+        def checkpoint(progress: dict[int, list[int]], texts: dict[int, str]) -> set[int]:
             with self.runtime.session() as session:
-                owned = store.checkpoint(session=session, token=token, progress=progress,
+                owned = store.checkpoint(session=session, token=token, progress=progress, texts=texts,
                                          lease_seconds=self.settings.lease_seconds)
                 status = session.scalar(select(Job.status).where(Job.id == job_id))
             if status == JobStatus.cancelling.value:

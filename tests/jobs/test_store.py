@@ -162,6 +162,7 @@ def test_two_concurrent_claimers_never_get_the_same_request(runtime: Runtime) ->
         got: list[int] = []
         try:
             with runtime.session() as session:
+                session.connection()  # connect before the start, so both begin claiming at once
                 start.wait(timeout=30)
                 while True:
                     _, rows = store.claim_requests(session=session, job_id=job_id, worker=worker, limit=3,
@@ -243,7 +244,7 @@ def test_checkpoint_writes_generated_ids_and_renews_the_lease_of_its_owner(runti
     assert owned == set(ids)
     rows = load_requests(runtime, job_id)
     assert [r.generated_ids for r in rows] == [[5, 6], [7]]
-    assert all(r.lease_expires_at > t0 + timedelta(seconds=LEASE) for r in rows)
+    assert all(r.lease_expires_at is not None and r.lease_expires_at > t0 + timedelta(seconds=LEASE) for r in rows)
 
 
 def test_checkpoint_after_the_lease_was_taken_over_writes_nothing(runtime: Runtime) -> None:
