@@ -226,7 +226,9 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
 def demo() -> None:
     """The main job, embedded: a local DHT and two block servers, SmolLM2 generating summaries."""
     from jobs.demo import run_demo
+    from servers.launcher import exit_on_sigterm
 
+    exit_on_sigterm()
     guarded(lambda: run_demo(echo=typer.echo))
 
 

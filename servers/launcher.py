@@ -95,6 +95,11 @@ class ManagedProcess:
             pass
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that `with LocalSwarm(...)` blocks stop their processes on `kill PID`."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def cli_command(*args: str) -> list[str]:
     """The swarmbatch CLI run by this interpreter."""
     return [sys.executable, "-m", "cli", *args]
