@@ -197,6 +197,9 @@ def swarm_runner(model: Any, allow_eos: bool) -> RunFn:
     return run
 
 
+PIN_CPUS = {"on": True}  # --no-pin turns it off: let the scheduler place the servers
+
+
 def start_swarm(stack: ExitStack, name: str, model_dir: Path, spans: list[tuple[int, int]], allow_eos: bool,
                 log_root: Path | None) -> tuple[Config, Any]:
     """A LocalSwarm (stopped by `stack`, also on Ctrl-C) and a client connected to it."""
@@ -204,7 +207,7 @@ def start_swarm(stack: ExitStack, name: str, model_dir: Path, spans: list[tuple[
     from swarmclient.model import DistributedModelForCausalLM
 
     began = time.perf_counter()
-    swarm = stack.enter_context(LocalSwarm(model_dir, spans, num_threads=1, pin_cpus=True,
+    swarm = stack.enter_context(LocalSwarm(model_dir, spans, num_threads=1, pin_cpus=PIN_CPUS["on"],
                                            log_dir=(log_root / name) if log_root else None))
     log(f"{name}: {len(spans)} server(s) {spans} ready in {time.perf_counter() - began:.1f} s "
         f"(logs {swarm.log_dir}; pids {[s.pid for s in swarm.servers]})")
@@ -370,8 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--configs", default="local,swarm-1,swarm-2", help="which configs to run")
     parser.add_argument("--hop-steps", type=int, default=50, help="decode steps timed for the hop round trip")
     parser.add_argument("--allow-eos", action="store_true", help="swarm: stop at EOS (model.generate_new_tokens)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each server to its own core")
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    PIN_CPUS["on"] = not args.no_pin
     batches = [int(b) for b in args.batches.split(",")]
     configs = args.configs.split(",")
 
