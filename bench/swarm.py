@@ -16,7 +16,9 @@ non-pad tokens up to and including EOS.
 
 Hop round trip (2-server swarm, batch 1, after a prefill):
   hop-1blk  a ServerSession on a 1-block sub-span of each server: 1x1xH decode steps, time of `await step`
-            on the client's loop, minus the same block's compute timed locally (same shapes, same cache length)
+            on the client's loop, minus the compute time the server reports for that step (`compute_ms`);
+            the same minus a local timing of the block is printed too (it also counts any slowdown of the
+            server's core)
   hop-span  the same over each server's whole half-span (15 blocks), minus that span's local compute
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
@@ -247,6 +249,7 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
     sessions = [ServerSession(swarm, h, batch_size=1, max_length=prompt_len + steps + 2) for h in hops]
     remote: list[list[float]] = [[] for _ in hops]
     compute: list[list[float]] = [[] for _ in hops]
+    server_compute: list[list[float]] = [[] for _ in hops]
     try:
         for session in sessions:
             swarm.loop.run(session.open())
@@ -262,6 +265,7 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
                 if step > 0:  # step 0 is the prefill
                     remote[number].append(seconds)
                     compute[number].append(local)
+                    server_compute[number].append(session.last_compute_seconds)
                 hidden = out
             hidden = hidden[:, -1:, :]  # the next 1-token step (its values do not matter for timing)
             mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
@@ -270,8 +274,9 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
         for session in sessions:
             swarm.loop.run(session.close())
     return {"hops": [{"hop": f"{h.start}:{h.end}@{h.peer_id[-6:]}", "round_trip": summary(r),
-                      "local_compute": summary(c), "overhead": summary([a - b for a, b in zip(r, c)])}
-                     for h, r, c in zip(hops, remote, compute)]}
+                      "local_compute": summary(c), "overhead": summary([a - b for a, b in zip(r, c)]),
+                      "server_compute": summary(sc), "network": summary([a - b for a, b in zip(r, sc)])}
+                     for h, r, c, sc in zip(hops, remote, compute, server_compute)]}
 
 
 @torch.inference_mode()
@@ -353,7 +358,9 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
         for hop in hops[key]["hops"]:
             print(line(f"{title} {hop['hop']}: round trip", hop["round_trip"]))
             print(line(f"{title} {hop['hop']}: local compute of the same blocks", hop["local_compute"]))
-            print(line(f"{title} {hop['hop']}: **hop cost = round trip - compute**", hop["overhead"]))
+            print(line(f"{title} {hop['hop']}: round trip - local compute", hop["overhead"]))
+            print(line(f"{title} {hop['hop']}: compute reported by the server", hop["server_compute"]))
+            print(line(f"{title} {hop['hop']}: **hop cost = round trip - server compute**", hop["network"]))
     chain = hops["chain"]
     print(line("full chain InferenceSession.step (2 hops)", chain["step"]))
     print(line("full chain local compute (both spans)", chain["local_compute"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -87,10 +88,11 @@ class BlockHandler:
         try:
             while True:
                 try:
-                    request = await asyncio.wait_for(anext(requests), timeout=self.session_timeout)
+                    async with asyncio.timeout(self.session_timeout):  # no extra task per step, unlike wait_for
+                        request = await anext(requests)
                 except StopAsyncIteration:
                     break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     logger.info("Session idle for %.0f s; closing it", self.session_timeout)
                     break
                 yield await self._guard(lambda: self._step(request, holder, context))
@@ -110,9 +112,12 @@ class BlockHandler:
             raise reject(f"the session serves blocks {session.start}:{session.end}, not {meta.get('start')}:{meta.get('end')}")
         hidden, mask, positions = validate_step(tensors, batch_size=session.batch_size, past=session.length,
                                                 max_length=session.max_length, hidden_size=self.limits.hidden_size)
+        began = time.perf_counter()
         output = await self._compute(hidden, mask, positions, session.caches, session.start, session.end)
         session.length += hidden.shape[1]
-        return protocol.make_response([output], {"cache_len": session.length})
+        # the compute time lets clients (and bench/swarm.py) tell network overhead from compute
+        return protocol.make_response([output], {"cache_len": session.length,
+                                                 "compute_ms": (time.perf_counter() - began) * 1000})
 
     def _open(self, meta: dict[str, Any], context: P2PContext) -> Session:
         session_id, batch_size, max_length = validate_session_open(meta, self.limits)

@@ -76,7 +76,7 @@ def validate_step(tensors: list[torch.Tensor], *, batch_size: int, past: int, ma
             raise reject(f"{name} must be an integer tensor, got {tensor.dtype}")
         if list(tensor.shape) != shape:
             raise reject(f"{name} must be {shape}, got {list(tensor.shape)}")
-    if bool(torch.isnan(hidden).any()) or bool(torch.isinf(hidden).any()):
+    if not bool(torch.isfinite(hidden).all()):
         raise reject("hidden states contain NaN or Inf")
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_length):
         raise reject(f"position_ids must lie in [0, {max_length})")

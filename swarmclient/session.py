@@ -36,6 +36,7 @@ class ServerSession:
         self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
         self.steps = 0
+        self.last_compute_seconds = 0.0  # the server's own compute time of the last step
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
@@ -68,13 +69,15 @@ class ServerSession:
                 raise PeerFailed(self.hop.peer_id, f"{code.value}: {message}")
             raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
         self.steps += 1
+        self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
         return tensors[0]
 
     async def _next_response(self) -> runtime_pb2.ExpertResponse:
         assert self._responses is not None
         try:
-            return await asyncio.wait_for(anext(self._responses), timeout=self.swarm.config.step_timeout)
-        except asyncio.TimeoutError as e:
+            async with asyncio.timeout(self.swarm.config.step_timeout):  # no extra task per step, unlike wait_for
+                return await anext(self._responses)
+        except TimeoutError as e:
             raise SessionTimeout(self.hop.peer_id, f"no answer in {self.swarm.config.step_timeout:.0f} s") from e
         except StopAsyncIteration as e:
             raise PeerFailed(self.hop.peer_id, "the stream closed (server gone)") from e
