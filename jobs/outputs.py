@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs.models import Job, Request, RequestStatus
+from jobs.store import job_counts
 
 CHAT_URL = "/v1/chat/completions"
 OUTPUT_STATUSES = (RequestStatus.completed.value, RequestStatus.cancelled.value, RequestStatus.expired.value)
@@ -67,8 +68,6 @@ def unix(value: Any) -> int | None:
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
     """The job object of the REST API (OpenAI batch shape, plus tokens_generated and blocked_reason)."""
-    from jobs.store import job_counts
-
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {

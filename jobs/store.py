@@ -7,6 +7,7 @@ status re-check in the UPDATE give the same guarantee.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import uuid
@@ -243,8 +244,6 @@ def active_job_ids(*, session: Session) -> list[str]:
 # ---- API keys ---------------------------------------------------------------------------------------------------
 def hash_key(key: str) -> str:
     """sha256 hex of an API key."""
-    import hashlib
-
     return hashlib.sha256(key.encode()).hexdigest()
 
 
