@@ -79,11 +79,19 @@ def job_counts(*, session: Session, job_id: str) -> JobCounts:
     rows = session.execute(select(Request.status, func.count()).where(Request.job_id == job_id)
                            .group_by(Request.status)).all()
     by_status: dict[str, int] = {status: count for status, count in rows}
-    tokens = sum(len(ids) for ids in session.scalars(select(Request.generated_ids).where(Request.job_id == job_id)))
+    tokens = generated_tokens(session=session, job_id=job_id)
     return JobCounts(total=sum(by_status.values()), completed=by_status.get(RequestStatus.completed.value, 0),
                      failed=by_status.get(RequestStatus.failed.value, 0) + by_status.get(RequestStatus.expired.value, 0),
                      pending=by_status.get(RequestStatus.pending.value, 0),
                      in_progress=by_status.get(RequestStatus.in_progress.value, 0), tokens=tokens)
+
+
+def generated_tokens(*, session: Session, job_id: str | None = None) -> int:
+    """Generated tokens of one job (or of all jobs), summed in SQL (json_array_length: SQLite and PostgreSQL)."""
+    query = select(func.coalesce(func.sum(func.json_array_length(Request.generated_ids)), 0))
+    if job_id is not None:
+        query = query.where(Request.job_id == job_id)
+    return int(session.scalar(query) or 0)
 
 
 def set_job_status(job: Job, status: JobStatus, *, now: datetime | None = None) -> None:
