@@ -16,6 +16,7 @@ Modules:
     client       StoreClient / ApiClient: how the CLI reaches jobs
     progress     status lines and the live progress bar
     api/         the FastAPI app (REST)
+    local_worker start_local_worker: a worker child process with this process's settings (demo, tests)
     demo         `swarmbatch demo`: the embedded main job
     errors       the JobsError tree
 """

@@ -17,7 +17,8 @@ from jobs.runtime import Runtime
 from jobs.settings import Settings, get_settings
 from jobs.submission import submit_batch
 from modelprep import prepare_model
-from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+from jobs.local_worker import start_local_worker
+from servers.launcher import LocalSwarm, ManagedProcess
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "documents"
 PROMPT = "Summarize the following text in one sentence.\n\n{text}"
@@ -38,12 +39,9 @@ def summarization_batch(docs: list[Path], *, max_tokens: int) -> bytes:
 
 
 @contextmanager
-def embedded_worker(settings: Settings, initial_peers: list[str]) -> Iterator[ManagedProcess]:
-    """A `swarmbatch worker --beat` process on the embedded store and broker, stopped afterwards."""
-    env = {"SWARMBATCH_HOME": str(settings.home), "SWARMBATCH_INITIAL_PEERS": " ".join(initial_peers),
-           "OMP_NUM_THREADS": "1"}
-    worker = ManagedProcess(cli_command("worker", "--beat"), name="worker", log_dir=settings.home / "demo-logs",
-                            env=env)
+def embedded_worker(settings: Settings) -> Iterator[ManagedProcess]:
+    """A worker process on the embedded store and broker, stopped afterwards."""
+    worker = start_local_worker(settings, log_dir=settings.home / "demo-logs")
     try:
         yield worker
     finally:
@@ -58,19 +56,20 @@ def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
     model_dir = prepare_model(MODEL, cache_dir=settings.models_dir)
     (settings.home / "demo-logs").mkdir(parents=True, exist_ok=True)
     echo("Starting a DHT node and two block servers (blocks 0:15 and 15:30) on 127.0.0.1...")
-    with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm, \
-            embedded_worker(settings, swarm.initial_peers):
-        runtime = Runtime(settings.model_copy(update={"initial_peers": swarm.initial_peers}))
-        client = StoreClient(runtime)
-        docs = sample_documents()
-        job = submit_batch(runtime, summarization_batch(docs, max_tokens=max_tokens), model=MODEL,
-                           filename="samples/documents")
-        echo(f"Swarm ready in {time.perf_counter() - began:.1f} s. Job {job.id}: {len(docs)} documents")
-        job_began = time.perf_counter()
-        final = follow_job(client, job.id)
-        seconds = time.perf_counter() - job_began
-        results = [json.loads(line) for line in client.results(job.id)]
-        runtime.close()
+    with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm:
+        settings = settings.model_copy(update={"initial_peers": swarm.initial_peers})
+        with embedded_worker(settings):
+            runtime = Runtime(settings)
+            client = StoreClient(runtime)
+            docs = sample_documents()
+            job = submit_batch(runtime, summarization_batch(docs, max_tokens=max_tokens), model=MODEL,
+                               filename="samples/documents")
+            echo(f"Swarm ready in {time.perf_counter() - began:.1f} s. Job {job.id}: {len(docs)} documents")
+            job_began = time.perf_counter()
+            final = follow_job(client, job.id)
+            seconds = time.perf_counter() - job_began
+            results = [json.loads(line) for line in client.results(job.id)]
+            runtime.close()
     for line in results:
         echo(f"\n{line['custom_id']}:\n  {line['response']['body']['choices'][0]['message']['content'].strip()}")
     echo(f"\nJob {final['status']}: {final['tokens_generated']} tokens in {seconds:.1f} s = "

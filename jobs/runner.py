@@ -123,8 +123,8 @@ class BatchRunner:
 
     def _text(self, row: RowState) -> str:
         """The row's output text so far (cut at a stop string once finished)."""
-        if row.finish_reason is not None:
-            return row.text
+        if row.finish_reason is not None or row.stop:
+            return row.text  # _check_finished decoded it at this very step
         return str(self.tokenizer.decode(row.generated, skip_special_tokens=True))
 
     def _commit(self, *, force: bool = False) -> None:

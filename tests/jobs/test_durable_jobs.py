@@ -16,7 +16,8 @@ from jobs.models import Job, Request
 from jobs.outputs import iter_errors, iter_results
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+from jobs.local_worker import start_local_worker
+from servers.launcher import LocalSwarm, ManagedProcess
 
 K = 4  # checkpoint every K tokens
 
@@ -45,17 +46,11 @@ def start_worker(jobs_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFacto
     workers: list[ManagedProcess] = []
 
     def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = 6.0) -> ManagedProcess:
-        settings = runtime.settings
-        env = {"SWARMBATCH_HOME": str(settings.home), "SWARMBATCH_DATABASE_URL": settings.resolved_database_url,
-               "SWARMBATCH_BROKER_URL": settings.resolved_broker_url,
-               "SWARMBATCH_INITIAL_PEERS": " ".join(jobs_swarm.initial_peers),
-               "SWARMBATCH_CHECKPOINT_EVERY": str(settings.checkpoint_every),
-               "SWARMBATCH_WORKER_BATCH_SIZE": str(batch_size), "SWARMBATCH_LEASE_SECONDS": str(lease_seconds),
-               "SWARMBATCH_SWEEP_INTERVAL": "2", "OMP_NUM_THREADS": "1"}
-        worker = ManagedProcess(cli_command("-v", "worker", "--beat"), name=f"worker{len(workers)}",
-                                log_dir=tmp_path, env=env)
-        workers.append(worker)
-        return worker
+        settings = runtime.settings.model_copy(update={
+            "initial_peers": jobs_swarm.initial_peers, "worker_batch_size": batch_size,
+            "lease_seconds": lease_seconds, "sweep_interval": 2.0})
+        workers.append(start_local_worker(settings, log_dir=tmp_path, name=f"worker{len(workers)}", verbose=True))
+        return workers[-1]
 
     yield start
     for worker in workers:
@@ -187,9 +182,8 @@ def test_a_job_waits_for_missing_blocks_and_says_so(
         make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
     runtime = make_runtime(checkpoint_every=K)
     with LocalSwarm(tiny_model, [(0, 3)], log_dir=tmp_path / "half-swarm") as swarm:
-        env = {"SWARMBATCH_HOME": str(runtime.settings.home), "SWARMBATCH_INITIAL_PEERS": swarm.initial_peers[0],
-               "SWARMBATCH_SWEEP_INTERVAL": "2", "OMP_NUM_THREADS": "1"}
-        worker = ManagedProcess(cli_command("worker", "--beat"), name="worker", log_dir=tmp_path, env=env)
+        settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "sweep_interval": 2.0})
+        worker = start_local_worker(settings, log_dir=tmp_path)
         try:
             job = submit_batch(runtime, batch_file(2, max_tokens=8), model=str(tiny_model))
 

@@ -1,0 +1,28 @@
+"""Starting `swarmbatch worker` as a child process with this process's settings (demo and tests)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from jobs.settings import Settings
+from servers.launcher import ManagedProcess, cli_command
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The SWARMBATCH_* environment that rebuilds `settings` in a child process."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"SWARMBATCH_{name.upper()}"] = " ".join(value) if isinstance(value, list) else str(value)
+    # resolved, so that a stray variable inherited from this process cannot point the child elsewhere
+    env["SWARMBATCH_DATABASE_URL"] = settings.resolved_database_url
+    env["SWARMBATCH_BROKER_URL"] = settings.resolved_broker_url
+    env["OMP_NUM_THREADS"] = str(settings.worker_threads)
+    return env
+
+
+def start_local_worker(settings: Settings, *, log_dir: Path, name: str = "worker", verbose: bool = False
+                       ) -> ManagedProcess:
+    """A `swarmbatch worker --beat` process (own process group) on the store and broker of `settings`."""
+    args = ["-v"] if verbose else []
+    return ManagedProcess(cli_command(*args, "worker", "--beat"), name=name, log_dir=log_dir,
+                          env=settings_env(settings))
