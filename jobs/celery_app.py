@@ -26,7 +26,9 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
         # a task runs one batch (well under an hour); the sweep, not redelivery, recovers lost work
         broker_transport_options={"visibility_timeout": 3600} if broker.startswith("redis") else {},
-        beat_schedule={"sweep": {"task": "jobs.tasks.sweep", "schedule": settings.sweep_interval}},
+        beat_schedule={"sweep": {"task": "jobs.tasks.sweep", "schedule": settings.sweep_interval},
+                       # beat is only a metronome: which period is due, and whether it fired, is decided in SQL
+                       "schedules": {"task": "jobs.tasks.fire_schedules", "schedule": settings.schedule_tick}},
     )
     return app
 

@@ -5,7 +5,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -147,8 +147,31 @@ class Request(Base):
     lease_token: Mapped[str | None] = mapped_column(String(40))
     lease_expires_at: Mapped[datetime | None]
     resumes: Mapped[int] = mapped_column(Integer, default=0)  # claims that started from committed tokens
+    # summarization jobs (jobs/summarize): the source document, its map-reduce stage (0 = the document or its
+    # chunks, n = summaries of stage n-1), and whether this request's output is the document's summary
+    document: Mapped[str | None] = mapped_column(String(1000))
+    stage: Mapped[int] = mapped_column(Integer, default=0)
+    final: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     completed_at: Mapped[datetime | None]
 
     job: Mapped[Job] = relationship(back_populates="requests")
+
+
+class DocumentSummary(Base):
+    """The last successful summary of one document by one schedule: what an unchanged document is skipped by."""
+
+    __tablename__ = "document_summaries"
+    __table_args__ = (UniqueConstraint("schedule", "document", name="uq_document_summaries_schedule_document"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    schedule: Mapped[str] = mapped_column(String(200))
+    document: Mapped[str] = mapped_column(String(1000))
+    content_sha: Mapped[str] = mapped_column(String(64))
+    model_id: Mapped[str] = mapped_column(String(500))
+    template_sha: Mapped[str] = mapped_column(String(64))
+    summary: Mapped[str] = mapped_column(Text)
+    output_path: Mapped[str] = mapped_column(String(2000))
+    job_id: Mapped[str] = mapped_column(String(40))
+    summarized_at: Mapped[datetime] = mapped_column(default=utcnow)

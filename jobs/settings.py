@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")
     worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")
     sweep_interval: float = Field(default=10.0, gt=0, description="seconds between sweeps for lost work")
+    schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")
+    schedule_tick: float = Field(default=30.0, gt=0, description="seconds between beat's checks for due schedules")
     api_url: str | None = Field(default=None, description="talk to this REST API instead of the store")
     api_key: str | None = None
 

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import secrets
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -28,22 +29,46 @@ logger = logging.getLogger(__name__)
 # ---- jobs ---------------------------------------------------------------------------------------------------
 def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id: int | None = None,
                completion_window_s: int = 24 * 3600, checkpoint_every: int = 8, input_filename: str | None = None,
-               idempotency_key: str | None = None, metadata: dict[str, Any] | None = None) -> Job:
-    """Insert a queued job and one pending request per good line; the caller commits."""
+               idempotency_key: str | None = None, metadata: dict[str, Any] | None = None,
+               annotations: Mapping[str, dict[str, Any]] | None = None) -> Job:
+    """Insert a queued job and one pending request per good line; the caller commits.
+
+    `annotations` sets extra Request columns (document, stage, final) by custom_id.
+    """
     now = utcnow()
     job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model, endpoint=parsed.endpoint,
               status=JobStatus.queued.value, input_filename=input_filename,
               line_errors=[e.to_dict() for e in parsed.errors], checkpoint_every=checkpoint_every,
               completion_window_s=completion_window_s, idempotency_key=idempotency_key,
               metadata_json=metadata or {}, created_at=now, expires_at=now + timedelta(seconds=completion_window_s))
-    job.requests = [Request(index=i, line_number=r.line_number, custom_id=r.custom_id,
-                            body={"url": r.url, **r.body}, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens,
-                            temperature=r.temperature, top_p=r.top_p, seed=r.seed, stop=list(r.stop))
-                    for i, r in enumerate(parsed.requests)]
+    job.requests = request_rows(parsed, annotations=annotations)
     session.add(job)
     session.flush()
     logger.info("Job %s queued: %d requests, %d bad lines", job.id, len(job.requests), len(parsed.errors))
     return job
+
+
+def request_rows(parsed: ParsedBatch, *, first_index: int = 0,
+                 annotations: Mapping[str, dict[str, Any]] | None = None) -> list[Request]:
+    """Pending Request rows for parsed lines, numbered from `first_index`."""
+    annotations = annotations or {}
+    return [Request(index=i, line_number=r.line_number, custom_id=r.custom_id, body={"url": r.url, **r.body},
+                    prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                    seed=r.seed, stop=list(r.stop), **annotations.get(r.custom_id, {}))
+            for i, r in enumerate(parsed.requests, first_index)]
+
+
+def add_requests(*, session: Session, job: Job, parsed: ParsedBatch,
+                 annotations: Mapping[str, dict[str, Any]] | None = None) -> list[Request]:
+    """Append pending requests to a live job (later map-reduce stages); the caller commits."""
+    first = session.scalar(select(func.coalesce(func.max(Request.index) + 1, 0)).where(Request.job_id == job.id))
+    rows = request_rows(parsed, first_index=int(first or 0), annotations=annotations)
+    for row in rows:
+        row.job_id = job.id
+    session.add_all(rows)
+    session.flush()
+    logger.info("Job %s: added %d requests (%s)", job.id, len(rows), ", ".join(r.custom_id for r in rows))
+    return rows
 
 
 def get_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> Job:
@@ -207,9 +232,13 @@ def finish_request(*, session: Session, request_id: int, token: str, status: Req
         values["generated_ids"] = list(generated)
     if error is not None:
         values["last_error"] = error
-    result = session.execute(update(Request).where(Request.id == request_id, Request.lease_token == token)
-                             .values(**values))
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    written = session.execute(update(Request).where(Request.id == request_id, Request.lease_token == token)
+                              .values(**values).returning(Request.job_id, Request.custom_id)).first()
+    if written is not None:
+        logger.info("Job %s request %s (%s): in_progress -> %s%s", written.job_id, request_id, written.custom_id,
+                    status.value, f" ({finish_reason}, {len(generated)} tokens)" if generated is not None else
+                    f": {error}" if error else "")
+    return written is not None
 
 
 def release_requests(*, session: Session, token: str, error: str, count_attempt: bool = True) -> None:
@@ -218,12 +247,15 @@ def release_requests(*, session: Session, token: str, error: str, count_attempt:
     `count_attempt=False` (missing blocks: nothing was tried) gives the claim's attempt back, so a job waiting
     for servers is bounded by its deadline, not by max_attempts.
     """
-    session.execute(update(Request).where(Request.lease_token == token,
-                                          Request.status == RequestStatus.in_progress.value)
-                    .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
-                            lease_expires_at=None, last_error=error,
-                            attempts=Request.attempts - (0 if count_attempt else 1)))
+    released = session.execute(update(Request).where(Request.lease_token == token,
+                                                     Request.status == RequestStatus.in_progress.value)
+                               .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
+                                       lease_expires_at=None, last_error=error,
+                                       attempts=Request.attempts - (0 if count_attempt else 1))
+                               .returning(Request.job_id, Request.id)).all()
     session.commit()
+    for row in released:
+        logger.info("Job %s request %s: in_progress -> pending (%s)", row.job_id, row.id, error)
 
 
 def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]:
@@ -238,7 +270,9 @@ def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]
                                               Request.lease_expires_at < now)
                         .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
                                 lease_expires_at=None))
-        logger.info("Expired %d leases (a worker died or stalled)", len(rows))
+        for row in rows:
+            logger.info("Job %s request %s: in_progress -> pending (its lease expired: the worker died or stalled)",
+                        row.job_id, row.id)
     session.commit()
     return sorted({r.job_id for r in rows})
 

@@ -45,3 +45,11 @@ def sweep() -> None:
     runtime = get_runtime()
     for job_id in sweep_store(runtime):
         runtime.celery.send_task("jobs.tasks.process_job", args=[job_id])
+
+
+@shared_task(name="jobs.tasks.fire_schedules")
+def fire_schedules() -> None:
+    """Fire each due schedule once per period (SWARMBATCH_SCHEDULES); beat sends this every schedule_tick."""
+    from jobs.scheduling import fire_due_schedules
+
+    fire_due_schedules(get_runtime())

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from jobs import store
+from jobs import mapreduce, store
 from jobs.errors import JobCancelled, LeaseLost
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runner import BatchRunner, Checkpoint
 from jobs.runtime import Runtime
+from jobs.summary_outputs import write_outputs
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class JobWorker:
                 session=session, job_id=job_id, worker=self.runtime.worker_name, limit=self.settings.worker_batch_size,
                 lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
             if not claimed:
-                store.settle_job(session=session, job=job)
+                settle(self.runtime, session, job)
                 session.commit()
                 return Outcome()
             if job.status == JobStatus.queued.value:
@@ -71,7 +72,7 @@ class JobWorker:
             store.expire_job(session=session, job=job)
             return False
         if job.status == JobStatus.cancelling.value:
-            store.settle_job(session=session, job=job)
+            settle(self.runtime, session, job)
             return False
         return True
 
@@ -99,7 +100,7 @@ class JobWorker:
                                  generated=result.generated, finish_reason=result.finish_reason,
                                  output_text=result.text)
         job.blocked_reason = None
-        store.settle_job(session=session, job=job)
+        settle(self.runtime, session, job)
         session.commit()
         logger.info("Job %s: finished %d requests", job.id, len(claimed))
         return Outcome(more=store.job_counts(session=session, job_id=job.id).pending > 0)
@@ -125,14 +126,14 @@ class JobWorker:
                                  output_text=tokenizer.decode(generated, skip_special_tokens=True))
         session.commit()
         session.refresh(job)
-        store.settle_job(session=session, job=job)
+        settle(self.runtime, session, job)
         session.commit()
 
     def _fail_all(self, session: Session, job: Job, token: str, claimed: list[Request], reason: str) -> None:
         for request in claimed:
             store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.failed,
                                  error=reason)
-        store.settle_job(session=session, job=job)
+        settle(self.runtime, session, job)
         session.commit()
 
     def _blocked(self, session: Session, job: Job, token: str, error: Exception) -> Outcome:
@@ -150,6 +151,18 @@ class JobWorker:
         return Outcome(retry=True)
 
 
+def settle(runtime: Runtime, session: Session, job: Job, *, now: datetime | None = None) -> None:
+    """Move a job on: add its next map-reduce stages, settle its status, write a finished summary job's files."""
+    summarizing = "summarize" in (job.metadata_json or {})
+    if summarizing and job.status in (JobStatus.queued.value, JobStatus.in_progress.value):
+        mapreduce.advance(session=session, job=job, planner=mapreduce.planner_for(runtime, job))
+    store.settle_job(session=session, job=job, now=now)
+    if summarizing and JobStatus(job.status).terminal and not job.metadata_json.get("outputs_written"):
+        session.flush()
+        session.refresh(job, with_for_update=True)  # one writer of the files and summaries per job
+        write_outputs(session=session, job=job)
+
+
 def sweep_store(runtime: Runtime) -> list[str]:
     """Expire lost leases and overdue jobs, settle finished ones; returns the job ids that need a worker."""
     now = utcnow()
@@ -162,7 +175,7 @@ def sweep_store(runtime: Runtime) -> list[str]:
             if now > job.expires_at:
                 store.expire_job(session=session, job=job, now=now)
                 continue
-            store.settle_job(session=session, job=job, now=now)
+            settle(runtime, session, job, now=now)
             counts = store.job_counts(session=session, job_id=job_id)
             if job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and counts.pending and \
                     not counts.in_progress:

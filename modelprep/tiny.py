@@ -52,13 +52,17 @@ so do symbols: ( ) [ ] { } ! ? - : ; " ' / and @.
 """
 
 
-def write_tiny_model(out: Path, *, layers: int = 4, arch: str = "llama", hidden_size: int = 64, seed: int = 0) -> Path:
-    """Write a random ``arch`` model (float32, safetensors) plus a ChatML BPE tokenizer into ``out``; return it."""
+def write_tiny_model(out: Path, *, layers: int = 4, arch: str = "llama", hidden_size: int = 64, seed: int = 0,
+                     context: int = MAX_POSITIONS) -> Path:
+    """Write a random ``arch`` model (float32, safetensors) plus a ChatML BPE tokenizer into ``out``; return it.
+
+    ``context`` is its max_position_embeddings (a short one makes long-document tests cheap).
+    """
     _check_args(layers, arch, hidden_size)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    model = _build_model(arch, layers, hidden_size, len(tokenizer), seed)
+    model = _build_model(arch, layers, hidden_size, len(tokenizer), seed, context)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     _make_readable(out)
@@ -121,19 +125,19 @@ def _train_bpe() -> Any:
     return bpe
 
 
-def _build_model(arch: str, layers: int, hidden_size: int, vocab_size: int, seed: int) -> Any:
+def _build_model(arch: str, layers: int, hidden_size: int, vocab_size: int, seed: int, context: int) -> Any:
     """Build a randomly initialised float32 causal LM of ``arch`` with seeded, reproducible weights."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    config = _make_config(arch, layers, hidden_size, vocab_size)
+    config = _make_config(arch, layers, hidden_size, vocab_size, context)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID)
     return model.eval()
 
 
-def _make_config(arch: str, layers: int, hidden_size: int, vocab_size: int) -> Any:
+def _make_config(arch: str, layers: int, hidden_size: int, vocab_size: int, context: int) -> Any:
     """Return the transformers config for a tiny ``arch`` model (4 heads, 2 KV heads, MLP 2x hidden)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
@@ -145,7 +149,7 @@ def _make_config(arch: str, layers: int, hidden_size: int, vocab_size: int) -> A
         num_hidden_layers=layers,
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=NUM_KV_HEADS,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=context,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=EOS_ID,

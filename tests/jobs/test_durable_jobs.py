@@ -18,6 +18,7 @@ from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs.local_worker import start_local_worker
 from servers.launcher import LocalSwarm, ManagedProcess
+from jobs_support import job_status, requests_of, wait_for
 
 K = 4  # checkpoint every K tokens
 
@@ -70,25 +71,6 @@ def batch_file(count: int, *, max_tokens: int = 40, bad_lines: bool = False) -> 
             lines.append(json.dumps({"custom_id": "req-0", "method": "POST", "url": "/v1/completions",
                                      "body": {"prompt": "duplicate id"}}))
     return ("\n".join(lines) + "\n").encode()
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def job_status(runtime: Runtime, job_id: str) -> str:
-    with runtime.session() as session:
-        return str(session.scalar(select(Job.status).where(Job.id == job_id)))
-
-
-def requests_of(runtime: Runtime, job_id: str) -> list[Request]:
-    with runtime.session() as session:
-        return list(session.scalars(select(Request).where(Request.job_id == job_id).order_by(Request.index)))
 
 
 def texts(runtime: Runtime, job_id: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from sqlalchemy import Engine, create_engine, inspect
 from jobs.migrate import downgrade, upgrade
 from jobs.models import Base
 
-TABLES = {"api_keys", "jobs", "requests"}
+TABLES = {"api_keys", "jobs", "requests", "document_summaries"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -1,0 +1,104 @@
+"""A finished summarization job's outputs: one Markdown file per document, an index, and the skip state.
+
+Files are written to a temporary name and renamed into place, so a crash never leaves half a file; the
+job's metadata records `outputs_written` in the same transaction that records the summaries, and a crash
+between the two only means the (identical) files are written again by the next sweep.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from jobs.models import DocumentSummary, Job, JobStatus, Request, RequestStatus, utcnow
+
+logger = logging.getLogger(__name__)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same folder and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def summary_filename(key: str) -> str:
+    """A flat, safe Markdown file name for a document key ('notes/a.md' -> 'notes__a.md.md')."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in key.replace("/", "__"))
+    return f"{safe}.md"
+
+
+def write_outputs(*, session: Session, job: Job) -> bool:
+    """If `job` is a finished summarization job whose outputs are not written yet, write them; the caller commits.
+
+    Returns whether it wrote them. Call it under the job's row lock (or with SQLite's single writer).
+    """
+    meta = dict(job.metadata_json or {})
+    if "schedule" not in meta or meta.get("outputs_written") or not JobStatus(job.status).terminal:
+        return False
+    output = Path(meta["output"])
+    finals = {r.document: r for r in session.scalars(select(Request).where(
+        Request.job_id == job.id, Request.final.is_(True), Request.document.is_not(None)))}
+    previous = {s.document: s for s in session.scalars(
+        select(DocumentSummary).where(DocumentSummary.schedule == meta["schedule"]))}
+    lines = []
+    for entry in meta["documents"]:
+        lines.append(_document_output(session, job, meta, entry, finals.get(entry["key"]),
+                                      previous.get(entry["key"]), output))
+    write_atomically(output / "index.md", _index(meta, job, lines))
+    meta["outputs_written"] = True
+    job.metadata_json = meta
+    logger.info("Job %s: wrote %d summaries and index.md to %s", job.id,
+                sum(1 for line in lines if line[1] == "summarized"), output)
+    return True
+
+
+def _document_output(session: Session, job: Job, meta: dict[str, Any], entry: dict[str, str],
+                     final: Request | None, previous: DocumentSummary | None, output: Path) -> tuple[str, str, str]:
+    """(key, state, file) for the index, writing the document's Markdown when it was summarized now."""
+    key = entry["key"]
+    if entry["action"] == "skip":
+        return key, "unchanged (skipped)", previous.output_path if previous else ""
+    if final is None or final.status != RequestStatus.completed.value:
+        return key, "failed" if job.status != JobStatus.cancelled.value else "cancelled", ""
+    path = output / summary_filename(key)
+    now = utcnow()
+    write_atomically(path, _markdown(key, entry["source"], meta["model_id"], meta["period"], job.id, now,
+                                     final.output_text or ""))
+    _record(session, meta, entry, final.output_text or "", str(path), job.id, previous, now)
+    return key, "summarized", str(path)
+
+
+def _record(session: Session, meta: dict[str, Any], entry: dict[str, str], summary: str, path: str, job_id: str,
+            previous: DocumentSummary | None, now: datetime) -> None:
+    row = previous or DocumentSummary(schedule=meta["schedule"], document=entry["key"])
+    row.content_sha, row.model_id, row.template_sha = entry["sha"], meta["model_id"], meta["template_sha"]
+    row.summary, row.output_path, row.job_id, row.summarized_at = summary, path, job_id, now
+    session.add(row)
+
+
+def _markdown(key: str, source: str, model_id: str, period: str, job_id: str, when: datetime, summary: str) -> str:
+    return (f"# Summary of {key}\n\n"
+            f"- Source: `{source}`\n- Model: `{model_id}`\n- Date: {when:%Y-%m-%d %H:%M} UTC (run {period})\n"
+            f"- Job: `{job_id}`\n\n{summary.strip()}\n")
+
+
+def _index(meta: dict[str, Any], job: Job, lines: list[tuple[str, str, str]]) -> str:
+    rows = "\n".join(f"| {key} | {state} | {Path(path).name if path else ''} |" for key, state, path in lines)
+    return (f"# {meta['schedule']}: summaries\n\nRun {meta['period']}, job `{job.id}` ({job.status}), "
+            f"model `{meta['model_id']}`; {meta['skipped']} unchanged documents skipped.\n\n"
+            f"| document | state | summary |\n| --- | --- | --- |\n{rows}\n")

@@ -1,0 +1,260 @@
+"""Nightly schedules: once per period whatever beat does, incremental nights, and map-reduce of long documents.
+
+The clock (jobs.clock.now) is the one thing mocked; jobs run on real workers, a real swarm and real stores.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from jobs import clock
+from jobs.local_worker import settings_env, start_local_worker
+from jobs.models import DocumentSummary, Job, Request
+from jobs.runtime import Runtime
+from jobs.schedules import ScheduleError, load_schedules
+from jobs.scheduling import fire_due_schedules, fire_now
+from jobs_support import job_status, requests_of, wait_for
+from modelprep import write_tiny_model
+from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+
+K = 4
+NIGHT_1 = datetime(2026, 12, 3, 1, 30, 20, tzinfo=timezone.utc)  # 02:30:20 in Berlin (UTC+1 in December)
+
+DOCUMENTS = {
+    "a.txt": "The council voted to expand the bike lanes by twelve miles over two years.",
+    "notes/b.md": "# Solar\nThe price of solar panels fell again; engineers build larger batteries.",
+    "notes/c.txt": "A team of volunteers opened a library in an old train station.",
+}
+
+
+def write_schedules(path: Path, model: Path, *, cron: str = "30 2 * * *", max_tokens: int = 12,
+                    source: str = "docs/**/*", extra: str = "") -> Path:
+    path.write_text(f'''
+[[schedule]]
+name = "nightly"
+cron = "{cron}"
+timezone = "Europe/Berlin"
+source = "{source}"
+prompt = "Summarize this document in one sentence.\\n\\n{{document}}"
+model = "{model}"
+output = "summaries"
+max_tokens = {max_tokens}
+{extra}
+''')
+    return path
+
+
+@pytest.fixture
+def docs(tmp_path: Path) -> Path:
+    for name, text in DOCUMENTS.items():
+        (tmp_path / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "docs" / name).write_text(text)
+    return tmp_path / "docs"
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[datetime]:
+    """jobs.clock.now returns now[0]; tests move it."""
+    now = [NIGHT_1]
+    monkeypatch.setattr(clock, "now", lambda: now[0])
+    return now
+
+
+def jobs_of(runtime: Runtime) -> list[Job]:
+    with runtime.session() as session:
+        return list(session.scalars(select(Job).order_by(Job.created_at)))
+
+
+# ---- the schedules file ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, message", [
+    ("cron", '"61 2 * * *"', "five-field cron"),
+    ("timezone", '"Mars/Olympus"', "unknown timezone"),
+    ("prompt", '"Summarize"', "must contain {document}"),
+    ("misfire_grace", '"soon"', "not a duration"),
+])
+def test_a_bad_schedule_is_refused_with_one_line_naming_it(tmp_path: Path, field: str, value: str, message: str
+                                                           ) -> None:
+    good = {"name": '"n"', "cron": '"0 2 * * *"', "timezone": '"UTC"', "source": '"d/*.txt"',
+            "prompt": '"S: {document}"', "model": '"smollm2"', "output": '"out"', "misfire_grace": '"1h"'}
+    good[field] = value
+    path = tmp_path / "s.toml"
+    path.write_text("[[schedule]]\n" + "".join(f"{k} = {v}\n" for k, v in good.items()))
+    with pytest.raises(ScheduleError, match=message) as error:
+        load_schedules(path)
+    assert "\n" not in str(error.value) and "schedule n" in str(error.value)
+
+
+def test_the_due_period_follows_the_schedules_timezone_and_grace(tmp_path: Path, tiny_model: Path) -> None:
+    (schedule,) = load_schedules(write_schedules(tmp_path / "s.toml", tiny_model))
+    assert schedule.due_period(NIGHT_1) == datetime(2026, 12, 3, 2, 30, tzinfo=schedule.zone)
+    assert schedule.due_period(NIGHT_1 + timedelta(minutes=59)) is not None
+    assert schedule.due_period(NIGHT_1 + timedelta(hours=2)) is None  # past the 1 h grace: wait for the next night
+    assert schedule.next_run(NIGHT_1) == datetime(2026, 12, 4, 2, 30, tzinfo=schedule.zone)
+
+
+# ---- once per period ------------------------------------------------------------------------------------------------
+def test_a_night_fires_once_with_two_beats_and_across_a_beat_restart(
+        make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str, tiny_model: Path, docs: Path,
+        tmp_path: Path, fake_clock: list[datetime]) -> None:
+    schedules = write_schedules(tmp_path / "schedules.toml", tiny_model)
+    beats = [make_runtime(database_url=postgres_url, broker_url=redis_url, schedules=schedules) for _ in range(2)]
+    # two beats tick at the same moment
+    barrier = threading.Barrier(2)
+    fired: list[Any] = []
+
+    def tick(runtime: Runtime) -> None:
+        barrier.wait()
+        fired.extend(fire_due_schedules(runtime))
+    threads = [threading.Thread(target=tick, args=(runtime,)) for runtime in beats]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(f.job_id is not None for f in fired) == [False, True]
+    # a restarted beat (a new process state) ticks again within the grace, and later the same night
+    restarted = make_runtime(database_url=postgres_url, broker_url=redis_url, schedules=schedules)
+    for minutes in (1, 30, 90, 600):
+        fake_clock[0] = NIGHT_1 + timedelta(minutes=minutes)
+        assert all(f.job_id is None for f in fire_due_schedules(restarted))
+    assert len(jobs_of(restarted)) == 1
+    # the next night fires again, once
+    fake_clock[0] = NIGHT_1 + timedelta(days=1)
+    assert [f.job_id is not None for f in fire_due_schedules(restarted) + fire_due_schedules(beats[0])] == [True, False]
+    periods = [job.metadata_json["period"] for job in jobs_of(restarted)]
+    assert periods == ["2026-12-03T02:30:00+01:00", "2026-12-04T02:30:00+01:00"]
+
+
+def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
+        make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str, tiny_model: Path, docs: Path,
+        tmp_path: Path) -> None:
+    # every minute is a period, so real beats (real clock) fire at once; two of them run by mistake
+    schedules = write_schedules(tmp_path / "schedules.toml", tiny_model, cron="* * * * *")
+    runtime = make_runtime(database_url=postgres_url, broker_url=redis_url, schedules=schedules, schedule_tick=0.5)
+    env = settings_env(runtime.settings)
+    processes: list[ManagedProcess] = [
+        ManagedProcess(cli_command("beat"), name=f"beat{i}", log_dir=tmp_path, env=env) for i in range(2)]
+    processes.append(start_local_worker(runtime.settings, log_dir=tmp_path))
+    try:
+        wait_for(lambda: len(jobs_of(runtime)) >= 1, 120, "a scheduled job")
+        ticks = lambda: sum(p.log_path.read_text().count("jobs.tasks.fire_schedules") for p in processes[:2])
+        seen = ticks()
+        wait_for(lambda: ticks() >= seen + 6, 60, "more ticks of both beats")
+    finally:
+        for process in processes:
+            process.terminate()
+    periods = [job.metadata_json["period"] for job in jobs_of(runtime)]
+    assert periods and len(periods) == len(set(periods)), periods
+
+
+# ---- incremental nights, on a real swarm ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def schedule_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("schedule-swarm")) as swarm:
+        yield swarm
+
+
+def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, batch_size: int = 4
+                 ) -> ManagedProcess:
+    settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "schedules": None,
+                                                   "worker_batch_size": batch_size, "lease_seconds": 6.0,
+                                                   "sweep_interval": 2.0})
+    return start_local_worker(settings, log_dir=log_dir, name=name, verbose=True)
+
+
+def test_the_second_night_summarizes_only_the_changed_document(
+        make_runtime: Callable[..., Runtime], schedule_swarm: LocalSwarm, tiny_model: Path, docs: Path,
+        tmp_path: Path, fake_clock: list[datetime]) -> None:
+    runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model), checkpoint_every=K)
+    worker = start_worker(runtime, schedule_swarm, tmp_path, "worker")
+    try:
+        (first,) = fire_due_schedules(runtime)
+        assert (first.summarize, first.skipped) == (3, 0)
+        wait_for(lambda: job_status(runtime, first.job_id) == "completed", 120, "the first night's job")
+        wait_for(lambda: (tmp_path / "summaries" / "index.md").exists(), 30, "the first night's index")
+        for key in DOCUMENTS:
+            page = (tmp_path / "summaries" / (key.replace("/", "__") + ".md")).read_text()
+            assert f"# Summary of {key}" in page and str(docs / key) in page and first.job_id in page
+        (docs / "notes/b.md").write_text(DOCUMENTS["notes/b.md"] + "\nBatteries got cheaper too.")
+        fake_clock[0] = NIGHT_1 + timedelta(days=1)
+        (second,) = fire_due_schedules(runtime)
+        assert (second.summarize, second.skipped) == (1, 2)
+        wait_for(lambda: job_status(runtime, second.job_id) == "completed", 120, "the second night's job")
+        wait_for(lambda: second.job_id in (tmp_path / "summaries" / "index.md").read_text(), 30, "the new index")
+    finally:
+        worker.terminate()
+    assert [r.document for r in requests_of(runtime, second.job_id)] == ["notes/b.md"]
+    index = (tmp_path / "summaries" / "index.md").read_text()
+    assert "| a.txt | unchanged (skipped) | a.txt.md |" in index and "| notes/b.md | summarized |" in index
+    assert second.job_id in (tmp_path / "summaries" / "notes__b.md.md").read_text()
+    assert first.job_id in (tmp_path / "summaries" / "a.txt.md").read_text()
+    with runtime.session() as session:
+        by_document = {s.document: s.job_id for s in session.scalars(select(DocumentSummary))}
+    assert by_document == {"a.txt": first.job_id, "notes/c.txt": first.job_id, "notes/b.md": second.job_id}
+    assert not list((tmp_path / "summaries").glob(".*")), "no temporary file may be left behind"
+
+
+# ---- long documents: map-reduce through the durable machinery -------------------------------------------------------
+SHORT_CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose context is 256 tokens."""
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-256", layers=6, seed=3, context=SHORT_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def short_swarm(short_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(short_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("short-swarm")) as swarm:
+        yield swarm
+
+
+def test_a_document_three_contexts_long_is_map_reduced_and_survives_kill_9_in_the_map_stage(
+        make_runtime: Callable[..., Runtime], short_swarm: LocalSwarm, short_model: Path, tmp_path: Path) -> None:
+    runtime = make_runtime(checkpoint_every=K)
+    text = " ".join(f"Paragraph {i}: the river dropped to its lowest level in forty years, and farmers asked "
+                    f"for help." for i in range(60))
+    tokens = len(runtime.tokenizer(str(short_model))(text, add_special_tokens=False).input_ids)
+    assert tokens >= 3 * SHORT_CONTEXT
+    (tmp_path / "long.txt").write_text(text)
+    (schedule,) = load_schedules(write_schedules(tmp_path / "s.toml", short_model, max_tokens=40,
+                                                 source="long.txt"))
+    firing = fire_now(runtime, schedule)
+    chunks = requests_of(runtime, firing.job_id)
+    assert len(chunks) >= 3 and all(r.stage == 0 and not r.final for r in chunks)
+    first = start_worker(runtime, short_swarm, tmp_path, "worker0", batch_size=2)
+    wait_for(lambda: any(r.status == "in_progress" and len(r.generated_ids) >= K
+                         for r in requests_of(runtime, firing.job_id)), 120, "a chunk with committed tokens")
+    first.kill()
+    at_kill = {r.id: (r.status, r.completed_at, list(r.generated_ids)) for r in requests_of(runtime, firing.job_id)}
+    assert all(r.stage == 0 for r in requests_of(runtime, firing.job_id)), "killed in the map stage"
+    second = start_worker(runtime, short_swarm, tmp_path, "worker1", batch_size=2)
+    try:
+        wait_for(lambda: job_status(runtime, firing.job_id) == "completed", 180, "the map-reduce job")
+        wait_for(lambda: (tmp_path / "summaries" / "long.txt.md").exists(), 30, "the summary file")
+    finally:
+        second.terminate()
+    rows = requests_of(runtime, firing.job_id)
+    stage0 = [r for r in rows if r.stage == 0]
+    assert len(stage0) == len(chunks) and all(r.status == "completed" for r in rows)
+    # no chunk summarized twice: what was done at the kill stays as it was, and the second worker never claimed it
+    done_at_kill = {rid for rid, (status, _, _) in at_kill.items() if status == "completed"}
+    claimed = {int(i) for m in re.findall(r"claimed \d+ requests \(([\d, ]+)\)", second.log_path.read_text())
+               for i in m.split(", ")}
+    assert not done_at_kill & claimed
+    assert all((r.status, r.completed_at, list(r.generated_ids)) == at_kill[r.id] for r in rows if r.id in done_at_kill)
+    assert all(r.attempts <= 2 for r in rows)
+    # the reduce stage combines every chunk's summary, and its output is the document's summary
+    (final,) = [r for r in rows if r.final]
+    assert final.stage >= 1 and final.status == "completed"
+    combined = [r for r in rows if r.stage == final.stage - 1]
+    prompt = final.body["messages"][0]["content"] if final.stage == 1 else ""
+    assert final.stage > 1 or all((r.output_text or "") in prompt for r in combined)
+    assert (final.output_text or "").strip() in (tmp_path / "summaries" / "long.txt.md").read_text()
