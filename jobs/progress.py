@@ -15,6 +15,8 @@ def describe_job(job: dict[str, Any]) -> str:
             f"{counts['failed']} failed, {job.get('tokens_generated', 0)} tokens")
     if job.get("errors"):
         line += f", {len(job['errors']['data'])} bad input lines"
+    if (job.get("metadata") or {}).get("skipped"):
+        line += f", {job['metadata']['skipped']} unchanged documents skipped"
     if job.get("blocked_reason") and job["status"] not in TERMINAL:
         line += f"; blocked: {job['blocked_reason']}"
     return line

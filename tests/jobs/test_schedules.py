@@ -258,3 +258,8 @@ def test_a_document_three_contexts_long_is_map_reduced_and_survives_kill_9_in_th
     prompt = final.body["messages"][0]["content"] if final.stage == 1 else ""
     assert final.stage > 1 or all((r.output_text or "") in prompt for r in combined)
     assert (final.output_text or "").strip() in (tmp_path / "summaries" / "long.txt.md").read_text()
+
+
+def test_the_example_schedules_file_is_valid() -> None:
+    (schedule,) = load_schedules(Path(__file__).resolve().parents[2] / "samples" / "schedules.example.toml")
+    assert schedule.name == "nightly-documents" and schedule.source == "documents/*.txt"
