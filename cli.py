@@ -101,11 +101,13 @@ def model_prepare(name_or_path: Annotated[str, typer.Argument(help="'smollm2' or
 def model_tiny(out: Annotated[Path, typer.Argument(help="Directory to write.")],
                layers: Annotated[int, typer.Option(min=1, help="Number of decoder layers.")] = 4,
                arch: Annotated[str, typer.Option(help="llama, mistral or qwen2.")] = "llama",
-               seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0) -> None:
+               seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+               context: Annotated[int, typer.Option(min=16, help="Context length (max_position_embeddings).")] = 2048
+               ) -> None:
     """Write a small random model with a tokenizer (tests, benchmarks)."""
     from modelprep import write_tiny_model
 
-    typer.echo(guarded(lambda: write_tiny_model(out, layers=layers, arch=arch, seed=seed)))
+    typer.echo(guarded(lambda: write_tiny_model(out, layers=layers, arch=arch, seed=seed, context=context)))
 
 
 # ---- swarm processes ------------------------------------------------------------------------------------------
@@ -153,7 +155,13 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
           max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch accepted.")] = 64,
           announce_period: Annotated[float, typer.Option(help="Seconds between DHT announcements.")] = 15.0,
           session_timeout: Annotated[float, typer.Option(help="Idle seconds before a session is closed.")] = 300.0,
-          num_threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads.")] = None) -> None:
+          num_threads: Annotated[Optional[int], typer.Option(min=1, help="torch threads.")] = None,
+          batch_wait_ms: Annotated[float, typer.Option(
+              min=0, help="Wait up to this many ms to merge concurrent sessions' decode steps into one forward "
+                          "(at most --max-batch-size rows); 0 = no merging.")] = 2.0,
+          metrics_port: Annotated[int, typer.Option(min=0, max=65535,
+                                                    help="Serve Prometheus /metrics on this port; 0 = off.")] = 0,
+          metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1") -> None:
     """Run a block server for a span of the model's blocks."""
     from servers.block_loading import DType, Quant
     from servers.server import ServerConfig, run_server
@@ -171,7 +179,9 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
             model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
             num_blocks=num_blocks, network=network_options(host, port, identity, announce_host), dtype=dtype_choice,
             quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
-            announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads)
+            announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
+            batch_wait_ms=batch_wait_ms,
+            metrics_port=metrics_port, metrics_host=metrics_host)
         run_server(config, lambda server, maddrs: _print_ready(server, maddrs))
 
     guarded(run)
@@ -240,6 +250,10 @@ db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+schedules_app = typer.Typer(help="Nightly summarization schedules (SWARMBATCH_SCHEDULES).", no_args_is_help=True)
+app.add_typer(schedules_app, name="schedules")
+SchedulesOption = Annotated[Optional[Path], typer.Option(
+    "--file", help="Schedules TOML file (default: SWARMBATCH_SCHEDULES).")]
 
 
 def jobs_client(api: Optional[str], key: Optional[str]) -> Any:
@@ -340,12 +354,60 @@ def worker(concurrency: Annotated[int, typer.Option(min=1, help="Pool processes.
 
 @app.command("beat")
 def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
-    """Run Celery beat: the periodic sweep for lost work."""
+    """Run Celery beat: the periodic sweep for lost work, and the schedules of SWARMBATCH_SCHEDULES."""
     from jobs.runtime import get_runtime
 
     runtime = get_runtime()
     runtime.settings.home.mkdir(parents=True, exist_ok=True)
     runtime.celery.start(["beat", f"--loglevel={loglevel}", f"--schedule={runtime.settings.home / 'beat-schedule'}"])
+
+
+def load_schedule_file(path: Optional[Path]) -> list[Any]:
+    """The schedules of --file or SWARMBATCH_SCHEDULES; exit 2 with one line if neither is set."""
+    from jobs.schedules import load_schedules
+    from jobs.settings import get_settings
+
+    path = path or get_settings().schedules
+    if path is None:
+        typer.echo("error: no schedules file; pass --file or set SWARMBATCH_SCHEDULES", err=True)
+        raise typer.Exit(2)
+    return guarded(lambda: load_schedules(Path(path)))
+
+
+@schedules_app.command("list")
+def schedules_list(file: SchedulesOption = None, as_json: JsonOption = False) -> None:
+    """Each schedule with its cron, timezone and next run."""
+    from jobs.scheduling import next_runs
+
+    schedules = load_schedule_file(file)
+    runs = next_runs(schedules)
+    rows = [{"name": s.name, "cron": s.cron, "timezone": s.timezone, "next_run": runs[s.name].isoformat(),
+             "source": s.source, "model": s.model, "output": str(s.output_dir)} for s in schedules]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for row in rows:
+        typer.echo(f"{row['name']:<24} {row['cron']:<16} {row['timezone']:<18} next {row['next_run']}  "
+                   f"{row['source']} -> {row['output']}")
+
+
+@schedules_app.command("run")
+def schedules_run(name: str, file: SchedulesOption = None, as_json: JsonOption = False) -> None:
+    """Fire one schedule now (changed and new documents only); prints the job id."""
+    from jobs.runtime import get_runtime
+    from jobs.schedules import find_schedule
+    from jobs.scheduling import fire_now
+
+    schedule = guarded(lambda: find_schedule(load_schedule_file(file), name))
+    runtime = get_runtime()
+    guarded(runtime.ensure_store)
+    firing = guarded(lambda: fire_now(runtime, schedule))
+    if as_json:
+        typer.echo(json.dumps(firing.__dict__))
+    elif firing.job_id is None:
+        typer.echo(f"{name}: already fired this minute ({firing.period}); nothing created")
+    else:
+        typer.echo(f"{firing.job_id}  {firing.summarize} documents to summarize, {firing.skipped} unchanged skipped")
 
 
 @app.command("api")

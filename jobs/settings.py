@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     api_url: str | None = Field(default=None, description="talk to this REST API instead of the store")
     api_key: str | None = None
 
+    @field_validator("schedules", mode="before")
+    @classmethod
+    def _no_schedules_when_empty(cls, value: object) -> object:
+        return None if value == "" else value
+
     @property
     def resolved_database_url(self) -> str:
         """SWARMBATCH_DATABASE_URL, or SQLite under SWARMBATCH_HOME."""

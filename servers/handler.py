@@ -17,11 +17,13 @@ import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
+from servers.batching import DecodeBatcher, DecodeStep
 from servers.errors import RequestRejected
 from servers.memory import CacheBudget
 from servers.span import BlockSpan
 from servers.stats import ServerStats
-from servers.validation import Limits, reject, validate_session_open, validate_span, validate_step
+from servers.validation import (Limits, reject, validate_keep_rows, validate_session_open, validate_span,
+                                validate_step)
 from swarmclient import protocol
 from swarmclient.protocol import ErrorCode
 
@@ -50,9 +52,15 @@ class BlockHandler:
     budget: CacheBudget
     info: Callable[[], dict[str, Any]]
     session_timeout: float = 300.0
+    batch_wait_ms: float = 2.0  # how long a decode step waits for other sessions' steps to merge with; 0 = never
     stats: ServerStats = field(default_factory=ServerStats)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # a merged forward holds at most as many rows as one session may have
+        self.batcher = DecodeBatcher(self.span, wait_ms=self.batch_wait_ms, max_rows=self.limits.max_batch_size,
+                                     stats=self.stats)
 
     async def register(self, p2p: P2P) -> None:
         """Add the three RPCs to a P2P node."""
@@ -63,7 +71,10 @@ class BlockHandler:
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This server's announcement, limits and load."""
-        return protocol.make_response([], {**self.info(), "sessions": len(self.sessions)})
+        return protocol.make_response([], {**self.info(), "sessions": len(self.sessions),
+                                           "merged_steps": self.stats.merged_steps,
+                                           "merged_sessions": self.stats.merged_sessions,
+                                           "max_merged": self.stats.max_merged})
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:
@@ -110,14 +121,39 @@ class BlockHandler:
                                   f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
         if (meta.get("start"), meta.get("end")) != (session.start, session.end):
             raise reject(f"the session serves blocks {session.start}:{session.end}, not {meta.get('start')}:{meta.get('end')}")
-        hidden, mask, positions = validate_step(tensors, batch_size=session.batch_size, past=session.length,
-                                                max_length=session.max_length, hidden_size=self.limits.hidden_size)
+        keep_rows = validate_keep_rows(meta.get("keep_rows"), session.batch_size)
+        hidden, mask, positions = validate_step(
+            tensors, batch_size=session.batch_size if keep_rows is None else len(keep_rows), past=session.length,
+            max_length=session.max_length, hidden_size=self.limits.hidden_size)
+        if keep_rows is not None:  # only after the whole step is valid, so a refused step changes nothing
+            self._keep_rows(session, keep_rows)
         began = time.perf_counter()
-        output = await self._compute(hidden, mask, positions, session.caches, session.start, session.end)
+        if hidden.shape[1] == 1:
+            output, merged = await self._decode(session, hidden, mask, positions)
+        else:
+            output, merged = await self._compute(hidden, mask, positions, session.caches, session.start, session.end), 1
         session.length += hidden.shape[1]
         # the compute time lets clients (and bench/swarm.py) tell network overhead from compute
-        return protocol.make_response([output], {"cache_len": session.length,
+        return protocol.make_response([output], {"cache_len": session.length, "merged": merged,
                                                  "compute_ms": (time.perf_counter() - began) * 1000})
+
+    def _keep_rows(self, session: Session, rows: list[int]) -> None:
+        """Drop the other rows of the session's caches; the freed cache goes back to the budget."""
+        index = torch.tensor(rows, dtype=torch.long)
+        for cache in session.caches:
+            cache.batch_select_indices(index)
+        session.batch_size = len(rows)
+        self.budget.shrink(session.session_id, batch_size=session.batch_size, max_length=session.max_length,
+                           num_blocks=session.end - session.start)
+
+    async def _decode(self, session: Session, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, int]:
+        """A decode step, merged with other sessions' steps on the same blocks when they come together."""
+        peers = sum((s.start, s.end) == (session.start, session.end) for s in self.sessions.values())
+        output, merged = await self.batcher.run(DecodeStep(hidden, mask, positions, session.caches),
+                                                session.start, session.end, peers=peers)
+        self.stats.record_step(tokens=hidden.shape[0])
+        return output.float(), merged
 
     def _open(self, meta: dict[str, Any], context: P2PContext) -> Session:
         session_id, batch_size, max_length = validate_session_open(meta, self.limits)

@@ -35,6 +35,11 @@ class CacheBudget:
                                   f"session needs {need} block-tokens, {self.limit - self.used} of {self.limit} free")
         self._reserved[session_id] = need
 
+    def shrink(self, session_id: str, *, batch_size: int, max_length: int, num_blocks: int) -> None:
+        """Lower a session's reservation to a smaller batch (after it dropped rows); never raises it."""
+        if session_id in self._reserved:
+            self._reserved[session_id] = min(self._reserved[session_id], batch_size * max_length * num_blocks)
+
     def release(self, session_id: str) -> None:
         """Free a session's reservation (idempotent)."""
         self._reserved.pop(session_id, None)

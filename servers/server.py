@@ -17,6 +17,7 @@ from servers.block_selection import choose_best_blocks
 from servers.errors import ServerConfigError
 from servers.handler import BlockHandler
 from servers.memory import CacheBudget
+from servers.metrics import MetricsEndpoint, start_metrics
 from servers.throughput import measure_throughput
 from servers.validation import Limits
 from swarmclient.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
@@ -44,12 +45,17 @@ class ServerConfig:
     announce_period: float = 15.0           # seconds between DHT refreshes
     session_timeout: float = 300.0          # an idle session is closed and its cache freed after this
     num_threads: int | None = None          # torch threads for compute; None keeps torch's default
+    batch_wait_ms: float = 2.0              # a decode step waits this long to merge with other sessions'; 0 = never
+    metrics_port: int = 0                   # Prometheus /metrics port; 0 = no metrics endpoint
+    metrics_host: str = "127.0.0.1"         # where /metrics listens (0.0.0.0 for a scraper elsewhere)
 
     def __post_init__(self) -> None:
         if (self.blocks is None) == (self.num_blocks is None):
             raise ServerConfigError("pass exactly one of --blocks A:B and --num-blocks N")
         if self.attn_cache_tokens < 1 or self.max_batch_size < 1 or self.announce_period <= 0:
             raise ServerConfigError("--attn-cache-tokens, --max-batch-size and --announce-period must be positive")
+        if self.batch_wait_ms < 0:
+            raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
 
 
 class BlockServer:
@@ -61,12 +67,15 @@ class BlockServer:
         self.state = ServerState.JOINING
         self.throughput = 0.0
         self.peer_id = ""
+        self.metrics: MetricsEndpoint | None = None
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
         """Join the DHT, load the span, serve, and announce ONLINE."""
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        if self.config.metrics_port:  # up before loading, so a health check can see "joining"
+            self.metrics = start_metrics(self, self.config.metrics_host, self.config.metrics_port)
         self.p2p, self.node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False)
         self.peer_id = self.p2p.peer_id.to_base58()
         self.start_block, self.end_block = await self._choose_span()
@@ -75,7 +84,8 @@ class BlockServer:
                                     dtype=self.config.dtype, quant=self.config.quant))
         self.budget = CacheBudget(self.config.attn_cache_tokens, self.end_block - self.start_block)
         self.handler = BlockHandler(self.span, self._limits(), self.budget, self._info_dict,
-                                    session_timeout=self.config.session_timeout)
+                                    session_timeout=self.config.session_timeout,
+                                    batch_wait_ms=self.config.batch_wait_ms)
         self.announcer = Announcer(self.node, model_id=self.spec.model_id, peer_id=self.peer_id,
                                    info=self.info, update_period=self.config.announce_period)
         await self.announcer.announce()  # JOINING: visible to block selection of servers starting now
@@ -144,6 +154,8 @@ class BlockServer:
                     await asyncio.wait_for(step(), timeout=5)
                 except Exception:
                     logger.warning("Shutdown step %s failed", step.__qualname__, exc_info=True)
+        if self.metrics is not None:  # last: a scraper sees "offline" until the server is gone
+            self.metrics.stop()
 
 
 def run_server(config: ServerConfig, on_ready: Callable[[BlockServer, list[str]], None]) -> None:

@@ -54,6 +54,18 @@ def validate_session_open(meta: dict[str, Any], limits: Limits) -> tuple[str, in
     return session_id, batch_size, max_length
 
 
+def validate_keep_rows(value: Any, batch_size: int) -> list[int] | None:
+    """The rows a step keeps of the session's batch (sorted, unique, in range), or None to keep them all."""
+    if value is None:
+        return None
+    rows = list(value) if isinstance(value, (list, tuple)) else None
+    if not rows or not all(isinstance(i, int) and not isinstance(i, bool) for i in rows) or \
+            any(b <= a for a, b in zip(rows, rows[1:])) or rows[0] < 0 or rows[-1] >= batch_size:
+        raise reject(f"'keep_rows' must be a non-empty sorted list of unique row indices in [0, {batch_size}), "
+                     f"got {str(value)[:80]}")
+    return rows
+
+
 def validate_step(tensors: list[torch.Tensor], *, batch_size: int, past: int, max_length: int,
                   hidden_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden [B,T,H], mask [B,past+T], positions [B,T]) after checking count, shapes, dtypes and lengths."""

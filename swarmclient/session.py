@@ -3,7 +3,8 @@
 An InferenceSession keeps, for every block boundary of its route, the hidden states it sent there at each
 step. When a server fails, the client bans it, routes the failed hop's blocks through other servers, and
 replays those inputs step by step (same shapes, same order), so the replacement caches are the same as the
-lost ones and the generation goes on with identical tokens.
+lost ones and the generation goes on with identical tokens. A step may keep only some rows of the batch
+(`keep_rows`: finished requests leave the session); the history records it, so a replay drops the same rows.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class ServerSession:
         self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
         self.steps = 0
         self.last_compute_seconds = 0.0  # the server's own compute time of the last step
+        self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
@@ -53,12 +55,18 @@ class ServerSession:
             raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
         return self
 
-    async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-                   ) -> torch.Tensor:
-        """Send one step's hidden states; returns the hop's output hidden states."""
+    async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   keep_rows: list[int] | None = None) -> torch.Tensor:
+        """Send one step's hidden states; returns the hop's output hidden states.
+
+        keep_rows: first keep only these rows of the session's batch (the step's tensors have len(keep_rows) rows).
+        """
         assert self._responses is not None, "open() first"
+        # batch_size is the batch the server opens the session with (its first step), before any keep_rows
         meta: dict[str, Any] = {"session_id": self.session_id, "start": self.hop.start, "end": self.hop.end,
                                 "batch_size": self.batch_size, "max_length": self.max_length}
+        if keep_rows is not None:
+            meta["keep_rows"] = list(keep_rows)
         await self._queue.put(protocol.make_request([hidden, attention_mask, position_ids], meta))
         response = await self._next_response()
         tensors, meta = protocol.read_message(response)
@@ -70,6 +78,7 @@ class ServerSession:
             raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
         self.steps += 1
         self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
+        self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
 
     async def _next_response(self) -> runtime_pb2.ExpertResponse:
@@ -107,12 +116,17 @@ class InferenceSession:
 
     def __init__(self, swarm: Swarm, *, batch_size: int, max_length: int) -> None:
         self.swarm, self.batch_size, self.max_length = swarm, batch_size, max_length
+        self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._broken: set[int] = set()                   # hop starts whose server failed
         self._inputs: dict[int, list[torch.Tensor]] = {}  # hop start -> hidden states sent at each step
         self._positions: list[torch.Tensor] = []          # position ids of each step
         self._lengths: list[int] = []                     # total length after each step
-        self._mask: torch.Tensor | None = None            # the latest 2D attention mask (earlier ones are prefixes)
+        self._keep_rows: list[list[int] | None] = []      # the row selection of each step
+        # the latest 2D attention mask of each row set (a keep_rows step starts a new one); within a row set
+        # earlier masks are prefixes of the latest, so one mask per row set rebuilds every step's mask
+        self._masks: list[torch.Tensor] = []
+        self._mask_index: list[int] = []                  # step -> its row set's entry in _masks
         self.failovers = 0
 
     @property
@@ -133,9 +147,14 @@ class InferenceSession:
     def __exit__(self, *exc: object) -> None:
         self.swarm.loop.run(self.close())
 
-    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """Run one step (a prefill of T tokens or a decode token) through all blocks; returns final hidden states."""
-        return self.swarm.loop.run(self.astep(hidden, attention_mask, position_ids))
+    def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+             keep_rows: list[int] | None = None) -> torch.Tensor:
+        """Run one step (a prefill of T tokens or a decode token) through all blocks; returns final hidden states.
+
+        keep_rows: first drop every other row of the session's batch (sorted, unique indices of the current
+        rows); the step's tensors then have len(keep_rows) rows, and so has the session from then on.
+        """
+        return self.swarm.loop.run(self.astep(hidden, attention_mask, position_ids, keep_rows))
 
     # ---- async core -----------------------------------------------------------------------------------
     async def open(self) -> None:
@@ -148,43 +167,65 @@ class InferenceSession:
         await asyncio.gather(*(s.close() for s in self._sessions.values()), return_exceptions=True)
         self._sessions.clear()
 
-    async def astep(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-                    ) -> torch.Tensor:
+    async def astep(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    keep_rows: list[int] | None = None) -> torch.Tensor:
         """Async `step`."""
-        self._check_step(hidden, attention_mask, position_ids)
+        keep_rows = self._check_keep_rows(keep_rows)
+        self._check_step(hidden, attention_mask, position_ids,
+                         self.batch_size if keep_rows is None else len(keep_rows))
         hidden = hidden.float().contiguous()
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
         position = 0
         while position < self.swarm.num_blocks:
             hidden_in = hidden
             hidden, position_next = await with_retries(
-                lambda: self._step_hop(position, hidden_in, attention_mask, position_ids),
+                lambda: self._step_hop(position, hidden_in, attention_mask, position_ids, keep_rows),
                 config=self.swarm.config, on_failure=self._on_failure)
             self._inputs[position].append(hidden_in)
             position = position_next
-        self._mask = attention_mask
-        self._positions.append(position_ids)
-        self._lengths.append(attention_mask.shape[1])
+        self._record(attention_mask, position_ids, keep_rows)
         return hidden
 
-    def _check_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> None:
+    def _record(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+        """Add a completed step to the history that a replay feeds a replacement server."""
+        if keep_rows is not None or not self._masks:
+            self._masks.append(attention_mask)
+            self.batch_size = attention_mask.shape[0]
+        else:
+            self._masks[-1] = attention_mask
+        self._mask_index.append(len(self._masks) - 1)
+        self._keep_rows.append(keep_rows)
+        self._positions.append(position_ids)
+        self._lengths.append(attention_mask.shape[1])
+
+    def _check_keep_rows(self, keep_rows: list[int] | None) -> list[int] | None:
+        if keep_rows is None:
+            return None
+        rows = [int(i) for i in keep_rows]
+        if not rows or rows != sorted(set(rows)) or rows[0] < 0 or rows[-1] >= self.batch_size:
+            raise InvalidRequest(f"keep_rows must be sorted unique row indices in [0, {self.batch_size}), "
+                                 f"got {rows[:16]}")
+        return rows
+
+    def _check_step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    batch_size: int) -> None:
         batch, length = hidden.shape[0], hidden.shape[1]
-        if batch != self.batch_size or attention_mask.shape != (batch, self.position + length) or \
+        if batch != batch_size or attention_mask.shape != (batch, self.position + length) or \
                 position_ids.shape != (batch, length):
             raise InvalidRequest(
                 f"step shapes do not fit the session: hidden {tuple(hidden.shape)}, mask {tuple(attention_mask.shape)},"
-                f" positions {tuple(position_ids.shape)} at position {self.position} with batch {self.batch_size}")
+                f" positions {tuple(position_ids.shape)} at position {self.position} with batch {batch_size}")
         if attention_mask.shape[1] > self.max_length:
             raise InvalidRequest(f"the session is {self.max_length} tokens long; step would reach "
                                  f"{attention_mask.shape[1]}")
 
     async def _step_hop(self, position: int, hidden: torch.Tensor, attention_mask: torch.Tensor,
-                        position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+                        position_ids: torch.Tensor, keep_rows: list[int] | None) -> tuple[torch.Tensor, int]:
         if position in self._broken:
             await self._repair(position)
         session = self._sessions[position]
         try:
-            output = await session.step(hidden, attention_mask, position_ids)
+            output = await session.step(hidden, attention_mask, position_ids, keep_rows)
         except PeerFailed:
             self._broken.add(position)
             raise
@@ -217,7 +258,7 @@ class InferenceSession:
 
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
         hops = await self.swarm.route(start, end)
-        sessions = [ServerSession(self.swarm, hop, batch_size=self.batch_size, max_length=self.max_length)
+        sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length)
                     for hop in hops]
         opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)
         failure = next((r for r in opened if isinstance(r, BaseException)), None)
@@ -240,10 +281,10 @@ class InferenceSession:
             for number, hop in enumerate(hops):
                 if number > 0:
                     self._inputs[hop.start].append(hidden)
-                hidden = await self._sessions[hop.start].step(hidden, mask, self._positions[index])
+                hidden = await self._sessions[hop.start].step(hidden, mask, self._positions[index],
+                                                              self._keep_rows[index])
         if steps:
             logger.info("Replayed %d steps to %s", steps, ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in hops))
 
     def _mask_at(self, index: int) -> torch.Tensor:
-        assert self._mask is not None
-        return self._mask[:, : self._lengths[index]]
+        return self._masks[self._mask_index[index]][:, : self._lengths[index]]

@@ -263,3 +263,21 @@ def test_a_document_three_contexts_long_is_map_reduced_and_survives_kill_9_in_th
 def test_the_example_schedules_file_is_valid() -> None:
     (schedule,) = load_schedules(Path(__file__).resolve().parents[2] / "samples" / "schedules.example.toml")
     assert schedule.name == "nightly-documents" and schedule.source == "documents/*.txt"
+
+
+def test_schedules_list_shows_each_next_run_and_run_names_unknown_schedules(
+        tmp_path: Path, tiny_model: Path) -> None:
+    import json as json_module
+
+    from typer.testing import CliRunner
+
+    import cli
+
+    path = write_schedules(tmp_path / "s.toml", tiny_model)
+    listed = CliRunner().invoke(cli.app, ["schedules", "list", "--file", str(path), "--json"])
+    assert listed.exit_code == 0, listed.output
+    (row,) = json_module.loads(listed.output)
+    assert row["name"] == "nightly" and row["next_run"].endswith(("+01:00", "+02:00")) and "02:30:00" in row["next_run"]
+    unknown = CliRunner().invoke(cli.app, ["schedules", "run", "weekly", "--file", str(path)])
+    assert unknown.exit_code == 2 and "no schedule 'weekly'; known: nightly" in unknown.output
+    assert len(unknown.output.strip().splitlines()) == 1

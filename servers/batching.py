@@ -1,0 +1,189 @@
+"""Server-side batching: concurrent decode steps of different sessions on the same blocks run as one forward.
+
+Sessions have caches of different lengths. A merged step left-pads each session's per-layer K/V to the longest,
+stacks them along the batch, masks the padding out (zeros in the 2D mask), keeps each session's own position
+ids, and runs the layers once on a fresh set of caches; each session then gets back only its new K/V column, so
+its own cache ends as if it had run alone. Left-padding keeps every query-to-key distance, so causal and
+sliding-window masks are unchanged for the real tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from servers.span import BlockSpan
+from servers.stats import ServerStats
+
+SpanKey = tuple[int, int]
+
+
+@dataclass
+class DecodeStep:
+    """One session's decode step: hidden [b,1,H], mask [b,past+1], positions [b,1], one cache per layer."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    caches: list[DynamicCache]
+
+    @property
+    def rows(self) -> int:
+        """The step's batch size."""
+        return int(self.hidden.shape[0])
+
+
+def layer_kv(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A one-layer cache's (keys, values), each [b, kv_heads, length, head_dim]; None while it is empty."""
+    if cache.get_seq_length() == 0:
+        return None
+    layer = cache.layers[0]
+    # spans cache attention K/V only (DynamicLayer); anything else here is a bug, not a request error
+    assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values
+
+
+class MergedLayer(DynamicLayer):
+    """A one-layer cache over a preallocated [B, heads, past+1, dim] buffer: the padded past and one free column.
+
+    The layer's `update` writes the step's K/V into the free column instead of concatenating, so the merged
+    past is copied once per step (into the buffer), not twice.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
+        self.filled = keys.shape[-2] - 1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new token's K/V into the free column; returns the whole buffer."""
+        assert self.keys is not None and self.values is not None and key_states.shape[-2] == 1
+        self.keys[:, :, -1:] = key_states
+        self.values[:, :, -1:] = value_states
+        self.filled = self.keys.shape[-2]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Cached tokens: the padded past until the step's column is written (the mask builder reads it first)."""
+        return self.filled
+
+
+def stack_left_padded(tensors: list[torch.Tensor | None], rows: list[int], length: int) -> torch.Tensor:
+    """[b_i, heads, len_i, dim] tensors (None = empty), left-padded with zeros to `length`, stacked on the batch,
+    plus one free column at the end (filled by MergedLayer.update)."""
+    like = next(t for t in tensors if t is not None)
+    out = like.new_empty(sum(rows), like.shape[1], length + 1, like.shape[3])
+    row = 0
+    for tensor, count in zip(tensors, rows):
+        past = 0 if tensor is None else tensor.shape[2]
+        # padding must be finite: masked weights are 0, and 0 * garbage could be NaN
+        out[row:row + count, :, :length - past].zero_()
+        if tensor is not None:
+            out[row:row + count, :, length - past:length].copy_(tensor)
+        row += count
+    return out
+
+
+def merged_caches(steps: list[DecodeStep], length: int) -> list[DynamicCache]:
+    """Fresh one-layer caches holding every session's K/V, left-padded to `length` and stacked on the batch."""
+    rows = [step.rows for step in steps]
+    caches = []
+    for layer in range(len(steps[0].caches)):
+        kvs = [layer_kv(step.caches[layer]) for step in steps]
+        cache = DynamicCache()
+        if any(kv is not None for kv in kvs):
+            keys = stack_left_padded([kv[0] if kv else None for kv in kvs], rows, length)
+            values = stack_left_padded([kv[1] if kv else None for kv in kvs], rows, length)
+            cache.layers.append(MergedLayer(keys, values))
+        caches.append(cache)
+    return caches
+
+
+def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -> list[torch.Tensor]:
+    """Run N sessions' decode steps through blocks [start, end) as one forward; returns each one's output.
+
+    Each session's caches get its new K/V column appended, as a forward of its own would have done.
+    """
+    if len(steps) == 1:  # nothing to merge: run on the session's own caches, no copy
+        step = steps[0]
+        return [span(step.hidden, step.mask, step.positions, step.caches, start, end)]
+    pasts = [step.caches[0].get_seq_length() for step in steps]
+    length = max(pasts)
+    hidden = torch.cat([step.hidden.to(span.compute_dtype) for step in steps])
+    mask = torch.cat([F.pad(step.mask, (length - past, 0)) for step, past in zip(steps, pasts)])  # 0 = padding
+    positions = torch.cat([step.positions for step in steps])
+    caches = merged_caches(steps, length)
+    output = span(hidden, mask, positions, caches, start, end)
+    bounds = _row_bounds([step.rows for step in steps])
+    for layer, cache in enumerate(caches):
+        kv = layer_kv(cache)
+        assert kv is not None
+        new_keys, new_values = kv[0][:, :, -1:], kv[1][:, :, -1:]
+        for step, (low, high) in zip(steps, bounds):
+            step.caches[layer].update(new_keys[low:high], new_values[low:high], 0)
+    return [output[low:high] for low, high in bounds]
+
+
+def _row_bounds(rows: list[int]) -> list[tuple[int, int]]:
+    bounds, low = [], 0
+    for count in rows:
+        bounds.append((low, low + count))
+        low += count
+    return bounds
+
+
+@dataclass
+class _Pending:
+    step: DecodeStep
+    future: asyncio.Future[tuple[torch.Tensor, int]]
+
+
+class DecodeBatcher:
+    """Gathers concurrent decode steps per span [start, end) for up to `wait_ms`, then runs them as one forward.
+
+    A group runs at once when every open session on its span has a step in it (waiting longer gains nothing),
+    or when one more step would take it past `max_rows`. The forward runs on the event loop, like any decode step.
+    """
+
+    def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerStats) -> None:
+        self.span, self.wait, self.max_rows, self.stats = span, wait_ms / 1000, max_rows, stats
+        self._groups: dict[SpanKey, list[_Pending]] = {}
+        self._timers: dict[SpanKey, asyncio.TimerHandle] = {}
+
+    async def run(self, step: DecodeStep, start: int, end: int, *, peers: int) -> tuple[torch.Tensor, int]:
+        """(the step's output, how many sessions its forward merged); `peers`: open sessions on [start, end)."""
+        key = (start, end)
+        if sum(p.step.rows for p in self._groups.get(key, [])) + step.rows > self.max_rows:
+            self._flush(key)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(step, loop.create_future())
+        group = self._groups.setdefault(key, [])
+        group.append(pending)
+        if self.wait <= 0 or len(group) >= peers or sum(p.step.rows for p in group) >= self.max_rows:
+            self._flush(key)
+        elif key not in self._timers:
+            self._timers[key] = loop.call_later(self.wait, self._flush, key)
+        return await pending.future
+
+    def _flush(self, key: SpanKey) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        group = [p for p in self._groups.pop(key, []) if not p.future.done()]  # done = its stream was cancelled
+        if not group:
+            return
+        try:
+            outputs = run_merged(self.span, [p.step for p in group], *key)
+        except Exception as e:  # every session of the forward gets the error, in band
+            for pending in group:
+                pending.future.set_exception(e)
+            return
+        if len(group) > 1:
+            self.stats.record_merge(sessions=len(group), rows=sum(p.step.rows for p in group))
+        for pending, output in zip(group, outputs):
+            pending.future.set_result((output, len(group)))

@@ -1,0 +1,169 @@
+"""docker-compose.yml, checked by a real compose parser (Debian's docker-compose 1.29; no Docker engine needed)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+import yaml
+from typer.testing import CliRunner
+
+from cli import app
+from jobs.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE, ENV_EXAMPLE, DOCKERFILE = ROOT / "docker-compose.yml", ROOT / ".env.example", ROOT / "Dockerfile"
+LONG_RUNNING = {"redis", "postgres", "dht", "server1", "server2", "worker", "beat", "api"}
+ONE_SHOT = {"migrate", "model"}
+HEALTHY, COMPLETED = "service_healthy", "service_completed_successfully"
+
+
+def compose_config(env_file: Path) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config`: the file validated, interpolated from `env_file` and normalized."""
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.fail("docker-compose is not installed: run 'apt-get install -y docker-compose' (.ci/run does)",
+                    pytrace=False)
+    # only PATH: variables of this shell must not override the env file under test
+    return subprocess.run([exe, "-f", str(COMPOSE), "--env-file", str(env_file), "config"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+
+
+def services_for(env_file: Path) -> dict[str, Any]:
+    """The normalized services, failing with compose's own message if the file is invalid."""
+    proc = compose_config(env_file)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)["services"]
+
+
+@pytest.fixture(scope="module")
+def config() -> dict[str, Any]:
+    """The whole normalized compose file for .env.example."""
+    proc = compose_config(ENV_EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def test_the_compose_file_defines_every_service_of_the_deployment(config: dict[str, Any]) -> None:
+    assert set(config["services"]) == LONG_RUNNING | ONE_SHOT
+
+
+def test_every_long_running_service_has_a_healthcheck_and_one_shots_do_not_restart(config: dict[str, Any]) -> None:
+    for name in LONG_RUNNING:
+        health = config["services"][name].get("healthcheck", {})
+        assert health.get("test") and not health.get("disable"), name
+    for name in ONE_SHOT:
+        assert config["services"][name]["restart"] == "no", name
+
+
+def test_services_wait_for_healthy_dependencies_and_finished_one_shots(config: dict[str, Any]) -> None:
+    stores = {"redis": HEALTHY, "postgres": HEALTHY, "migrate": COMPLETED}
+    expected = {
+        "migrate": {"postgres": HEALTHY},
+        "server1": {"dht": HEALTHY, "model": COMPLETED},
+        "server2": {"dht": HEALTHY, "model": COMPLETED},
+        "worker": {**stores, "model": COMPLETED, "dht": HEALTHY},
+        "beat": stores,
+        "api": {**stores, "model": COMPLETED},
+    }
+    got = {name: {dep: spec["condition"] for dep, spec in service.get("depends_on", {}).items()}
+           for name, service in config["services"].items() if service.get("depends_on")}
+    assert got == expected
+
+
+def test_named_volumes_keep_postgres_data_models_the_dht_identity_and_the_home(config: dict[str, Any]) -> None:
+    assert {"postgres-data", "models", "dht-identity", "swarmbatch-home"} <= set(config["volumes"])
+
+    def mounts(name: str) -> set[str]:
+        return {entry.rsplit(":", 1)[0] for entry in config["services"][name]["volumes"]}
+
+    assert "postgres-data:/var/lib/postgresql/data" in mounts("postgres")
+    assert "dht-identity:/dht" in mounts("dht")
+    for name in ("server1", "server2", "worker", "api", "model"):
+        assert {"models:/data/models", "swarmbatch-home:/data"} <= mounts(name), name
+
+
+def test_the_servers_block_ranges_come_from_the_env_file(config: dict[str, Any], tmp_path: Path) -> None:
+    assert "--blocks 0:15" in server_command(config["services"], "server1")
+    assert "--blocks 15:30" in server_command(config["services"], "server2")
+    env_file = tmp_path / ".env"
+    env_file.write_text(ENV_EXAMPLE.read_text() + "SERVER1_BLOCKS=0:7\nSERVER2_BLOCKS=7:30\n")  # the last one wins
+    services = services_for(env_file)
+    assert "--blocks 0:7 " in server_command(services, "server1")
+    assert "--blocks 7:30 " in server_command(services, "server2")
+
+
+def server_command(services: dict[str, Any], name: str) -> str:
+    """A shell-wrapped service's command line as one string."""
+    return " ".join(services[name]["command"])
+
+
+def test_compose_refuses_to_run_without_a_postgres_password(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text("\n".join(line for line in ENV_EXAMPLE.read_text().splitlines()
+                                  if not line.startswith("POSTGRES_PASSWORD=")))
+    proc = compose_config(env_file)
+    assert proc.returncode != 0 and "set POSTGRES_PASSWORD in .env" in proc.stderr
+
+
+def swarmbatch_invocations(services: dict[str, Any]) -> dict[str, list[str]]:
+    """Per service, the argument list its `swarmbatch` process gets (image entrypoint, or inside `sh -c`)."""
+    found: dict[str, list[str]] = {}
+    for name, service in services.items():
+        if "image" in service and not service["image"].startswith("swarmbatch"):
+            continue
+        command = service["command"]
+        if service.get("entrypoint") == ["/bin/sh", "-c"]:
+            text = " ".join(command)
+            segment = next(part for part in text.split("&&") if "swarmbatch " in part)
+            words = shlex.split(segment.split("swarmbatch ", 1)[1])
+            found[name] = words[:words.index(">")] if ">" in words else words
+        else:
+            found[name] = list(command)
+    return found
+
+
+def resolve(args: list[str]) -> tuple[list[str], Any]:
+    """The subcommand path at the start of `args` and its click command (typer ships its own click: duck-typed)."""
+    command: Any = typer.main.get_command(app)
+    path: list[str] = []
+    while hasattr(command, "commands") and len(args) > len(path) and args[len(path)] in command.commands:
+        word = args[len(path)]
+        command, path = command.commands[word], [*path, word]
+    return path, command
+
+
+def test_every_swarmbatch_command_in_the_compose_file_is_a_real_cli_command(config: dict[str, Any]) -> None:
+    invocations = swarmbatch_invocations(config["services"])
+    assert set(invocations) == LONG_RUNNING - {"redis", "postgres"} | ONE_SHOT
+    runner = CliRunner()
+    for name, args in invocations.items():
+        path, command = resolve(args)
+        assert path and not hasattr(command, "commands"), f"{name}: {args}"
+        result = runner.invoke(app, [*path, "--help"])
+        assert result.exit_code == 0, f"{name}: swarmbatch {' '.join(path)} --help: {result.output}"
+        known = {opt for param in command.params for opt in param.opts}
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", " ".join(args)))
+        assert flags <= known, f"{name}: swarmbatch {' '.join(path)} has no {sorted(flags - known)}"
+
+
+def test_every_variable_the_compose_file_uses_is_documented_in_env_example() -> None:
+    used = set(re.findall(r"(?<!\$)\$\{([A-Z0-9_]+)", COMPOSE.read_text()))
+    documented = set(re.findall(r"^([A-Z0-9_]+)=", ENV_EXAMPLE.read_text(), flags=re.M))
+    assert used - documented == set()
+    settings = {f"SWARMBATCH_{field.upper()}" for field in Settings.model_fields}
+    assert {name for name in documented if name.startswith("SWARMBATCH_")} <= settings
+
+
+def test_the_image_installs_the_cpu_torch_before_the_project_and_runs_swarmbatch() -> None:
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    torch_at = lines.index("RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+    project_at = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install ."))
+    assert "FROM python:3.11-slim" in lines and torch_at < project_at
+    assert 'ENTRYPOINT ["swarmbatch"]' in lines
