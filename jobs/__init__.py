@@ -7,7 +7,8 @@ Modules:
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel, expire, keys
     submission   submit_batch: validate against the model, store, enqueue
-    runner       BatchRunner: generate a claimed batch, committing every K tokens; resumes from committed ids
+    runner       BatchRunner: a claimed batch as pipelined micro-batches (lanes), finished rows replaced at once
+                 by newly claimed ones; commits every K tokens; resumes from committed ids
     worker       JobWorker (one batch of one job) and sweep_store (lost leases, deadlines, finalization)
     celery_app   make_celery(settings): Redis or the embedded SQLite broker
     tasks        the Celery tasks: process_job, sweep, fire_schedules

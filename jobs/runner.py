@@ -6,7 +6,9 @@ is seeded by absolute position, so the continuation equals an uninterrupted run.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,46 +66,113 @@ def find_stop(text: str, stops: list[str]) -> int | None:
     return min(hits) if hits else None
 
 
+Refill = Callable[[int], list[Request]]
+"""Claim up to n more pending requests of the job (under the same lease token); [] when none is left."""
+
+
 class BatchRunner:
-    """Runs one claimed batch; `run()` returns {request id: RowResult} for the rows that finished."""
+    """Runs one claimed batch; `run()` returns {request id: RowResult} for every row it ran.
+
+    The batch is split into `lanes` micro-batches, each its own inference session in its own thread, so
+    that every server of the chain has a micro-batch to work on (pipelining). With `continuous`, a finished
+    row leaves its session at once (keep_rows) and `refill` claims pending requests for the freed slots, which
+    start in a new lane right away; the servers merge the lanes' decode steps into batched forwards.
+    """
 
     def __init__(self, model: DistributedModelForCausalLM, tokenizer: Any, requests: list[Request], *,
-                 checkpoint_every: int, checkpoint: Checkpoint) -> None:
-        self.model, self.tokenizer, self.requests = model, tokenizer, requests
+                 checkpoint_every: int, checkpoint: Checkpoint, lanes: int = 1, continuous: bool = False,
+                 refill: Refill | None = None, capacity: int | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
         self.checkpoint_every, self.checkpoint = checkpoint_every, checkpoint
-        self.rows = [RowState(r.id, list(r.generated_ids), list(r.stop), committed=len(r.generated_ids))
-                     for r in requests]
+        self.lanes, self.continuous, self.refill = max(1, lanes), continuous, refill
+        self.capacity = capacity or len(requests)
+        self.requests: list[Request] = []
+        self.rows: list[RowState] = []
+        self._lock = threading.Lock()          # guards requests/rows (lanes append through _add)
+        self._changed = threading.Event()      # a row finished or a lane ended: the scheduler looks again
+        self._stop = threading.Event()         # a lane failed: the others stop at their next token
+        self._exhausted = refill is None
+        self._add(requests)
 
     def run(self) -> dict[int, RowResult]:
-        """Generate until every row ends; raises JobCancelled if the job is cancelled meanwhile."""
-        for row, request in zip(self.rows, self.requests):
+        """Generate until every row ends; raises JobCancelled / LeaseLost / swarm errors from any lane."""
+        todo = self._startable(list(zip(self.rows, self.requests)))
+        with ThreadPoolExecutor(max_workers=max(self.capacity, self.lanes), thread_name_prefix="swarmbatch-lane") as pool:
+            lanes = {pool.submit(self._lane, group) for group in split_lanes(todo, self.lanes)}
+            self._supervise(pool, lanes)
+        self._commit(self.rows, force=True)
+        return {row.request_id: RowResult(row.generated, row.finish_reason or "length", row.text) for row in self.rows}
+
+    def _add(self, requests: list[Request]) -> list[tuple[RowState, Request]]:
+        pairs = [(RowState(r.id, list(r.generated_ids), list(r.stop), committed=len(r.generated_ids)), r)
+                 for r in requests]
+        with self._lock:
+            self.requests += requests
+            self.rows += [row for row, _ in pairs]
+        return pairs
+
+    def _startable(self, pairs: list[tuple[RowState, Request]]) -> list[tuple[RowState, Request]]:
+        """The rows that still need tokens (a resumed row may already be finished by its committed tokens)."""
+        for row, request in pairs:
             if row.generated:
                 logger.info("Request %s resumes at token %d", request.id, len(row.generated))
             self._check_finished(row, request)
-        todo = [(row, req) for row, req in zip(self.rows, self.requests) if row.finish_reason is None]
-        if todo:
-            self._generate([row for row, _ in todo], [req for _, req in todo])
-        self._commit(force=True)
-        return {row.request_id: RowResult(row.generated, row.finish_reason or "length", row.text) for row in self.rows}
+        return [(row, request) for row, request in pairs if row.finish_reason is None]
 
-    def _generate(self, rows: list[RowState], requests: list[Request]) -> None:
-        ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in zip(rows, requests)],
-                             self.model.pad_token_id)
-        limits = [r.max_tokens - len(row.generated) for row, r in zip(rows, requests)]
+    def _supervise(self, pool: ThreadPoolExecutor, lanes: set[Future[None]]) -> None:
+        """Wait for the lanes; refill freed slots with new lanes; on a lane's failure stop all and re-raise."""
+        while lanes:
+            self._changed.wait(0.5)
+            self._changed.clear()
+            for lane in [lane for lane in lanes if lane.done()]:
+                lanes.discard(lane)
+                if lane.exception() is not None:
+                    self._stop.set()
+                    wait(lanes)
+                    raise lane.exception()  # type: ignore[misc]
+            if not self._exhausted and not self._stop.is_set():
+                new = self._refill()
+                if new:
+                    lanes.add(pool.submit(self._lane, new))
+
+    def _refill(self) -> list[tuple[RowState, Request]]:
+        with self._lock:
+            free = self.capacity - sum(1 for row in self.rows if row.finish_reason is None)
+        if free <= 0 or self.refill is None:
+            return []
+        claimed = self.refill(free)
+        if not claimed:
+            self._exhausted = True  # nothing pending now; requests released later are found by the next task
+            return []
+        return self._startable(self._add(claimed))
+
+    def _lane(self, pairs: list[tuple[RowState, Request]]) -> None:
+        """One micro-batch: its own session through the swarm, committing its rows every K tokens."""
+        rows, requests = [row for row, _ in pairs], [request for _, request in pairs]
+        ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
+        limits = [r.max_tokens - len(row.generated) for row, r in pairs]
         params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed) for r in requests]
 
         def on_token(index: int, column: torch.Tensor) -> torch.Tensor:
+            if self._stop.is_set():
+                return torch.ones(len(rows), dtype=torch.bool)
             stop = torch.zeros(len(rows), dtype=torch.bool)
-            for b, (row, request) in enumerate(zip(rows, requests)):
+            for b, (row, request) in enumerate(pairs):
                 if row.finish_reason is None:
                     row.generated.append(int(column[b]))
                     stop[b] = self._check_finished(row, request)
             logger.debug("step %d: %s", index, " ".join(f"{row.request_id}={len(row.generated)}" for row in rows))
             if (index + 1) % self.checkpoint_every == 0:
-                self._commit()
+                self._commit(rows)
+            if stop.any():
+                self._changed.set()
             return stop
 
-        self.model.generate_new_tokens(ids, mask, max_new_tokens=limits, params=params, on_token=on_token)
+        try:
+            self.model.generate_new_tokens(ids, mask, max_new_tokens=limits, params=params, on_token=on_token,
+                                           shrink=self.continuous)
+        finally:
+            self._changed.set()
 
     def _check_finished(self, row: RowState, request: Request) -> bool:
         """Whether the row just ended (EOS, stop string or max_tokens); sets its finish reason and text."""
@@ -127,15 +196,22 @@ class BatchRunner:
             return row.text  # _check_finished decoded it at this very step
         return str(self.tokenizer.decode(row.generated, skip_special_tokens=True))
 
-    def _commit(self, *, force: bool = False) -> None:
-        """Checkpoint rows that gained tokens; drop rows whose lease we lost."""
-        progress = {row.request_id: row.generated for row in self.rows if len(row.generated) > row.committed}
+    def _commit(self, rows: list[RowState], *, force: bool = False) -> None:
+        """Checkpoint rows that gained tokens; raises LeaseLost if another worker took one over."""
+        progress = {row.request_id: list(row.generated) for row in rows if len(row.generated) > row.committed}
         if not progress and not force:
             return
-        texts = {rid: self._text(row) for row in self.rows if (rid := row.request_id) in progress}
+        texts = {rid: self._text(row) for row in rows if (rid := row.request_id) in progress}
         owned = self.checkpoint(progress, texts)
-        for row in self.rows:
+        for row in rows:
             if row.request_id in progress:
                 if row.request_id not in owned:
                     raise LeaseLost(f"request {row.request_id} was claimed by another worker")
-                row.committed = len(row.generated)
+                row.committed = len(progress[row.request_id])
+
+
+def split_lanes(pairs: list[tuple[RowState, Request]], lanes: int) -> list[list[tuple[RowState, Request]]]:
+    """Up to `lanes` micro-batches of near-equal size, of similar prompt lengths (less padding per lane)."""
+    ordered = sorted(pairs, key=lambda pair: len(pair[1].prompt_ids) + len(pair[0].generated))
+    count = min(lanes, len(ordered))
+    return [ordered[i * len(ordered) // count:(i + 1) * len(ordered) // count] for i in range(count)] if count else []

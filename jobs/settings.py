@@ -30,6 +30,9 @@ class Settings(BaseSettings):
 
     checkpoint_every: int = Field(default=8, ge=1, description="commit generated tokens every K tokens")
     worker_batch_size: int = Field(default=8, ge=1, description="requests a worker generates together")
+    pipeline_lanes: int = Field(default=2, ge=1, description="micro-batches (sessions) of a batch in flight at once")
+    continuous_batching: bool = Field(default=True, description="finished requests leave at once; new ones take "
+                                                                 "their slots")
     lease_seconds: float = Field(default=60.0, gt=0, description="a claim expires unless renewed this often")
     max_attempts: int = Field(default=5, ge=1, description="claims of one request before it fails")
     max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens a request may ask")

@@ -171,10 +171,15 @@ def expire_job(*, session: Session, job: Job, now: datetime | None = None) -> No
 
 # ---- claims and checkpoints ----------------------------------------------------------------------------------
 def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, lease_seconds: float,
-                   max_attempts: int, now: datetime | None = None) -> tuple[str, list[Request]]:
-    """Lease up to `limit` pending requests (or ones whose lease expired) to `worker`; returns (token, rows)."""
+                   max_attempts: int, now: datetime | None = None, token: str | None = None
+                   ) -> tuple[str, list[Request]]:
+    """Lease up to `limit` pending requests (or ones whose lease expired) to `worker`; returns (token, rows).
+
+    Pass the `token` of an earlier claim to add the rows to it (continuous batching refills a running batch).
+    """
     now = now or utcnow()
-    token = secrets.token_hex(8)
+    token = token or secrets.token_hex(8)
+    already = set(session.scalars(select(Request.id).where(Request.lease_token == token)))
     claimable = ((Request.status == RequestStatus.pending.value) |
                  ((Request.status == RequestStatus.in_progress.value) & (Request.lease_expires_at < now)))
     ids = list(session.scalars(select(Request.id).where(Request.job_id == job_id, claimable)
@@ -185,7 +190,8 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
         status=RequestStatus.in_progress.value, lease_owner=worker, lease_token=token,
         lease_expires_at=now + timedelta(seconds=lease_seconds), attempts=Request.attempts + 1,
         started_at=func.coalesce(Request.started_at, now)))
-    rows = list(session.scalars(select(Request).where(Request.lease_token == token).order_by(Request.index)))
+    rows = list(session.scalars(select(Request).where(Request.lease_token == token, Request.id.not_in(already))
+                                .order_by(Request.index)))
     session.commit()
     fail_exhausted(session=session, rows=rows, token=token, max_attempts=max_attempts)
     return token, [r for r in rows if r.status == RequestStatus.in_progress.value]

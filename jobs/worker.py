@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from jobs import mapreduce, store
 from jobs.errors import JobCancelled, LeaseLost
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
-from jobs.runner import BatchRunner, Checkpoint
+from jobs.runner import BatchRunner, Checkpoint, Refill
 from jobs.runtime import Runtime
 from jobs.summary_outputs import write_outputs
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
@@ -81,7 +81,10 @@ class JobWorker:
         try:
             model = self.runtime.swarm_model(job.model)
             runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
-                                 checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token))
+                                 checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token),
+                                 lanes=self.settings.pipeline_lanes, continuous=self.settings.continuous_batching,
+                                 refill=self._refill(job.id, token) if self.settings.continuous_batching else None,
+                                 capacity=self.settings.worker_batch_size)
             results = runner.run()
         except JobCancelled:
             self._finish_cancelled(session, job, token, runner)
@@ -90,11 +93,11 @@ class JobWorker:
             logger.warning("Job %s: %s; leaving the batch to it", job.id, e)
             return Outcome(more=True)
         except InvalidRequest as e:
-            self._fail_all(session, job, token, claimed, str(e))
+            self._fail_all(session, job, token, runner.requests if runner else claimed, str(e))
             return Outcome(more=True)
         except (MissingBlocksError, SwarmError) as e:
             return self._blocked(session, job, token, e)
-        for request in claimed:
+        for request in runner.requests:
             result = results[request.id]
             store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.completed,
                                  generated=result.generated, finish_reason=result.finish_reason,
@@ -102,8 +105,22 @@ class JobWorker:
         job.blocked_reason = None
         settle(self.runtime, session, job)
         session.commit()
-        logger.info("Job %s: finished %d requests", job.id, len(claimed))
+        logger.info("Job %s: finished %d requests", job.id, len(runner.requests))
         return Outcome(more=store.job_counts(session=session, job_id=job.id).pending > 0)
+
+    def _refill(self, job_id: str, token: str) -> Refill:
+        def refill(limit: int) -> list[Request]:
+            with self.runtime.session() as session:
+                _, claimed = store.claim_requests(
+                    session=session, job_id=job_id, worker=self.runtime.worker_name, limit=limit, token=token,
+                    lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+                for request in claimed:
+                    session.expunge(request)  # read by the lane after this session closes
+            if claimed:
+                logger.info("Job %s: claimed %d requests (%s) for freed slots", job_id, len(claimed),
+                            ", ".join(str(r.id) for r in claimed))
+            return claimed
+        return refill
 
     def _checkpoint(self, job_id: str, token: str) -> Checkpoint:
         def checkpoint(progress: dict[int, list[int]], texts: dict[int, str]) -> set[int]:

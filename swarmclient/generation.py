@@ -6,14 +6,21 @@ emit the pad token), so greedy output through the swarm equals `generate` token 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import Protocol
 
 import torch
 
 from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams, sample_next
 
-StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(hidden [B,T,H], attention_mask [B,past+T], position_ids [B,T]) -> hidden [B,T,H] after every block."""
+class StepFn(Protocol):
+    """(hidden [B,T,H], attention_mask [B,past+T], position_ids [B,T], keep_rows) -> hidden [B,T,H] after every block.
+
+    keep_rows (optional): the session first keeps only these of its rows (B = len(keep_rows)).
+    """
+
+    def __call__(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 keep_rows: list[int] | None = None, /) -> torch.Tensor: ...
 
 
 def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -38,11 +45,13 @@ def generate_tokens(
     eos_token_ids: Collection[int],
     pad_token_id: int,
     on_token: TokenHook | None = None,
+    shrink: bool = False,
 ) -> torch.Tensor:
     """New tokens [B, N]: N is at most the largest limit, and the loop stops once every row is finished.
 
     A row finishes at EOS, at its own `max_new_tokens` limit, or when `on_token` says so; after that it
-    emits the pad token.
+    emits the pad token. With `shrink`, finished rows also leave the session (`keep_rows`), so the blocks stop
+    computing them; without it they ride along as padding until the whole batch ends.
     """
     batch = input_ids.shape[0]
     limits = torch.tensor([max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens))
@@ -51,12 +60,15 @@ def generate_tokens(
     real_lengths = mask.sum(-1)
     eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long)
     unfinished = limits > 0
+    rows = torch.arange(batch)  # the session's rows, as indices into the batch
     columns: list[torch.Tensor] = []
     hidden = step(head.embed(input_ids), mask, positions) if unfinished.any() else None
     for index in range(int(limits.max()) if batch else 0):
         assert hidden is not None
         logits = head.logits(hidden[:, -1:, :])[:, -1, :]
-        token = sample_next(logits, params, (real_lengths + index).tolist())
+        sampled = sample_next(logits, [params[r] for r in rows.tolist()], (real_lengths[rows] + index).tolist())
+        token = torch.full((batch,), pad_token_id, dtype=torch.long)
+        token[rows] = sampled
         token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
         columns.append(token)
         unfinished &= ~torch.isin(token, eos) & (limits > index + 1)
@@ -66,9 +78,14 @@ def generate_tokens(
                 unfinished &= ~stop
         if not unfinished.any():
             break
-        mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
+        keep_rows = None
+        if shrink and not bool(unfinished[rows].all()):
+            kept = unfinished[rows].nonzero().flatten()
+            rows, mask, positions, keep_rows = rows[kept], mask[kept], positions[kept], kept.tolist()
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
         positions = positions[:, -1:] + 1
-        hidden = step(head.embed(token[:, None]), mask, positions)
+        embedded = head.embed(token[rows][:, None])
+        hidden = step(embedded, mask, positions) if keep_rows is None else step(embedded, mask, positions, keep_rows)
     if not columns:
         return input_ids.new_zeros(batch, 0)
     return torch.stack(columns, dim=1)

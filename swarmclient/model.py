@@ -77,8 +77,11 @@ class DistributedModelForCausalLM:
 
     def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                             max_new_tokens: int | Sequence[int], params: list[SamplingParams],
-                            on_token: TokenHook | None = None) -> torch.Tensor:
-        """Only the new tokens [B, N], with per-row sampling parameters and limits (see generate_tokens)."""
+                            on_token: TokenHook | None = None, shrink: bool = False) -> torch.Tensor:
+        """Only the new tokens [B, N], with per-row sampling parameters and limits (see generate_tokens).
+
+        shrink: finished rows leave the session at once (continuous batching), instead of riding along.
+        """
         total = input_ids.shape[1] + (max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens, default=0))
         if total > self.spec.max_length:
             raise InvalidRequest(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -87,7 +90,7 @@ class DistributedModelForCausalLM:
             return generate_tokens(self.head, session.step, input_ids, attention_mask,
                                    max_new_tokens=max_new_tokens, params=params,
                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                                   on_token=on_token)
+                                   on_token=on_token, shrink=shrink)
 
     @staticmethod
     def sampling_params(batch_size: int, do_sample: bool, temperature: float, top_p: float,

@@ -68,7 +68,9 @@ class ServerSession:
         if keep_rows is not None:
             meta["keep_rows"] = list(keep_rows)
         await self._queue.put(protocol.make_request([hidden, attention_mask, position_ids], meta))
-        response = await self._next_response()
+        config = self.swarm.config
+        tokens = hidden.shape[0] * hidden.shape[1]
+        response = await self._next_response(config.step_timeout + config.step_timeout_per_token * tokens)
         tensors, meta = protocol.read_message(response)
         error = protocol.response_error(meta)
         if error is not None:
@@ -81,13 +83,13 @@ class ServerSession:
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
 
-    async def _next_response(self) -> runtime_pb2.ExpertResponse:
+    async def _next_response(self, timeout: float) -> runtime_pb2.ExpertResponse:
         assert self._responses is not None
         try:
-            async with asyncio.timeout(self.swarm.config.step_timeout):  # no extra task per step, unlike wait_for
+            async with asyncio.timeout(timeout):  # no extra task per step, unlike wait_for
                 return await anext(self._responses)
         except TimeoutError as e:
-            raise SessionTimeout(self.hop.peer_id, f"no answer in {self.swarm.config.step_timeout:.0f} s") from e
+            raise SessionTimeout(self.hop.peer_id, f"no answer in {timeout:.0f} s") from e
         except StopAsyncIteration as e:
             raise PeerFailed(self.hop.peer_id, "the stream closed (server gone)") from e
         except SwarmError:

@@ -1,0 +1,161 @@
+"""Benchmark: batch-job throughput with pipelining, server-side batching and continuous batching, on and off.
+
+A 64-request job (SmolLM2, 64 new tokens each, mixed prompt lengths) runs through 2 block servers, each
+process pinned to one core with one torch thread, by the worker's own code path (JobWorker.process: claim,
+generate, checkpoint, finish; in this process, without Celery). In the same run it measures:
+  (a) local transformers `generate`, batch 64, 2 threads (the speed limit on this machine);
+  (b) the job with the features off: one session per batch, finished rows ride along, no merging;
+  (c) the job with the features on: `--lanes` micro-batches in flight, finished rows leave at once and
+      pending requests take their slots, servers merge concurrent sessions' decode steps.
+Tokens are the real generated tokens (up to each row's EOS).
+
+usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 2]
+       [--batch-size 64] [--reps 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from jobs.migrate import upgrade  # noqa: E402
+from jobs.runtime import Runtime  # noqa: E402
+from jobs.settings import Settings  # noqa: E402
+from jobs.store import job_counts  # noqa: E402
+from jobs.submission import submit_batch  # noqa: E402
+from jobs.worker import JobWorker  # noqa: E402
+from modelprep import prepare_model  # noqa: E402
+from servers.launcher import LocalSwarm  # noqa: E402
+from swarmclient.model_spec import ModelSpec  # noqa: E402
+
+LOCAL = "local transformers generate, whole batch, 2 threads"
+TOPICS = ["a lighthouse", "a robot", "the river", "a bakery", "winter", "a train", "the moon", "a library"]
+
+
+def prompts(count: int) -> list[str]:
+    """Mixed lengths: 0 to 7 extra sentences of context before the question."""
+    context = "The town council met on Tuesday to discuss the new bike lanes and the library's opening hours. "
+    return [context * (i % 8) + f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})."
+            for i in range(count)]
+
+
+def batch_file(texts: list[str], max_tokens: int) -> bytes:
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}})
+             for i, text in enumerate(texts)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def run_local(model_dir: Path, texts: list[str], max_tokens: int) -> tuple[float, int]:
+    """(seconds, generated tokens) of transformers generate on the whole batch, 2 threads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in texts]
+    inputs = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():  # warm-up: the first generate call sets up far more than it computes
+        model.generate(**tokenizer(chats[:2], return_tensors="pt", padding=True, add_special_tokens=False),
+                       max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    began = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    seconds = time.perf_counter() - began
+    torch.set_num_threads(1)
+    new = out[:, inputs.input_ids.shape[1]:]
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    tokens = 0
+    for row in new.tolist():
+        for token in row:
+            tokens += 1
+            if token in eos:
+                break
+    return seconds, tokens
+
+
+def run_job(runtime: Runtime, model: str, data: bytes) -> tuple[float, int, dict[str, str]]:
+    """(seconds, tokens, texts by custom_id) to run one job to completion in this process."""
+    job = submit_batch(runtime, data, model=model)
+    began = time.perf_counter()
+    worker = JobWorker(runtime)
+    while worker.process(job.id).more:
+        pass
+    seconds = time.perf_counter() - began
+    with runtime.session() as session:
+        counts = job_counts(session=session, job_id=job.id)
+        from jobs.models import Request
+        from sqlalchemy import select
+
+        texts = {r.custom_id: r.output_text or "" for r in session.scalars(select(Request).where(Request.job_id == job.id))}
+    assert counts.completed == counts.total, counts
+    return seconds, counts.tokens, texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--lanes", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64, help="requests a worker claims at once")
+    parser.add_argument("--reps", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
+    model_dir = prepare_model(args.model, cache_dir=Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models")
+    blocks = ModelSpec.open(model_dir).num_blocks
+    texts = prompts(args.requests)
+    data = batch_file(texts, args.max_tokens)
+    rows: list[tuple[str, float, int]] = []
+    outputs: dict[str, dict[str, str]] = {}
+    with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
+        configs = {"features off": dict(pipeline_lanes=1, continuous_batching=False),
+                   "features on": dict(pipeline_lanes=args.lanes, continuous_batching=True)}
+        runtimes = {}
+        for label, features in configs.items():
+            settings = Settings(home=home / label.replace(" ", "_"), initial_peers=swarm.initial_peers,
+                                worker_batch_size=args.batch_size, broker_url="memory://", **features)
+            settings.home.mkdir(parents=True, exist_ok=True)
+            upgrade(settings.resolved_database_url)
+            runtimes[label] = Runtime(settings)
+            run_job(runtimes[label], str(model_dir), batch_file(texts[:2], 4))  # warm-up: swarm join, routes
+        for _ in range(args.reps):  # interleaved, so that drifts of this noisy VM hit every config alike
+            seconds, tokens = run_local(model_dir, texts, args.max_tokens)
+            rows.append((LOCAL, seconds, tokens))
+            for label, runtime in runtimes.items():
+                seconds, tokens, outputs[label] = run_job(runtime, str(model_dir), data)
+                rows.append((f"swarm job, {label}", seconds, tokens))
+        for runtime in runtimes.values():
+            runtime.close()
+    best = {}
+    for label, seconds, tokens in rows:
+        if label not in best or tokens / seconds > best[label][1] / best[label][0]:
+            best[label] = (seconds, tokens)
+    rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
+    local, off = rate[LOCAL], rate["swarm job, features off"]
+    print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; "
+          f"2 servers pinned to one core each; worker batch {args.batch_size}, {args.lanes} lanes; best of {args.reps}")
+    print("| config | seconds | tokens | tokens/s | vs local | vs features off |")
+    print("|---|---|---|---|---|---|")
+    for label, (seconds, tokens) in best.items():
+        print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / local:.2f} | "
+              f"{rate[label] / off:.2f} |")
+    same = outputs["features on"] == outputs["features off"]
+    print(f"greedy texts identical with the features on and off: {same}")
+
+
+if __name__ == "__main__":
+    main()

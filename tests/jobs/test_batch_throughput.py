@@ -1,0 +1,84 @@
+"""The throughput features of a worker: pipelined micro-batches, continuous batching, server-side merging.
+
+Real worker processes on a real swarm; the features must change how the work is scheduled, never its output.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jobs.local_worker import start_local_worker
+from jobs.runtime import Runtime
+from jobs.submission import submit_batch
+from jobs_support import job_status, requests_of, wait_for
+from servers.launcher import LocalSwarm
+
+FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
+FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}
+
+
+@pytest.fixture(scope="module")
+def throughput_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("throughput-swarm")) as swarm:
+        yield swarm
+
+
+def mixed_batch(count: int) -> bytes:
+    """Greedy requests whose lengths differ a lot, so that rows finish at different steps."""
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "The river " * (1 + i % 5), "max_tokens": 4 + 5 * (i % 6)}})
+             for i in range(count)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def run_job(runtime: Runtime, swarm: LocalSwarm, model: Path, log_dir: Path, name: str, features: dict[str, object]
+            ) -> tuple[str, Path]:
+    """Run a 12-request job with one worker process (batch 4) and these features; returns (job id, worker log)."""
+    job = submit_batch(runtime, mixed_batch(12), model=str(model))
+    settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "worker_batch_size": 4,
+                                                   **features})
+    worker = start_local_worker(settings, log_dir=log_dir, name=name, verbose=True)
+    try:
+        wait_for(lambda: job_status(runtime, job.id) == "completed", 120, f"the job with {name}")
+    finally:
+        worker.terminate()
+    return job.id, worker.log_path
+
+
+def most_sessions_open_at_once(log: str) -> int:
+    """From a server's log: the largest number of inference sessions open at the same time."""
+    open_now = most = 0
+    for event in re.findall(r"Session \w+ (opened|closed)", log):
+        open_now += 1 if event == "opened" else -1
+        most = max(most, open_now)
+    return most
+
+
+def test_pipelining_and_continuous_batching_change_the_schedule_but_not_the_texts(
+        make_runtime: Callable[..., Runtime], throughput_swarm: LocalSwarm, tiny_model: Path, tmp_path: Path) -> None:
+    runtime = make_runtime(checkpoint_every=4)
+    server_log = throughput_swarm.servers[0].log_path
+    before = len(server_log.read_text())
+    on_job, on_log = run_job(runtime, throughput_swarm, tiny_model, tmp_path, "features-on", FEATURES_ON)
+    on_server_log = server_log.read_text()[before:]
+    off_job, _ = run_job(runtime, throughput_swarm, tiny_model, tmp_path, "features-off", FEATURES_OFF)
+
+    # pipelining: the first server held two micro-batch sessions of the worker at once
+    assert most_sessions_open_at_once(on_server_log) >= 2
+    # continuous batching: requests were claimed into freed slots, and the first one started before the first
+    # claimed batch had finished (it did not wait for the whole batch)
+    log = on_log.read_text()
+    first = [int(i) for i in re.search(r"claimed \d+ requests \(([\d, ]+)\)\n", log).group(1).split(", ")]
+    refills = re.findall(r"claimed (\d+) requests \(([\d, ]+)\) for freed slots", log)
+    assert refills, "no request took a freed slot"
+    rows = {r.id: r for r in requests_of(runtime, on_job)}
+    refilled = [int(i) for i in refills[0][1].split(", ")]
+    assert min(rows[i].started_at for i in refilled) < max(rows[i].completed_at for i in first)
+    assert all(r.attempts == 1 for r in rows.values())
+    # and the greedy texts are the same as with every feature off
+    texts = lambda job_id: {r.custom_id: (r.generated_ids, r.output_text) for r in requests_of(runtime, job_id)}
+    assert texts(on_job) == texts(off_job)
