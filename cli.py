@@ -159,6 +159,9 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
           batch_wait_ms: Annotated[float, typer.Option(
               min=0, help="Wait up to this many ms to merge concurrent sessions' decode steps into one forward "
                           "(at most --max-batch-size rows); 0 = no merging.")] = 2.0,
+          max_merge_tokens: Annotated[int, typer.Option(
+              min=0, help="Sessions caching more tokens (rows x length) than this run alone: merging copies "
+                          "their caches.")] = 2048,
           metrics_port: Annotated[int, typer.Option(min=0, max=65535,
                                                     help="Serve Prometheus /metrics on this port; 0 = off.")] = 0,
           metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1") -> None:
@@ -180,7 +183,7 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
             num_blocks=num_blocks, network=network_options(host, port, identity, announce_host), dtype=dtype_choice,
             quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
             announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
-            batch_wait_ms=batch_wait_ms,
+            batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens,
             metrics_port=metrics_port, metrics_host=metrics_host)
         run_server(config, lambda server, maddrs: _print_ready(server, maddrs))
 

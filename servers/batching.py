@@ -36,6 +36,11 @@ class DecodeStep:
         """The step's batch size."""
         return int(self.hidden.shape[0])
 
+    @property
+    def cached_tokens(self) -> int:
+        """Rows x cached length: what merging this step would copy."""
+        return self.rows * self.caches[0].get_seq_length()
+
 
 def layer_kv(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A one-layer cache's (keys, values), each [b, kv_heads, length, head_dim]; None while it is empty."""
@@ -148,16 +153,22 @@ class DecodeBatcher:
 
     A group runs at once when every open session on its span has a step in it (waiting longer gains nothing),
     or when one more step would take it past `max_rows`. The forward runs on the event loop, like any decode step.
+    A session caching more than `max_merge_tokens` (rows x length) runs alone at once: merging copies its cache,
+    and on a CPU copying a big cache costs as much as the weight reads the merge saves (README).
     """
 
-    def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerStats) -> None:
+    def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerStats,
+                 max_merge_tokens: int = 2048) -> None:
         self.span, self.wait, self.max_rows, self.stats = span, wait_ms / 1000, max_rows, stats
+        self.max_merge_tokens = max_merge_tokens
         self._groups: dict[SpanKey, list[_Pending]] = {}
         self._timers: dict[SpanKey, asyncio.TimerHandle] = {}
 
     async def run(self, step: DecodeStep, start: int, end: int, *, peers: int) -> tuple[torch.Tensor, int]:
         """(the step's output, how many sessions its forward merged); `peers`: open sessions on [start, end)."""
         key = (start, end)
+        if step.cached_tokens > self.max_merge_tokens:
+            return run_merged(self.span, [step], start, end)[0], 1
         if sum(p.step.rows for p in self._groups.get(key, [])) + step.rows > self.max_rows:
             self._flush(key)
         loop = asyncio.get_running_loop()

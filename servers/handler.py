@@ -53,6 +53,7 @@ class BlockHandler:
     info: Callable[[], dict[str, Any]]
     session_timeout: float = 300.0
     batch_wait_ms: float = 2.0  # how long a decode step waits for other sessions' steps to merge with; 0 = never
+    max_merge_tokens: int = 2048  # a session caching more (rows x length) is never merged: copying it costs more
     stats: ServerStats = field(default_factory=ServerStats)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
@@ -60,7 +61,7 @@ class BlockHandler:
     def __post_init__(self) -> None:
         # a merged forward holds at most as many rows as one session may have
         self.batcher = DecodeBatcher(self.span, wait_ms=self.batch_wait_ms, max_rows=self.limits.max_batch_size,
-                                     stats=self.stats)
+                                     stats=self.stats, max_merge_tokens=self.max_merge_tokens)
 
     async def register(self, p2p: P2P) -> None:
         """Add the three RPCs to a P2P node."""

@@ -46,6 +46,7 @@ class ServerConfig:
     session_timeout: float = 300.0          # an idle session is closed and its cache freed after this
     num_threads: int | None = None          # torch threads for compute; None keeps torch's default
     batch_wait_ms: float = 2.0              # a decode step waits this long to merge with other sessions'; 0 = never
+    max_merge_tokens: int = 2048            # sessions caching more (rows x length) run alone (merging copies caches)
     metrics_port: int = 0                   # Prometheus /metrics port; 0 = no metrics endpoint
     metrics_host: str = "127.0.0.1"         # where /metrics listens (0.0.0.0 for a scraper elsewhere)
 
@@ -85,7 +86,8 @@ class BlockServer:
         self.budget = CacheBudget(self.config.attn_cache_tokens, self.end_block - self.start_block)
         self.handler = BlockHandler(self.span, self._limits(), self.budget, self._info_dict,
                                     session_timeout=self.config.session_timeout,
-                                    batch_wait_ms=self.config.batch_wait_ms)
+                                    batch_wait_ms=self.config.batch_wait_ms,
+                                    max_merge_tokens=self.config.max_merge_tokens)
         self.announcer = Announcer(self.node, model_id=self.spec.model_id, peer_id=self.peer_id,
                                    info=self.info, update_period=self.config.announce_period)
         await self.announcer.announce()  # JOINING: visible to block selection of servers starting now

@@ -16,14 +16,20 @@ from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs_support import job_status, requests_of, wait_for
 from servers.launcher import LocalSwarm
+from swarmclient.model_spec import ModelSpec
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
 FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}
 
 
-@pytest.fixture(scope="module")
-def throughput_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("throughput-swarm")) as swarm:
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def throughput_swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[LocalSwarm]:
+    """Two servers, halves of the tiny model or of SmolLM2."""
+    model = request.getfixturevalue("tiny_model" if request.param == "tiny" else "smollm2_model")
+    blocks = ModelSpec.open(model).num_blocks
+    with LocalSwarm(model, [(0, blocks // 2), (blocks // 2, blocks)],
+                    log_dir=tmp_path_factory.mktemp("throughput-swarm")) as swarm:
         yield swarm
 
 
@@ -59,13 +65,14 @@ def most_sessions_open_at_once(log: str) -> int:
 
 
 def test_pipelining_and_continuous_batching_change_the_schedule_but_not_the_texts(
-        make_runtime: Callable[..., Runtime], throughput_swarm: LocalSwarm, tiny_model: Path, tmp_path: Path) -> None:
+        make_runtime: Callable[..., Runtime], throughput_swarm: LocalSwarm, tmp_path: Path) -> None:
+    model = Path(throughput_swarm.model_dir)
     runtime = make_runtime(checkpoint_every=4)
     server_log = throughput_swarm.servers[0].log_path
     before = len(server_log.read_text())
-    on_job, on_log = run_job(runtime, throughput_swarm, tiny_model, tmp_path, "features-on", FEATURES_ON)
+    on_job, on_log = run_job(runtime, throughput_swarm, model, tmp_path, "features-on", FEATURES_ON)
     on_server_log = server_log.read_text()[before:]
-    off_job, _ = run_job(runtime, throughput_swarm, tiny_model, tmp_path, "features-off", FEATURES_OFF)
+    off_job, _ = run_job(runtime, throughput_swarm, model, tmp_path, "features-off", FEATURES_OFF)
 
     # pipelining: the first server held two micro-batch sessions of the worker at once
     assert most_sessions_open_at_once(on_server_log) >= 2

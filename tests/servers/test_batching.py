@@ -113,6 +113,9 @@ def test_the_batcher_merges_concurrent_steps_up_to_the_row_limit(span: BlockSpan
     # 2 rows a session and at most 4 rows a forward: pairs
     assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=1000, max_rows=4, stats=ServerStats()), 3)) == [2, 2, 1]
     assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=0, max_rows=64, stats=ServerStats()), 3)) == [1, 1, 1]
+    # sessions caching 2 x 3 tokens each, above a merge limit of 5: each runs alone, without waiting
+    alone = DecodeBatcher(span, wait_ms=1000, max_rows=64, stats=ServerStats(), max_merge_tokens=5)
+    assert asyncio.run(step_all(alone, 3)) == [1, 1, 1]
 
 
 # ---- through a real server process --------------------------------------------------------------------------------
