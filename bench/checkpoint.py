@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,11 +18,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from jobrun import run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
-from jobs.submission import submit_batch  # noqa: E402
-from jobs.worker import JobWorker  # noqa: E402
 from modelprep import prepare_model  # noqa: E402
 from servers.launcher import LocalSwarm  # noqa: E402
 from swarmclient.model_spec import ModelSpec  # noqa: E402
@@ -36,22 +34,6 @@ def batch(requests: int, max_tokens: int) -> bytes:
                          "body": {"messages": [{"role": "user", "content": f"Write a short story about robot {i}."}],
                                   "max_tokens": max_tokens}}) for i in range(requests)]
     return ("\n".join(lines) + "\n").encode()
-
-
-def run_job(runtime: Runtime, model: str, data: bytes) -> tuple[float, int]:
-    """(seconds, tokens) to run one job to completion with this runtime's checkpoint interval."""
-    job = submit_batch(runtime, data, model=model)
-    began = time.perf_counter()
-    worker = JobWorker(runtime)
-    while worker.process(job.id).more:
-        pass
-    seconds = time.perf_counter() - began
-    with runtime.session() as session:
-        from jobs.store import job_counts
-
-        counts = job_counts(session=session, job_id=job.id)
-    assert counts.completed == counts.total, counts
-    return seconds, counts.tokens
 
 
 def main() -> None:
@@ -78,7 +60,7 @@ def main() -> None:
             upgrade(settings.resolved_database_url)
             runtime = Runtime(settings)
             run_job(runtime, str(model_dir), batch(2, 4))  # warm-up: swarm join, first routes
-            results = [run_job(runtime, str(model_dir), data) for _ in range(args.reps)]
+            results = [run_job(runtime, str(model_dir), data)[:2] for _ in range(args.reps)]
             runtime.close()
             seconds = min(r[0] for r in results)
             tokens = results[0][1]

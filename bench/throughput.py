@@ -26,12 +26,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from jobrun import run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
-from jobs.store import job_counts  # noqa: E402
-from jobs.submission import submit_batch  # noqa: E402
-from jobs.worker import JobWorker  # noqa: E402
 from modelprep import prepare_model  # noqa: E402
 from servers.launcher import LocalSwarm  # noqa: E402
 from swarmclient.model_spec import ModelSpec  # noqa: E402
@@ -84,24 +82,6 @@ def run_local(model_dir: Path, texts: list[str], max_tokens: int) -> tuple[float
             if token in eos:
                 break
     return seconds, tokens
-
-
-def run_job(runtime: Runtime, model: str, data: bytes) -> tuple[float, int, dict[str, str]]:
-    """(seconds, tokens, texts by custom_id) to run one job to completion in this process."""
-    job = submit_batch(runtime, data, model=model)
-    began = time.perf_counter()
-    worker = JobWorker(runtime)
-    while worker.process(job.id).more:
-        pass
-    seconds = time.perf_counter() - began
-    with runtime.session() as session:
-        counts = job_counts(session=session, job_id=job.id)
-        from jobs.models import Request
-        from sqlalchemy import select
-
-        texts = {r.custom_id: r.output_text or "" for r in session.scalars(select(Request).where(Request.job_id == job.id))}
-    assert counts.completed == counts.total, counts
-    return seconds, counts.tokens, texts
 
 
 def main() -> None:
