@@ -9,7 +9,7 @@ generate, checkpoint, finish; in this process, without Celery). In the same run 
       pending requests take their slots, servers merge concurrent sessions' decode steps.
 Tokens are the real generated tokens (up to each row's EOS).
 
-usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 2]
+usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 3]
        [--batch-size 64] [--reps 1]
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--lanes", type=int, default=2)
+    parser.add_argument("--lanes", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64, help="requests a worker claims at once")
     parser.add_argument("--reps", type=int, default=1)
     args = parser.parse_args()
