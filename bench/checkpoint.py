@@ -7,22 +7,17 @@ usage: python bench/checkpoint.py [--model smollm2|PATH] [--requests 16] [--max-
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import tempfile
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
 
-from jobrun import run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from jobrun import bench_setup, job_bench_parser, run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
-from modelprep import prepare_model  # noqa: E402
 from servers.launcher import LocalSwarm  # noqa: E402
 from swarmclient.model_spec import ModelSpec  # noqa: E402
 
@@ -37,17 +32,10 @@ def batch(requests: int, max_tokens: int) -> bytes:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser = job_bench_parser(__doc__.splitlines()[0], requests=16, max_tokens=32, batch_size=8, reps=2)
     parser.add_argument("--database-url", default=None, help="default: a fresh SQLite file")
-    parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
-    model_dir = prepare_model(args.model, cache_dir=Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models")
+    home, model_dir = bench_setup(args.model)
     blocks = ModelSpec.open(model_dir).num_blocks
     data = batch(args.requests, args.max_tokens)
     rows = []

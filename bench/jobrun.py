@@ -1,15 +1,42 @@
 """What the job benchmarks share: running one job to completion with the worker's own code path, in process."""
 from __future__ import annotations
 
+import argparse
+import os
+import tempfile
 import time
+from pathlib import Path
 
 from sqlalchemy import select
+
+import torch
 
 from jobs.models import Request
 from jobs.runtime import Runtime
 from jobs.store import job_counts
 from jobs.submission import submit_batch
 from jobs.worker import JobWorker
+from modelprep import prepare_model
+
+
+def job_bench_parser(description: str, *, requests: int, max_tokens: int, batch_size: int, reps: int
+                     ) -> argparse.ArgumentParser:
+    """The options every job benchmark takes, with its own defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="requests a worker claims at once")
+    parser.add_argument("--reps", type=int, default=reps)
+    return parser
+
+
+def bench_setup(model: str) -> tuple[Path, Path]:
+    """(a fresh home folder, the prepared model dir); one torch thread in this (client) process."""
+    torch.set_num_threads(1)
+    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
+    cache = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models"
+    return home, prepare_model(model, cache_dir=cache)
 
 
 def run_job(runtime: Runtime, model: str, data: bytes) -> tuple[float, int, dict[str, str]]:

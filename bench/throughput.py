@@ -14,10 +14,8 @@ usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,11 +24,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from jobrun import run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from jobrun import bench_setup, job_bench_parser, run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
-from modelprep import prepare_model  # noqa: E402
 from servers.launcher import LocalSwarm  # noqa: E402
 from swarmclient.model_spec import ModelSpec  # noqa: E402
 
@@ -85,17 +82,10 @@ def run_local(model_dir: Path, texts: list[str], max_tokens: int) -> tuple[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser = job_bench_parser(__doc__.splitlines()[0], requests=64, max_tokens=64, batch_size=64, reps=1)
     parser.add_argument("--lanes", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="requests a worker claims at once")
-    parser.add_argument("--reps", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
-    model_dir = prepare_model(args.model, cache_dir=Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models")
+    home, model_dir = bench_setup(args.model)
     blocks = ModelSpec.open(model_dir).num_blocks
     texts = prompts(args.requests)
     data = batch_file(texts, args.max_tokens)
