@@ -9,7 +9,7 @@ generate, checkpoint, finish; in this process, without Celery). In the same run 
       pending requests take their slots, servers merge concurrent sessions' decode steps.
 Tokens are the real generated tokens (up to each row's EOS).
 
-usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 3]
+usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
        [--batch-size 64] [--reps 1]
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def run_local(model_dir: Path, texts: list[str], max_tokens: int) -> tuple[float
 
 def main() -> None:
     parser = job_bench_parser(__doc__.splitlines()[0], requests=64, max_tokens=64, batch_size=64, reps=1)
-    parser.add_argument("--lanes", type=int, default=3)
+    parser.add_argument("--lanes", type=int, default=4)
     args = parser.parse_args()
     home, model_dir = bench_setup(args.model)
     blocks = ModelSpec.open(model_dir).num_blocks

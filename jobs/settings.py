@@ -30,7 +30,7 @@ class Settings(BaseSettings):
 
     checkpoint_every: int = Field(default=8, ge=1, description="commit generated tokens every K tokens")
     worker_batch_size: int = Field(default=8, ge=1, description="requests a worker generates together")
-    pipeline_lanes: int = Field(default=3, ge=1, description="micro-batches (sessions) of a batch in flight at once")
+    pipeline_lanes: int = Field(default=4, ge=1, description="micro-batches (sessions) of a batch in flight at once")
     continuous_batching: bool = Field(default=True, description="finished requests leave at once; new ones take "
                                                                  "their slots")
     lease_seconds: float = Field(default=60.0, gt=0, description="a claim expires unless renewed this often")
