@@ -140,7 +140,11 @@ class BatchRunner:
             free = self.capacity - sum(1 for row in self.rows if row.finish_reason is None)
         if free <= 0 or self.refill is None:
             return []
-        claimed = self.refill(free)
+        with self._lock:
+            known = {row.request_id for row in self.rows}
+        # a request that came back to pending while one of our lanes still runs it (its lease lapsed during a slow
+        # step) is claimed again under our token: the running lane goes on with it, a second lane would repeat it
+        claimed = [request for request in self.refill(free) if request.id not in known]
         if not claimed:
             self._exhausted = True  # nothing pending now; requests released later are found by the next task
             return []

@@ -179,9 +179,10 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
     """
     now = now or utcnow()
     token = token or secrets.token_hex(8)
-    already = set(session.scalars(select(Request.id).where(Request.lease_token == token)))
+    # a row leased under this very token is already ours (a refill must not claim it again, even if it expired)
     claimable = ((Request.status == RequestStatus.pending.value) |
-                 ((Request.status == RequestStatus.in_progress.value) & (Request.lease_expires_at < now)))
+                 ((Request.status == RequestStatus.in_progress.value) & (Request.lease_expires_at < now) &
+                  (Request.lease_token != token)))
     ids = list(session.scalars(select(Request.id).where(Request.job_id == job_id, claimable)
                                .order_by(Request.index).limit(limit).with_for_update(skip_locked=True)))
     if not ids:
@@ -190,7 +191,7 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
         status=RequestStatus.in_progress.value, lease_owner=worker, lease_token=token,
         lease_expires_at=now + timedelta(seconds=lease_seconds), attempts=Request.attempts + 1,
         started_at=func.coalesce(Request.started_at, now)))
-    rows = list(session.scalars(select(Request).where(Request.lease_token == token, Request.id.not_in(already))
+    rows = list(session.scalars(select(Request).where(Request.lease_token == token, Request.id.in_(ids))
                                 .order_by(Request.index)))
     session.commit()
     fail_exhausted(session=session, rows=rows, token=token, max_attempts=max_attempts)
@@ -226,6 +227,15 @@ def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], 
             owned.add(request_id)
     session.commit()
     return owned
+
+
+def renew_leases(*, session: Session, token: str, lease_seconds: float) -> int:
+    """Extend every live lease of a claim (a worker that just joined the swarm); returns the rows still ours."""
+    result = session.execute(update(Request).where(Request.lease_token == token,
+                                                   Request.status == RequestStatus.in_progress.value)
+                             .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)))
+    session.commit()
+    return int(result.rowcount)  # type: ignore[attr-defined]
 
 
 def finish_request(*, session: Session, request_id: int, token: str, status: RequestStatus,

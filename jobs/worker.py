@@ -80,6 +80,8 @@ class JobWorker:
         runner = None
         try:
             model = self.runtime.swarm_model(job.model)
+            # joining the swarm may take a while on a new worker: the lease must not lapse before the first checkpoint
+            store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
             runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
                                  checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token),
                                  lanes=self.settings.pipeline_lanes, continuous=self.settings.continuous_batching,

@@ -46,7 +46,7 @@ def start_worker(jobs_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFacto
     """Start `swarmbatch worker` processes (own process groups) on a runtime's store and broker."""
     workers: list[ManagedProcess] = []
 
-    def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = 6.0) -> ManagedProcess:
+    def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = 10.0) -> ManagedProcess:
         settings = runtime.settings.model_copy(update={
             "initial_peers": jobs_swarm.initial_peers, "worker_batch_size": batch_size,
             "lease_seconds": lease_seconds, "sweep_interval": 2.0})

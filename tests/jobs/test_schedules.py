@@ -160,10 +160,10 @@ def schedule_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield swarm
 
 
-def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, batch_size: int = 4
-                 ) -> ManagedProcess:
+def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, batch_size: int = 4,
+                 lease_seconds: float = 6.0) -> ManagedProcess:
     settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "schedules": None,
-                                                   "worker_batch_size": batch_size, "lease_seconds": 6.0,
+                                                   "worker_batch_size": batch_size, "lease_seconds": lease_seconds,
                                                    "sweep_interval": 2.0})
     return start_local_worker(settings, log_dir=log_dir, name=name, verbose=True)
 
@@ -229,13 +229,14 @@ def test_a_document_three_contexts_long_is_map_reduced_and_survives_kill_9_in_th
     firing = fire_now(runtime, schedule)
     chunks = requests_of(runtime, firing.job_id)
     assert len(chunks) >= 3 and all(r.stage == 0 and not r.final for r in chunks)
-    first = start_worker(runtime, short_swarm, tmp_path, "worker0", batch_size=2)
+    # a lease long enough that a loaded CI machine's slow steps never let a live worker's claim lapse
+    first = start_worker(runtime, short_swarm, tmp_path, "worker0", batch_size=2, lease_seconds=15.0)
     wait_for(lambda: any(r.status == "in_progress" and len(r.generated_ids) >= K
                          for r in requests_of(runtime, firing.job_id)), 120, "a chunk with committed tokens")
     first.kill()
     at_kill = {r.id: (r.status, r.completed_at, list(r.generated_ids)) for r in requests_of(runtime, firing.job_id)}
     assert all(r.stage == 0 for r in requests_of(runtime, firing.job_id)), "killed in the map stage"
-    second = start_worker(runtime, short_swarm, tmp_path, "worker1", batch_size=2)
+    second = start_worker(runtime, short_swarm, tmp_path, "worker1", batch_size=2, lease_seconds=15.0)
     try:
         wait_for(lambda: job_status(runtime, firing.job_id) == "completed", 180, "the map-reduce job")
         wait_for(lambda: (tmp_path / "summaries" / "long.txt.md").exists(), 30, "the summary file")
