@@ -5,7 +5,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from swarmclient.network import NetworkOptions, start_dht_node, visible_maddrs
+from swarmclient.network import NetworkOptions, run_async, start_dht_node, visible_maddrs
 
 
 def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_ready: Callable[[list[str]], None]) -> None:
@@ -22,4 +22,4 @@ def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_rea
         finally:
             await node.shutdown()
             await p2p.shutdown()
-    asyncio.run(main())
+    run_async(main())

@@ -1,4 +1,4 @@
-"""RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one stream = one session).
+"""RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one raw stream = one session).
 
 Every exception is turned into an in-band error response in one place (`_guard`), so a bad request never
 stops the server or the stream it came on.
@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
 from servers.batching import DecodeBatcher, DecodeStep
@@ -67,8 +68,13 @@ class BlockHandler:
         """Add the three RPCs to a P2P node."""
         await p2p.add_protobuf_handler(protocol.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
         await p2p.add_protobuf_handler(protocol.RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(protocol.RPC_INFERENCE, self.rpc_inference, runtime_pb2.ExpertRequest,
-                                       stream_input=True, stream_output=True)
+        await p2p.add_binary_stream_handler(protocol.RPC_INFERENCE, self.rpc_inference)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest step message a valid session can send: a full batch of hidden states, mask and positions."""
+        rows, length = self.limits.max_batch_size, self.limits.max_length
+        return rows * length * (self.limits.hidden_size * 4 + 16) + (1 << 16)
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This server's announcement, limits and load."""
@@ -80,10 +86,10 @@ class BlockHandler:
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:
         """A whole sequence through blocks [start, end), statelessly."""
-        return await self._guard(lambda: self._forward(request))
+        return runtime_pb2.ExpertResponse(metadata=await self._guard(lambda: self._forward(request.metadata)))
 
-    async def _forward(self, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
-        tensors, meta = protocol.read_message(request)
+    async def _forward(self, frame: bytes) -> bytes:
+        tensors, meta = protocol.decode(frame)
         start, end = validate_span(meta, self.limits)
         batch = tensors[0].shape[0] if tensors and tensors[0].ndim == 3 else 0
         if not 1 <= batch <= self.limits.max_batch_size:
@@ -91,31 +97,37 @@ class BlockHandler:
         hidden, mask, positions = validate_step(tensors, batch_size=batch, past=0, max_length=self.limits.max_length,
                                                 hidden_size=self.limits.hidden_size)
         output = await self._compute(hidden, mask, positions, None, start, end)
-        return protocol.make_response([output])
+        return protocol.encode([output])
 
-    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-                            ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """One session per stream: each request is a step; the KV cache lives until the stream ends."""
+    async def rpc_inference(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                            ) -> None:
+        """One session per stream: each message is a step; the KV cache lives until the stream ends."""
         holder: dict[str, Session] = {}
+        remote = str(info.peer_id)[-6:]
         try:
             while True:
                 try:
                     async with asyncio.timeout(self.session_timeout):  # no extra task per step, unlike wait_for
-                        request = await anext(requests)
-                except StopAsyncIteration:
-                    break
+                        frame = await protocol.read_frame(reader, self.max_frame_bytes)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break  # the client closed the stream (or died)
                 except TimeoutError:
                     logger.info("Session idle for %.0f s; closing it", self.session_timeout)
                     break
-                yield await self._guard(lambda: self._step(request, holder, context))
+                except protocol.FrameTooLarge as e:  # the stream cannot be resynchronized: answer, then end it
+                    self.stats.record_error(ErrorCode.INVALID.value)
+                    protocol.write_frame(writer, protocol.encode([], protocol.error_meta(ErrorCode.INVALID, str(e))))
+                    break
+                protocol.write_frame(writer, await self._guard(lambda: self._step(frame, holder, remote)))
+                await writer.drain()
         finally:
             if "session" in holder:
-                self._close(holder["session"], context)
+                self._close(holder["session"])
+            writer.close()
 
-    async def _step(self, request: runtime_pb2.ExpertRequest, holder: dict[str, Session], context: P2PContext
-                    ) -> runtime_pb2.ExpertResponse:
-        tensors, meta = protocol.read_message(request)
-        session = holder.get("session") or self._open(meta, context)
+    async def _step(self, frame: bytes, holder: dict[str, Session], remote: str) -> bytes:
+        tensors, meta = protocol.decode(frame)
+        session = holder.get("session") or self._open(meta, remote)
         holder["session"] = session
         if meta.get("session_id") != session.session_id:
             raise RequestRejected(ErrorCode.UNKNOWN_SESSION,
@@ -135,8 +147,8 @@ class BlockHandler:
             output, merged = await self._compute(hidden, mask, positions, session.caches, session.start, session.end), 1
         session.length += hidden.shape[1]
         # the compute time lets clients (and bench/swarm.py) tell network overhead from compute
-        return protocol.make_response([output], {"cache_len": session.length, "merged": merged,
-                                                 "compute_ms": (time.perf_counter() - began) * 1000})
+        return protocol.encode([output], {"cache_len": session.length, "merged": merged,
+                                          "compute_ms": (time.perf_counter() - began) * 1000})
 
     def _keep_rows(self, session: Session, rows: list[int]) -> None:
         """Drop the other rows of the session's caches; the freed cache goes back to the budget."""
@@ -156,7 +168,7 @@ class BlockHandler:
         self.stats.record_step(tokens=hidden.shape[0])
         return output.float(), merged
 
-    def _open(self, meta: dict[str, Any], context: P2PContext) -> Session:
+    def _open(self, meta: dict[str, Any], remote: str) -> Session:
         session_id, batch_size, max_length = validate_session_open(meta, self.limits)
         start, end = validate_span(meta, self.limits)
         if session_id in self.sessions:
@@ -165,10 +177,10 @@ class BlockHandler:
         session = Session(session_id, start, end, batch_size, max_length, self.span.new_caches(start, end))
         self.sessions[session_id] = session
         logger.info("Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens", session_id[:8],
-                    str(context.remote_id)[-6:], start, end, batch_size, max_length)
+                    remote, start, end, batch_size, max_length)
         return session
 
-    def _close(self, session: Session, context: P2PContext) -> None:
+    def _close(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
         self.budget.release(session.session_id)
         logger.info("Session %s closed after %d tokens", session.session_id[:8], session.length)
@@ -186,18 +198,18 @@ class BlockHandler:
         self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
         return output.float()
 
-    async def _guard(self, handle: Callable[[], Awaitable[runtime_pb2.ExpertResponse]]) -> runtime_pb2.ExpertResponse:
-        """The one place where exceptions become error responses."""
+    async def _guard(self, handle: Callable[[], Awaitable[bytes]]) -> bytes:
+        """The one place where exceptions become error responses (frames)."""
         try:
             return await handle()
         except RequestRejected as e:
             self.stats.record_error(e.code.value)
             logger.info("Rejected a request: %s: %s", e.code.value, e)
-            return protocol.make_error(e.code, str(e))
+            return protocol.encode([], protocol.error_meta(e.code, str(e)))
         except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
             self.stats.record_error(ErrorCode.INVALID.value)
-            return protocol.make_error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
+            return protocol.encode([], protocol.error_meta(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}"))
         except Exception as e:
             self.stats.record_error(ErrorCode.INTERNAL.value)
             logger.exception("Request failed")
-            return protocol.make_error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            return protocol.encode([], protocol.error_meta(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))

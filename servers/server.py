@@ -23,7 +23,7 @@ from servers.validation import Limits
 from swarmclient.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
 from swarmclient.discovery import get_remote_module_infos
 from swarmclient.model_spec import ModelSpec
-from swarmclient.network import NetworkOptions, start_dht_node, visible_maddrs
+from swarmclient.network import NetworkOptions, run_async, start_dht_node, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -177,4 +177,4 @@ def run_server(config: ServerConfig, on_ready: Callable[[BlockServer, list[str]]
             logger.info("Shutting down: announcing OFFLINE")
         finally:
             await server.shutdown()
-    asyncio.run(main())
+    run_async(main())

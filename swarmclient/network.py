@@ -13,6 +13,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import uvloop
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
@@ -86,11 +87,22 @@ async def visible_maddrs(p2p: P2P) -> list[str]:
     return [str(addr) for addr in await p2p.get_visible_maddrs()]
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop: a decode step's hops cross the loop several times, and uvloop's wake-ups are cheaper."""
+    return uvloop.new_event_loop()
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on a uvloop event loop (servers and the DHT node)."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
+
 class LoopThread:
     """An asyncio event loop in a daemon thread, so synchronous code can run coroutines on it."""
 
     def __init__(self, name: str = "swarmbatch-loop") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

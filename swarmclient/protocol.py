@@ -1,25 +1,38 @@
-"""RPC names and message encoding shared by block servers and the client.
+"""RPC names and the wire format shared by block servers and the client.
 
-Every message is a hivemind `ExpertRequest`/`ExpertResponse`: tensors serialized without compression, and a
-msgpack metadata dict. Errors travel in-band as metadata {"error": {"code", "message"}} so that a stream
-survives a rejected step and the client can tell "route around this server" from "my request is wrong".
+One codec for every message (`encode` / `decode`): a 4-byte header length, a msgpack header
+{"meta": {...}, "tensors": [[dtype, shape], ...]}, then each tensor's raw bytes, 16-byte aligned. Decoding
+is a bounds check and `torch.frombuffer`, no per-element work: a decode step's hop runs right after a
+compute that has flushed the CPU caches, and every line of Python on that path is slow then.
+
+- `inference` is a raw hivemind stream (one stream = one session): each message is an 8-byte length and a
+  frame, written with one write. One message per step, in both directions.
+- `info` and `forward` are unary hivemind calls; their protobuf carries the same frame in `metadata`.
+
+Errors travel in-band as metadata {"error": {"code", "message"}} so that a stream survives a rejected step
+and the client can tell "route around this server" from "my request is wrong".
 """
 from __future__ import annotations
 
+import asyncio
 from enum import Enum
 from typing import Any
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
 RPC_INFO = "swarmbatch.info"
 RPC_FORWARD = "swarmbatch.forward"
-RPC_INFERENCE = "swarmbatch.inference"
+RPC_INFERENCE = "swarmbatch.inference/2"  # /2: raw frames (before: hivemind protobuf stream messages)
 
 # hivemind's persistent connections cap unary messages at 4 MiB; keep requests well under it
 MAX_UNARY_BYTES = 3 << 20
+
+DTYPES = {str(dtype).removeprefix("torch."): dtype
+          for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
+_ALIGN = 16
+_LENGTH_BYTES = 8
 
 
 class ErrorCode(str, Enum):
@@ -37,33 +50,97 @@ class ErrorCode(str, Enum):
         return self not in (ErrorCode.INVALID, ErrorCode.UNKNOWN_SESSION)
 
 
+class FrameTooLarge(ValueError):
+    """A peer announced a message larger than the reader accepts."""
+
+
+def _padded(size: int) -> int:
+    return -size % _ALIGN
+
+
+def encode(tensors: list[torch.Tensor], meta: dict[str, Any] | None = None) -> bytes:
+    """One frame: header length, msgpack header, then each tensor's bytes (aligned)."""
+    parts = [t.detach().cpu().contiguous() for t in tensors]
+    header = MSGPackSerializer.dumps({"meta": meta or {}, "tensors": [
+        [str(t.dtype).removeprefix("torch."), list(t.shape)] for t in parts]})
+    chunks = [len(header).to_bytes(4, "big"), header, bytes(_padded(4 + len(header)))]
+    for tensor in parts:
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        chunks += [raw, bytes(_padded(len(raw)))]
+    return b"".join(chunks)
+
+
+def decode(frame: bytes | bytearray) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """(tensors, meta) of a frame; raises ValueError on anything malformed. Tensors share a copy of its bytes."""
+    if len(frame) < 4:
+        raise ValueError("truncated frame")
+    header_end = 4 + int.from_bytes(frame[:4], "big")
+    if header_end > len(frame):
+        raise ValueError("truncated frame header")
+    header = MSGPackSerializer.loads(bytes(frame[4:header_end]))
+    if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) or \
+            not isinstance(header.get("tensors"), list):
+        raise ValueError("frame header must hold 'meta' (a dict) and 'tensors' (a list)")
+    buffer = bytearray(frame)  # writable and owned: the tensors outlive the network buffer
+    offset = header_end + _padded(header_end)
+    tensors = []
+    for spec in header["tensors"]:
+        dtype, shape = _tensor_spec(spec)
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * dtype.itemsize
+        if offset + nbytes > len(buffer):
+            raise ValueError("frame shorter than its tensors")
+        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count else torch.empty(0, dtype=dtype)
+        tensors.append(flat.view(shape))
+        offset += nbytes + _padded(nbytes)
+    return tensors, header["meta"]
+
+
+def _tensor_spec(spec: Any) -> tuple[torch.dtype, list[int]]:
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in DTYPES and isinstance(spec[1], list)
+            and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 1 << 31 for s in spec[1])
+            and len(spec[1]) <= 8):
+        raise ValueError(f"bad tensor description {str(spec)[:80]} (dtypes: {', '.join(DTYPES)})")
+    return DTYPES[spec[0]], spec[1]
+
+
+# ---- streams: an 8-byte length, then the frame --------------------------------------------------------------
+
+def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
+    """Queue one message with a single write (one packet through p2pd for small frames)."""
+    writer.write(len(frame).to_bytes(_LENGTH_BYTES, "big") + frame)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    """The next message; IncompleteReadError at the end of the stream, FrameTooLarge over `max_bytes`."""
+    length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "big")
+    if length > max_bytes:
+        raise FrameTooLarge(f"message of {length} bytes exceeds the limit of {max_bytes}")
+    return await reader.readexactly(length)
+
+
+# ---- unary calls: the frame inside hivemind's protobuf ----------------------------------------------------
+
 def make_request(tensors: list[torch.Tensor], meta: dict[str, Any]) -> runtime_pb2.ExpertRequest:
-    """Pack tensors and metadata into a request."""
-    return runtime_pb2.ExpertRequest(
-        tensors=[serialize_torch_tensor(t) for t in tensors], metadata=MSGPackSerializer.dumps(meta)
-    )
+    """A unary request carrying one frame."""
+    return runtime_pb2.ExpertRequest(metadata=encode(tensors, meta))
 
 
 def make_response(tensors: list[torch.Tensor], meta: dict[str, Any] | None = None) -> runtime_pb2.ExpertResponse:
-    """Pack tensors and metadata into a response."""
-    return runtime_pb2.ExpertResponse(
-        tensors=[serialize_torch_tensor(t) for t in tensors], metadata=MSGPackSerializer.dumps(meta or {})
-    )
-
-
-def make_error(code: ErrorCode, message: str) -> runtime_pb2.ExpertResponse:
-    """A response that carries only an error."""
-    return runtime_pb2.ExpertResponse(
-        metadata=MSGPackSerializer.dumps({"error": {"code": code.value, "message": message}})
-    )
+    """A unary response carrying one frame."""
+    return runtime_pb2.ExpertResponse(metadata=encode(tensors, meta))
 
 
 def read_message(msg: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """Unpack tensors and metadata; raises ValueError on garbage."""
-    meta = MSGPackSerializer.loads(msg.metadata) if msg.metadata else {}
-    if not isinstance(meta, dict):
-        raise ValueError("metadata is not a dict")
-    return [deserialize_torch_tensor(t) for t in msg.tensors], meta
+    """Unpack a unary message; raises ValueError on garbage."""
+    return decode(msg.metadata)
+
+
+def error_meta(code: ErrorCode, message: str) -> dict[str, Any]:
+    """The metadata of an error message."""
+    return {"error": {"code": code.value, "message": message}}
 
 
 def response_error(meta: dict[str, Any]) -> tuple[ErrorCode, str] | None:
@@ -73,5 +150,5 @@ def response_error(meta: dict[str, Any]) -> tuple[ErrorCode, str] | None:
         return None
     try:
         return ErrorCode(err.get("code")), str(err.get("message"))
-    except ValueError:
+    except (ValueError, AttributeError):
         return ErrorCode.INTERNAL, str(err)

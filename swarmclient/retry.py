@@ -1,6 +1,7 @@
 """The one retry policy of the client: exponential backoff with jitter (tenacity) and growing peer bans."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -68,18 +69,25 @@ async def with_retries(
     """Call `fn` until it succeeds; after each recoverable failure, await `on_failure(exc)`, then back off.
 
     Unrecoverable errors (InvalidRequest, ModelDirError, ...) propagate at once; after `config.max_retries`
-    failed attempts the last error propagates.
+    failed attempts the last error propagates. The first attempt runs without tenacity's bookkeeping: every
+    hop of every decode step comes through here, and nearly all of them succeed the first time.
     """
+    try:
+        return await fn()
+    except Exception as exc:
+        if not _is_recoverable(exc) or config.max_retries <= 1:
+            raise
+        await _before_retry(1, exc, on_failure)
+    await asyncio.sleep(backoff_delay(1, config))
 
     async def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         if exc is not None:
-            logger.warning("Attempt %d failed (%s); retrying", state.attempt_number, exc)
-            await on_failure(exc)
+            await _before_retry(state.attempt_number + 1, exc, on_failure)
 
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(config.max_retries),
-        wait=lambda state: backoff_delay(state.attempt_number, config),
+    retrying = AsyncRetrying(  # attempts 2 .. max_retries
+        stop=stop_after_attempt(config.max_retries - 1),
+        wait=lambda state: backoff_delay(state.attempt_number + 1, config),
         retry=retry_if_exception(_is_recoverable),
         before_sleep=before_sleep,
         reraise=True,
@@ -88,3 +96,9 @@ async def with_retries(
         return await fn()
 
     return await retrying(attempt)
+
+
+async def _before_retry(attempt: int, exc: BaseException, on_failure: Callable[[BaseException], Awaitable[None]]
+                        ) -> None:
+    logger.warning("Attempt %d failed (%s); retrying", attempt, exc)
+    await on_failure(exc)

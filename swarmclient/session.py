@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 
 from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
-from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, SwarmError
+from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout
 from swarmclient.retry import with_retries
 from swarmclient.swarm import Swarm
 
@@ -28,28 +26,28 @@ logger = logging.getLogger(__name__)
 
 
 class ServerSession:
-    """One `inference` stream to one server over blocks [hop.start, hop.end); not fault-tolerant."""
+    """One `inference` stream to one server over blocks [hop.start, hop.end); not fault-tolerant.
+
+    Once a step fails midway (a timeout, a dropped stream), the stream may be out of step with the server,
+    so every later step fails too: the caller replaces the session.
+    """
 
     def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int) -> None:
         self.swarm, self.hop = swarm, hop
         self.batch_size, self.max_length = batch_size, max_length
         self.session_id = uuid.uuid4().hex
-        self._queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self._responses: AsyncIterator[runtime_pb2.ExpertResponse] | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._failure: str | None = None
         self.steps = 0
         self.last_compute_seconds = 0.0  # the server's own compute time of the last step
         self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
-        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            while (item := await self._queue.get()) is not None:
-                yield item
         try:
-            self._responses = await asyncio.wait_for(
-                self.swarm.p2p.iterate_protobuf_handler(
-                    PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE, requests(),
-                    runtime_pb2.ExpertResponse),
+            _, self._reader, self._writer = await asyncio.wait_for(
+                self.swarm.p2p.call_binary_stream_handler(PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE),
                 timeout=self.swarm.config.connect_timeout)
         except Exception as e:
             raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
@@ -61,56 +59,73 @@ class ServerSession:
 
         keep_rows: first keep only these rows of the session's batch (the step's tensors have len(keep_rows) rows).
         """
-        assert self._responses is not None, "open() first"
+        if self._failure is not None:
+            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure})")
+        assert self._writer is not None, "open() first"
         # batch_size is the batch the server opens the session with (its first step), before any keep_rows
         meta: dict[str, Any] = {"session_id": self.session_id, "start": self.hop.start, "end": self.hop.end,
                                 "batch_size": self.batch_size, "max_length": self.max_length}
         if keep_rows is not None:
             meta["keep_rows"] = list(keep_rows)
-        await self._queue.put(protocol.make_request([hidden, attention_mask, position_ids], meta))
         config = self.swarm.config
         tokens = hidden.shape[0] * hidden.shape[1]
-        response = await self._next_response(config.step_timeout + config.step_timeout_per_token * tokens)
-        tensors, meta = protocol.read_message(response)
+        frame = await self._exchange(protocol.encode([hidden, attention_mask, position_ids], meta),
+                                     config.step_timeout + config.step_timeout_per_token * tokens,
+                                     max_bytes=tokens * hidden.shape[2] * 4 + (1 << 16))
+        try:
+            tensors, meta = protocol.decode(frame)
+        except ValueError as e:
+            raise self._broken(f"an undecodable answer: {e}") from e
         error = protocol.response_error(meta)
         if error is not None:
             code, message = error
             if code.retryable:
                 raise PeerFailed(self.hop.peer_id, f"{code.value}: {message}")
             raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
+        if len(tensors) != 1 or tensors[0].shape != hidden.shape:
+            raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a {tuple(hidden.shape)} step")
         self.steps += 1
         self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
 
-    async def _next_response(self, timeout: float) -> runtime_pb2.ExpertResponse:
-        assert self._responses is not None
+    async def _exchange(self, frame: bytes, timeout: float, *, max_bytes: int) -> bytes:
+        """Write one message and read the answer; any failure breaks the session for good."""
+        assert self._reader is not None and self._writer is not None
         try:
             async with asyncio.timeout(timeout):  # no extra task per step, unlike wait_for
-                return await anext(self._responses)
+                protocol.write_frame(self._writer, frame)
+                await self._writer.drain()
+                return await protocol.read_frame(self._reader, max_bytes)
         except TimeoutError as e:
+            self._failure = "timeout"
             raise SessionTimeout(self.hop.peer_id, f"no answer in {timeout:.0f} s") from e
-        except StopAsyncIteration as e:
-            raise PeerFailed(self.hop.peer_id, "the stream closed (server gone)") from e
-        except SwarmError:
+        except asyncio.IncompleteReadError as e:
+            raise self._broken("the stream closed (server gone)") from e
+        except BaseException as e:  # cancelled midway, connection reset, oversized answer
+            self._failure = type(e).__name__
+            if isinstance(e, Exception):
+                raise PeerFailed(self.hop.peer_id, f"{type(e).__name__}: {e}") from e
             raise
-        except Exception as e:
-            raise PeerFailed(self.hop.peer_id, f"{type(e).__name__}: {e}") from e
+
+    def _broken(self, reason: str) -> PeerFailed:
+        self._failure = reason
+        return PeerFailed(self.hop.peer_id, reason)
 
     async def close(self) -> None:
-        """End the stream politely; the server frees the session's cache."""
-        await self._queue.put(None)
-        if self._responses is None:
+        """End the stream; the server frees the session's cache when it sees the end."""
+        if self._writer is None:
             return
+        writer, reader, self._writer, self._failure = self._writer, self._reader, None, "closed"
         try:
-            await asyncio.wait_for(self._drain(), timeout=2)
+            if writer.can_write_eof():
+                writer.write_eof()
+                assert reader is not None
+                await asyncio.wait_for(reader.read(), timeout=2)  # the server closes its side once it freed the session
         except Exception:  # the server may already be gone: nothing left to free
             pass
-
-    async def _drain(self) -> None:
-        assert self._responses is not None
-        async for _ in self._responses:
-            pass
+        finally:
+            writer.close()
 
 
 class InferenceSession:

@@ -1,6 +1,7 @@
 """A real server validates every request before compute, answers bad ones with an error, and keeps serving."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,3 +138,51 @@ def test_info_reports_the_servers_announcement(tiny_model: Path, server_and_clie
     info = client.loop.run(client.call_info(swarm.servers[1].peer_id))
     assert info["start"] == 0 and info["end"] == 6 and info["quant"] == "int8" and info["state"] == "online"
     assert info["model_id"] == ModelSpec.open(tiny_model).model_id
+
+
+def raw_stream(client: Swarm, peer_id: str):
+    """A bare `inference` stream (reader, writer), to send what ServerSession never would."""
+    _, reader, writer = client.loop.run(client.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id),
+                                                                             protocol.RPC_INFERENCE))
+    return reader, writer
+
+
+def exchange(client: Swarm, reader, writer, payload: bytes) -> dict:
+    async def run() -> dict:
+        writer.write(payload)
+        return protocol.decode(await protocol.read_frame(reader, 1 << 24))[1]
+    return client.loop.run(run())
+
+
+def test_an_undecodable_step_gets_an_error_and_the_stream_goes_on(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    reader, writer = raw_stream(client, swarm.servers[0].peer_id)
+    garbage = b"\x00\x00\x00\x03abc"
+    meta = exchange(client, reader, writer, len(garbage).to_bytes(8, "big") + garbage)
+    code, text = protocol.response_error(meta) or (None, "")
+    assert code == protocol.ErrorCode.INVALID and "malformed" in text
+    good = protocol.encode(good_inputs(hidden_size, length=2), {"session_id": "s" * 32, "start": 0, "end": 6,
+                                                                 "batch_size": 1, "max_length": 8})
+    meta = exchange(client, reader, writer, len(good).to_bytes(8, "big") + good)
+    assert protocol.response_error(meta) is None and meta["cache_len"] == 2
+    client.loop.run(_close(writer))
+
+
+def test_an_oversized_message_is_refused_unread_and_the_server_keeps_serving(tiny_model: Path,
+                                                                             server_and_client) -> None:
+    swarm, client = server_and_client
+    peer = swarm.servers[0].peer_id
+    reader, writer = raw_stream(client, peer)
+    meta = exchange(client, reader, writer, (1 << 40).to_bytes(8, "big"))  # a terabyte announced, nothing sent
+    code, text = protocol.response_error(meta) or (None, "")
+    assert code == protocol.ErrorCode.INVALID and "exceeds the limit" in text
+    assert client.loop.run(asyncio.wait_for(reader.read(), timeout=10)) == b""  # the server ended the stream
+    client.loop.run(_close(writer))
+    session = open_session(client, peer)
+    assert step(client, session, good_inputs(ModelSpec.open(tiny_model).hidden_size)).shape[1] == 4
+    client.loop.run(session.close())
+
+
+async def _close(writer) -> None:
+    writer.close()

@@ -61,14 +61,19 @@ def test_a_recoverable_failure_is_retried_and_reported() -> None:
 
 
 def test_retries_stop_at_the_limit_with_the_last_error() -> None:
+    calls, failures = [], []
+
     async def always() -> None:
-        raise PeerFailed("peer" * 4, "down")
+        calls.append(1)
+        raise PeerFailed("peer" * 4, f"down {len(calls)}")
 
-    async def ignore(exc: BaseException) -> None:
-        pass
+    async def on_failure(exc: BaseException) -> None:
+        failures.append(exc)
 
-    with pytest.raises(PeerFailed, match="down"):
-        asyncio.run(with_retries(always, config=FAST, on_failure=ignore))
+    with pytest.raises(PeerFailed, match="down 4"):
+        asyncio.run(with_retries(always, config=FAST, on_failure=on_failure))
+    # every attempt but the last is reported (the caller bans the peer and reroutes before the next one)
+    assert len(calls) == FAST.max_retries and [str(e)[-6:] for e in failures] == ["down 1", "down 2", "down 3"]
 
 
 def test_an_invalid_request_is_never_retried() -> None:
