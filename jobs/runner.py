@@ -138,17 +138,17 @@ class BatchRunner:
     def _refill(self) -> list[tuple[RowState, Request]]:
         with self._lock:
             free = self.capacity - sum(1 for row in self.rows if row.finish_reason is None)
+            known = {row.request_id for row in self.rows}
         if free <= 0 or self.refill is None:
             return []
-        with self._lock:
-            known = {row.request_id for row in self.rows}
-        # a request that came back to pending while one of our lanes still runs it (its lease lapsed during a slow
-        # step) is claimed again under our token: the running lane goes on with it, a second lane would repeat it
-        claimed = [request for request in self.refill(free) if request.id not in known]
-        if not claimed:
+        fetched = self.refill(free)
+        if not fetched:
             self._exhausted = True  # nothing pending now; requests released later are found by the next task
             return []
-        return self._startable(self._add(claimed))
+        # a request that came back to pending while one of our lanes still runs it (its lease lapsed during a slow
+        # step) is claimed again under our token: the running lane goes on with it, a second lane would repeat it
+        claimed = [request for request in fetched if request.id not in known]
+        return self._startable(self._add(claimed)) if claimed else []
 
     def _lane(self, pairs: list[tuple[RowState, Request]]) -> None:
         """One micro-batch: its own session through the swarm, committing its rows every K tokens."""

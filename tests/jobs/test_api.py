@@ -6,7 +6,6 @@ the store's own claim/finish functions, as a worker would.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from jobs import store
-from jobs.models import Job, Request
+from jobs.models import Job
 from jobs.outputs import iter_errors, iter_results
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from jobs import clock
 from jobs.local_worker import settings_env, start_local_worker
-from jobs.models import DocumentSummary, Job, Request
+from jobs.models import DocumentSummary, Job
 from jobs.runtime import Runtime
 from jobs.schedules import ScheduleError, load_schedules
 from jobs.scheduling import fire_due_schedules, fire_now

@@ -186,3 +186,15 @@ def test_an_oversized_message_is_refused_unread_and_the_server_keeps_serving(tin
 
 async def _close(writer) -> None:
     writer.close()
+
+
+def test_closing_a_session_frees_it_on_the_server_before_close_returns(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    peer = swarm.servers[0].peer_id
+    for _ in range(5):
+        session = open_session(client, peer)
+        step(client, session, good_inputs(hidden_size))
+        assert client.loop.run(client.call_info(peer))["sessions"] == 1
+        client.loop.run(session.close())
+        assert client.loop.run(client.call_info(peer))["sessions"] == 0
