@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from swarmclient.data_structures import ServerState
+from swarmclient.data_structures import PROTOCOL_VERSION, ServerState
 from swarmclient.discovery import BlockServers, online_spans
 from swarmclient.model_spec import ModelSpec
 from swarmclient.routing import missing_ranges
@@ -15,7 +15,8 @@ def coverage_report(model_id: str, block_infos: list[BlockServers]) -> dict[str,
     """A JSON-ready map: per block its servers, and the block ranges no ONLINE server holds."""
     blocks = [{"index": index, "servers": [
         {"peer_id": peer, "state": info.state.value, "start": info.start, "end": info.end,
-         "throughput": round(info.throughput, 1), "cache_tokens_left": info.cache_tokens_left}
+         "throughput": round(info.throughput, 1), "cache_tokens_left": info.cache_tokens_left,
+         "version": info.version, "compatible": info.version == PROTOCOL_VERSION}
         for peer, info in sorted(servers.items())]} for index, servers in enumerate(block_infos)]
     missing = missing_ranges(online_spans(block_infos), 0, len(block_infos))
     return {"model_id": model_id, "num_blocks": len(block_infos), "blocks": blocks,
@@ -33,16 +34,23 @@ def read_coverage(model_dir: Path, initial_peers: list[str]) -> dict[str, Any]:
     return coverage_report(spec.model_id, infos)
 
 
+def _old_servers(report: dict[str, Any]) -> bool:
+    return any(not s["compatible"] for block in report["blocks"] for s in block["servers"])
+
+
 def render_coverage(report: dict[str, Any]) -> str:
     """The report as a table: one row per block; servers as peer-suffix(state)."""
     lines = [f"model {report['model_id']}: {report['num_blocks']} blocks"]
     for block in report["blocks"]:
-        servers = ", ".join(f"{s['peer_id'][-6:]}({s['state']}, {s['throughput']:.0f}/s)" for s in block["servers"])
-        online = any(s["state"] == ServerState.ONLINE.value for s in block["servers"])
+        servers = ", ".join(f"{s['peer_id'][-6:]}({s['state']}, {s['throughput']:.0f}/s"
+                            f"{'' if s['compatible'] else ', protocol ' + s['version'] + ': not used'})"
+                            for s in block["servers"])
+        online = any(s["state"] == ServerState.ONLINE.value and s["compatible"] for s in block["servers"])
         lines.append(f"{block['index']:>5}  {'ok ' if online else 'MISSING'}  {servers or '-'}")
     if report["missing"]:
         ranges = ", ".join(f"{a}:{b}" for a, b in report["missing"])
-        lines.append(f"Missing blocks {ranges}: start 'swarmbatch serve MODEL --blocks A:B' for them.")
+        lines.append(f"Missing blocks {ranges}: start 'swarmbatch serve MODEL --blocks A:B' for them"
+                     f"{' (or upgrade the servers marked not used to ' + PROTOCOL_VERSION + ')' if _old_servers(report) else ''}.")
     else:
         lines.append("All blocks are served.")
     return "\n".join(lines)

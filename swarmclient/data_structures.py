@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PROTOCOL_VERSION = "swarmbatch/1"
+PROTOCOL_VERSION = "swarmbatch/2"  # /2: raw-frame inference streams (swarmclient/protocol.py)
 
 
 class ServerState(str, Enum):

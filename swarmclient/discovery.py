@@ -5,7 +5,7 @@ import logging
 
 from hivemind.dht.node import DHTNode
 
-from swarmclient.data_structures import RemoteSpanInfo, ServerInfo, ServerState, block_uid
+from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState, block_uid
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,12 @@ def _parse_block_record(record: object) -> BlockServers:
 
 
 def online_spans(block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
-    """One RemoteSpanInfo per ONLINE server, with the span it announced (clipped to the blocks it announced)."""
+    """One RemoteSpanInfo per ONLINE server that speaks our protocol version, with the span it announced
+    (clipped to the blocks it announced). A server of another version shows in `swarm status` but is never used."""
     spans: dict[str, RemoteSpanInfo] = {}
     for index, servers in enumerate(block_infos):
         for peer_id, info in servers.items():
-            if info.state != ServerState.ONLINE or not info.start <= index < info.end:
+            if info.state != ServerState.ONLINE or info.version != PROTOCOL_VERSION or not info.start <= index < info.end:
                 continue
             known = spans.get(peer_id)
             start = index if known is None else known.start

@@ -4,11 +4,11 @@ from __future__ import annotations
 from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState
 
 
-def server_info(start: int, end: int, *, throughput: float = 100.0, state: ServerState = ServerState.ONLINE
-                ) -> ServerInfo:
+def server_info(start: int, end: int, *, throughput: float = 100.0, state: ServerState = ServerState.ONLINE,
+                version: str = PROTOCOL_VERSION) -> ServerInfo:
     """A valid announcement for blocks [start, end)."""
     return ServerInfo(state=state, start=start, end=end, throughput=throughput, cache_tokens_left=1000,
-                      dtype="float32", quant="none", version=PROTOCOL_VERSION, revision="r" * 64,
+                      dtype="float32", quant="none", version=version, revision="r" * 64,
                       max_batch_size=8, max_length=128)
 
 

@@ -65,3 +65,9 @@ def test_only_online_servers_make_spans() -> None:
     infos = block_infos(8, span("on", 0, 4), span("joining", 4, 8, state=ServerState.JOINING),
                         span("gone", 4, 8, state=ServerState.OFFLINE))
     assert [(s.peer_id, s.start, s.end) for s in online_spans(infos)] == [("on", 0, 4)]
+
+
+def test_a_server_speaking_another_protocol_version_is_never_routed_to() -> None:
+    infos = block_infos(8, span("new", 0, 8), span("old", 0, 8, version="swarmbatch/1"))
+    assert [s.peer_id for s in online_spans(infos)] == ["new"]
+    assert missing_ranges(online_spans(block_infos(8, span("old", 0, 8, version="swarmbatch/1"))), 0, 8) == [(0, 8)]
