@@ -157,7 +157,7 @@ class Config:
         runs = self.runs[batch]
         median = sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
         return {"config": self.name, "batch": batch, **median, "tokens_per_s": median["tokens"] / median["seconds"],
-                "all_seconds": [round(r["seconds"], 3) for r in runs]}
+                "all_seconds": [round(r["seconds"], 3) for r in runs], "all_tokens": [r["tokens"] for r in runs]}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,6 +332,15 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
 # report
 
 
+def paired_ratio(row: dict[str, Any], local: dict[str, Any] | None) -> float:
+    """Median over reps of (tokens/s of this config) / (tokens/s of local in the same rep)."""
+    if local is None:
+        return float("nan")
+    ratios = [(tokens / seconds) / (local_tokens / local_seconds) for tokens, seconds, local_tokens, local_seconds
+              in zip(row["all_tokens"], row["all_seconds"], local["all_tokens"], local["all_seconds"])]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
 def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: dict[str, Any]) -> None:
     local = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == "local"}
     print()
@@ -339,13 +348,17 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
           f"prompt lengths {meta['prompt_lengths']}, reps {meta['reps']}, "
           f"{'EOS allowed' if meta['allow_eos'] else 'exactly N tokens'}")
     print()
-    print("| config | batch | tokens | seconds | tokens/s | ratio vs local |")
-    print("|---|---|---|---|---|---|")
+    print("| config | batch | tokens | seconds | tokens/s | ratio vs local | paired ratio |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["tokens_per_s"] / local[r["batch"]] if r["batch"] in local else float("nan")
         r["ratio_vs_local"] = ratio
+        r["paired_ratio"] = paired_ratio(r, next((x for x in rows if x["config"] == "local" and x["batch"] == r["batch"]),
+                                                 None))
         print(f"| {r['config']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{ratio:.2f}x |")
+              f"{ratio:.2f}x | {r['paired_ratio']:.2f}x |")
+    print("(ratio: of the median runs; paired ratio: median over reps of this rep's local time / its time, which"
+          " cancels the machine's drift between reps)")
     if not hops:
         return
     print()

@@ -2,9 +2,9 @@
 
 Modules, from the wire up:
     data_structures  the wire contract: ServerState, ServerInfo (DHT announcements), RemoteSpanInfo, RouteHop
-    protocol         RPC names, tensor+metadata messages, in-band error codes (shared with servers)
+    protocol         RPC names, the one frame codec (tensors + msgpack metadata), stream framing, error codes
     model_spec       a local model directory: config, family classes, weight files, revision, model id
-    network          in-process hivemind P2P + DHT node, NetworkOptions, LoopThread (sync facade)
+    network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
     routing          pure functions: spans, round trips and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
