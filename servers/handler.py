@@ -120,6 +120,8 @@ class BlockHandler:
                     break
                 protocol.write_frame(writer, await self._guard(lambda: self._step(frame, holder, remote)))
                 await writer.drain()
+        except ConnectionError:  # the client went away while we computed: nothing to answer
+            pass
         finally:
             if "session" in holder:
                 self._close(holder["session"])
