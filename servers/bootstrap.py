@@ -5,7 +5,7 @@ import asyncio
 import signal
 from collections.abc import Callable
 
-from swarmclient.network import NetworkOptions, run_async, start_dht_node, visible_maddrs
+from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
 
 
 def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_ready: Callable[[list[str]], None]) -> None:
@@ -20,6 +20,5 @@ def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_rea
             on_ready(await visible_maddrs(p2p))
             await stop.wait()
         finally:
-            await node.shutdown()
-            await p2p.shutdown()
+            await stop_dht_node(p2p, node)
     run_async(main())

@@ -23,7 +23,7 @@ from servers.validation import Limits
 from swarmclient.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
 from swarmclient.discovery import get_remote_module_infos
 from swarmclient.model_spec import ModelSpec
-from swarmclient.network import NetworkOptions, run_async, start_dht_node, visible_maddrs
+from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +151,7 @@ class BlockServer:
         if hasattr(self, "handler"):
             self.handler.executor.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "node"):
-            for step in (self.node.shutdown, self.p2p.shutdown):
-                try:
-                    await asyncio.wait_for(step(), timeout=5)
-                except Exception:
-                    logger.warning("Shutdown step %s failed", step.__qualname__, exc_info=True)
+            await stop_dht_node(self.p2p, self.node)
         if self.metrics is not None:  # last: a scraper sees "offline" until the server is gone
             self.metrics.stop()
 

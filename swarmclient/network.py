@@ -6,6 +6,7 @@ Celery prefork children and leaves no orphan process but the p2pd daemon, which 
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import signal
 import threading
@@ -20,6 +21,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 from swarmclient.errors import DHTUnreachable
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,19 @@ async def start_dht_node(
         raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
                              "Start 'swarmbatch dht' or fix --initial-peers") from e
     return p2p, node
+
+
+async def stop_dht_node(p2p: P2P, node: DHTNode, timeout: float = 5.0) -> None:
+    """Leave the DHT, then stop the P2P daemon; each step bounded by `timeout`.
+
+    A signal sent to the whole process group (Ctrl-C in a terminal, `kill -- -PGID`) may have stopped p2pd
+    first; hivemind's shutdown then waits forever on the dead daemon.
+    """
+    for step in (node.shutdown, p2p.shutdown):
+        try:
+            await asyncio.wait_for(step(), timeout=timeout)
+        except Exception as e:
+            logger.warning("Shutdown step %s did not finish: %s", step.__qualname__, type(e).__name__)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +115,14 @@ def test_swarm_status_shows_a_leaving_server_as_missing_within_one_announce_peri
     assert {s["state"] for s in report["blocks"][4]["servers"]} <= {"offline"}
     code, text, _ = invoke("swarm", "status", str(tiny_model), "--initial-peers", *swarm.initial_peers)
     assert "Missing blocks 3:6" in text
+
+
+def test_the_dht_exits_when_its_whole_process_group_gets_sigterm(tmp_path: Path) -> None:
+    # Ctrl-C in a terminal and `kill -- -PGID` reach p2pd too; the node must not wait for the dead daemon
+    dht = ManagedProcess(cli_command("dht", "--host", "127.0.0.1"), name="dht", log_dir=tmp_path)
+    try:
+        dht.wait_for_line("/ip4/127.0.0.1/", timeout=60)
+        os.killpg(dht.pid, signal.SIGTERM)
+        assert dht.proc.wait(timeout=15) == 0
+    finally:
+        dht.kill()
