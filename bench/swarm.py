@@ -14,6 +14,10 @@ To force exactly N tokens on the swarm (what min_new_tokens does for HF) it runs
 `model.generate_new_tokens` instead (may stop early). Tokens are counted the same way for every config:
 non-pad tokens up to and including EOS.
 
+For each swarm run it also splits the time per generated position: the servers' reported compute
+(`InferenceSession.last_compute_seconds`), the hops (step time minus that compute: network, framing and the
+servers' Python) and the client (LM head, sampling, thread hand-off: the rest).
+
 Hop round trip (2-server swarm, batch 1, after a prefill):
   hop-1blk  a ServerSession on a 1-block sub-span of each server: 1x1xH decode steps, time of `await step`
             on the client's loop, minus the compute time the server reports for that step (`compute_ms`);
@@ -140,8 +144,10 @@ def log(message: str) -> None:
 class Config:
     """One configuration under test: a generate function and how to count its tokens."""
 
-    def __init__(self, name: str, run: RunFn, eos_ids: set[int], pad_id: int) -> None:
+    def __init__(self, name: str, run: RunFn, eos_ids: set[int], pad_id: int,
+                 details: dict[str, Any] | None = None) -> None:
         self.name, self.run, self.eos_ids, self.pad_id = name, run, eos_ids, pad_id
+        self.details = details if details is not None else {}  # filled by `run`: where the time went
         self.runs: dict[int, list[dict[str, Any]]] = {}
 
     def timed(self, batch: int, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> None:
@@ -149,7 +155,9 @@ class Config:
         new = self.run(ids, mask, new_tokens)
         seconds = time.perf_counter() - began
         tokens = count_new_tokens(new, self.eos_ids, self.pad_id)
-        self.runs.setdefault(batch, []).append({"seconds": seconds, "tokens": tokens, "steps": new.shape[1]})
+        self.runs.setdefault(batch, []).append({"seconds": seconds, "tokens": tokens, "steps": new.shape[1],
+                                                **self.details})
+        self.details.clear()
         log(f"  {self.name:8s} batch {batch}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
 
     def result(self, batch: int) -> dict[str, Any]:
@@ -185,7 +193,28 @@ def local_config(model_dir: Path, prompts: Prompts) -> Config:
 # swarm
 
 
-def swarm_runner(model: Any, allow_eos: bool) -> RunFn:
+class StepClock:
+    """Wraps an InferenceSession's step: wall time of each step and the servers' reported compute in it."""
+
+    def __init__(self, session: Any) -> None:
+        self.session, self.wall, self.compute = session, [], []
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        began = time.perf_counter()
+        out = self.session.step(*args)
+        self.wall.append(time.perf_counter() - began)
+        self.compute.append(self.session.last_compute_seconds)
+        return out
+
+    def breakdown(self, total: float, tokens_per_row: int) -> dict[str, float]:
+        """ms per token position of the whole run: servers' compute, network + server overhead, client (the rest)."""
+        compute, steps = sum(self.compute), sum(self.wall)
+        per = 1000 / max(tokens_per_row, 1)
+        return {"server_compute_ms": compute * per, "hops_ms": (steps - compute) * per,
+                "client_ms": (total - steps) * per}
+
+
+def swarm_runner(model: Any, allow_eos: bool, details: dict[str, Any]) -> RunFn:
     from swarmclient.generation import generate_tokens
 
     def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -194,8 +223,12 @@ def swarm_runner(model: Any, allow_eos: bool) -> RunFn:
             return model.generate_new_tokens(ids, mask, max_new_tokens=n, params=params)
         # exactly n tokens (like HF min_new_tokens): the same decode loop with no EOS to stop on
         with model.inference_session(batch_size=ids.shape[0], max_length=ids.shape[1] + n) as session:
-            return generate_tokens(model.head, session.step, ids, mask, max_new_tokens=n, params=params,
-                                   eos_token_ids=(), pad_token_id=model.pad_token_id)
+            clock = StepClock(session)
+            began = time.perf_counter()
+            new = generate_tokens(model.head, clock, ids, mask, max_new_tokens=n, params=params,
+                                  eos_token_ids=(), pad_token_id=model.pad_token_id)
+            details.update(clock.breakdown(time.perf_counter() - began, new.shape[1]))
+        return new
     return run
 
 
@@ -217,7 +250,8 @@ def start_swarm(stack: ExitStack, name: str, model_dir: Path, spans: list[tuple[
                                                                             initial_peers=swarm.initial_peers))
     # exactly-N mode counts every column (the decode loop ignored EOS, as HF min_new_tokens does)
     eos_ids = model.eos_token_ids if allow_eos else set()
-    return Config(name, swarm_runner(model, allow_eos), eos_ids, model.pad_token_id), model
+    details: dict[str, Any] = {}
+    return Config(name, swarm_runner(model, allow_eos, details), eos_ids, model.pad_token_id, details), model
 
 
 def summary(values: Sequence[float]) -> dict[str, float]:
@@ -359,6 +393,15 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
               f"{ratio:.2f}x | {r['paired_ratio']:.2f}x |")
     print("(ratio: of the median runs; paired ratio: median over reps of this rep's local time / its time, which"
           " cancels the machine's drift between reps)")
+    split = [r for r in rows if "server_compute_ms" in r]
+    if split:
+        print()
+        print("Where a swarm's time went (median run, ms per generated position, prefill included):")
+        print("| config | batch | servers' compute | hops (step - compute) | client (LM head, sampling, hand-off) |")
+        print("|---|---|---|---|---|")
+        for r in split:
+            print(f"| {r['config']} | {r['batch']} | {r['server_compute_ms']:.1f} | {r['hops_ms']:.1f} | "
+                  f"{r['client_ms']:.1f} |")
     if not hops:
         return
     print()

@@ -152,6 +152,11 @@ class InferenceSession:
         return self._lengths[-1] if self._lengths else 0
 
     @property
+    def last_compute_seconds(self) -> float:
+        """The servers' own compute time of the last step, summed over the route (the rest was network and waits)."""
+        return sum(session.last_compute_seconds for session in self._sessions.values())
+
+    @property
     def route(self) -> list[RouteHop]:
         """The current hops, in block order."""
         return [self._sessions[start].hop for start in sorted(self._sessions)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.model_spec import ModelSpec
-from swarmclient.session import ServerSession
+from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
 
 MAX_BATCH = 2
@@ -198,3 +199,15 @@ def test_closing_a_session_frees_it_on_the_server_before_close_returns(tiny_mode
         assert client.loop.run(client.call_info(peer))["sessions"] == 1
         client.loop.run(session.close())
         assert client.loop.run(client.call_info(peer))["sessions"] == 0
+
+
+def test_a_session_reports_the_servers_compute_of_its_last_step(tiny_model: Path, server_and_client) -> None:
+    _, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    with InferenceSession(client, batch_size=1, max_length=16) as session:
+        assert session.last_compute_seconds == 0.0
+        began = time.perf_counter()
+        session.step(*good_inputs(hidden_size, length=8))
+        wall = time.perf_counter() - began
+        # the servers' own forward time: positive, and part of (less than) the step's round trip
+        assert 0 < session.last_compute_seconds < wall
