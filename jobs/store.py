@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from jobs.batch_input import ParsedBatch
@@ -297,6 +297,13 @@ def active_job_ids(*, session: Session) -> list[str]:
     """Jobs that are not terminal."""
     live = [JobStatus.queued.value, JobStatus.in_progress.value, JobStatus.cancelling.value]
     return list(session.scalars(select(Job.id).where(Job.status.in_(live)).order_by(Job.created_at)))
+
+
+def recently_stopped_job_ids(*, session: Session, since: datetime) -> list[str]:
+    """Jobs cancelled or expired since `since` (their outputs may still need writing)."""
+    return list(session.scalars(select(Job.id).where(or_(
+        (Job.status == JobStatus.cancelled.value) & (Job.cancelled_at >= since),
+        (Job.status == JobStatus.expired.value) & (Job.expired_at >= since))).order_by(Job.created_at)))
 
 
 # ---- API keys ---------------------------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ def _document_output(session: Session, job: Job, meta: dict[str, Any], entry: di
     if entry["action"] == "skip":
         return key, "unchanged (skipped)", previous.output_path if previous else ""
     if final is None or final.status != RequestStatus.completed.value:
-        return key, "failed" if job.status != JobStatus.cancelled.value else "cancelled", ""
+        ended = job.status in (JobStatus.cancelled.value, JobStatus.expired.value)
+        return key, job.status if ended else "failed", ""
     path = output / summary_filename(key)
     now = utcnow()
     write_atomically(path, _markdown(key, entry["source"], meta["model_id"], meta["period"], job.id, now,

@@ -176,7 +176,13 @@ def settle(runtime: Runtime, session: Session, job: Job, *, now: datetime | None
     if summarizing and job.status in (JobStatus.queued.value, JobStatus.in_progress.value):
         mapreduce.advance(session=session, job=job, planner=mapreduce.planner_for(runtime, job))
     store.settle_job(session=session, job=job, now=now)
-    if summarizing and JobStatus(job.status).terminal and not job.metadata_json.get("outputs_written"):
+    write_outputs_once(session, job)
+
+
+def write_outputs_once(session: Session, job: Job) -> None:
+    """Write an ended summarization job's Markdown files and summaries, if nobody has yet (under its row lock)."""
+    meta = job.metadata_json or {}
+    if "summarize" in meta and JobStatus(job.status).terminal and not meta.get("outputs_written"):
         session.flush()
         session.refresh(job, with_for_update=True)  # one writer of the files and summaries per job
         write_outputs(session=session, job=job)
@@ -199,6 +205,12 @@ def sweep_store(runtime: Runtime) -> list[str]:
             if job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and counts.pending and \
                     not counts.in_progress:
                 needing.append(job_id)
+        # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here:
+        # its finished summaries still get their files
+        for job_id in store.recently_stopped_job_ids(session=session, since=now - timedelta(days=1)):
+            job = session.get(Job, job_id)
+            assert job is not None
+            write_outputs_once(session, job)
         session.commit()
     purge_consumed_messages(runtime)
     return needing

@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from jobs import clock
+from jobs import clock, store
+from jobs.client import StoreClient
 from jobs.local_worker import settings_env, start_local_worker
-from jobs.models import DocumentSummary, Job
+from jobs.models import DocumentSummary, Job, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.schedules import ScheduleError, load_schedules
 from jobs.scheduling import fire_due_schedules, fire_now
+from jobs.worker import sweep_store
 from jobs_support import job_status, requests_of, wait_for
 from modelprep import write_tiny_model
 from servers.launcher import LocalSwarm, ManagedProcess, cli_command
@@ -282,3 +284,36 @@ def test_schedules_list_shows_each_next_run_and_run_names_unknown_schedules(
     unknown = CliRunner().invoke(cli.app, ["schedules", "run", "weekly", "--file", str(path)])
     assert unknown.exit_code == 2 and "no schedule 'weekly'; known: nightly" in unknown.output
     assert len(unknown.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("end", ["cancelled", "expired"])
+def test_a_night_cancelled_or_expired_with_nothing_running_still_writes_its_finished_summaries(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, docs: Path, tmp_path: Path,
+        fake_clock: list[datetime], end: str) -> None:
+    # Given a night whose first document's summary is finished and whose other two are still pending
+    runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model))
+    (night,) = fire_due_schedules(runtime)
+    with runtime.session() as session:
+        token, (request,) = store.claim_requests(session=session, job_id=night.job_id, worker="w", limit=1,
+                                                 lease_seconds=60, max_attempts=3)
+        store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.completed,
+                             generated=[5, 6], finish_reason="stop", output_text="Bike lanes grow by twelve miles.")
+        session.commit()
+        document = request.document
+    # When it is cancelled (nothing runs, so it ends at once) or its window ends, and the workers' sweep comes by
+    if end == "cancelled":
+        assert StoreClient(runtime).cancel(night.job_id)["status"] == "cancelled"
+    else:
+        with runtime.session() as session:
+            session.get(Job, night.job_id).expires_at = utcnow() - timedelta(seconds=1)
+            session.commit()
+    sweep_store(runtime)
+    assert job_status(runtime, night.job_id) == end
+    sweep_store(runtime)  # a second sweep writes nothing twice
+    # Then the finished summary has its page, and the index names the two others as cancelled (expired)
+    page = (tmp_path / "summaries" / (document.replace("/", "__") + ".md")).read_text()
+    assert "Bike lanes grow by twelve miles." in page and night.job_id in page
+    index = (tmp_path / "summaries" / "index.md").read_text()
+    assert f"| {document} | summarized |" in index and index.count(f"| {end} |") == 2 and f"({end})" in index
+    with runtime.session() as session:
+        assert [s.document for s in session.scalars(select(DocumentSummary))] == [document]
