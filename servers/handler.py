@@ -116,7 +116,7 @@ class BlockHandler:
                     break
                 except protocol.FrameTooLarge as e:  # the stream cannot be resynchronized: answer, then end it
                     self.stats.record_error(ErrorCode.INVALID.value)
-                    protocol.write_frame(writer, protocol.encode([], protocol.error_meta(ErrorCode.INVALID, str(e))))
+                    protocol.write_frame(writer, protocol.encode_error(ErrorCode.INVALID, str(e)))
                     break
                 protocol.write_frame(writer, await self._guard(lambda: self._step(frame, holder, remote)))
                 await writer.drain()
@@ -207,11 +207,11 @@ class BlockHandler:
         except RequestRejected as e:
             self.stats.record_error(e.code.value)
             logger.info("Rejected a request: %s: %s", e.code.value, e)
-            return protocol.encode([], protocol.error_meta(e.code, str(e)))
+            return protocol.encode_error(e.code, str(e))
         except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
             self.stats.record_error(ErrorCode.INVALID.value)
-            return protocol.encode([], protocol.error_meta(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}"))
+            return protocol.encode_error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
         except Exception as e:
             self.stats.record_error(ErrorCode.INTERNAL.value)
             logger.exception("Request failed")
-            return protocol.encode([], protocol.error_meta(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
+            return protocol.encode_error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")

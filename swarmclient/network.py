@@ -6,8 +6,8 @@ Celery prefork children and leaves no orphan process but the p2pd daemon, which 
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Coroutine, Iterator, Sequence

@@ -15,6 +15,7 @@ and the client can tell "route around this server" from "my request is wrong".
 from __future__ import annotations
 
 import asyncio
+import math
 from enum import Enum
 from typing import Any
 
@@ -25,9 +26,6 @@ from hivemind.utils import MSGPackSerializer
 RPC_INFO = "swarmbatch.info"
 RPC_FORWARD = "swarmbatch.forward"
 RPC_INFERENCE = "swarmbatch.inference/2"  # /2: raw frames (before: hivemind protobuf stream messages)
-
-# hivemind's persistent connections cap unary messages at 4 MiB; keep requests well under it
-MAX_UNARY_BYTES = 3 << 20
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype
           for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
@@ -86,9 +84,7 @@ def decode(frame: bytes | bytearray) -> tuple[list[torch.Tensor], dict[str, Any]
     tensors = []
     for spec in header["tensors"]:
         dtype, shape = _tensor_spec(spec)
-        count = 1
-        for size in shape:
-            count *= size
+        count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if offset + nbytes > len(buffer):
             raise ValueError("frame shorter than its tensors")
@@ -138,9 +134,9 @@ def read_message(msg: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) ->
     return decode(msg.metadata)
 
 
-def error_meta(code: ErrorCode, message: str) -> dict[str, Any]:
-    """The metadata of an error message."""
-    return {"error": {"code": code.value, "message": message}}
+def encode_error(code: ErrorCode, message: str) -> bytes:
+    """A frame that carries only an error."""
+    return encode([], {"error": {"code": code.value, "message": message}})
 
 
 def response_error(meta: dict[str, Any]) -> tuple[ErrorCode, str] | None:
