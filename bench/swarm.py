@@ -7,8 +7,10 @@ What it measures (one run, same prompts, greedy, exactly N new tokens per row):
   swarm-1   LocalSwarm with one server holding all blocks (pinned to one core, 1 thread)
   swarm-2   LocalSwarm with two servers holding halves (each pinned to its own core, 1 thread)
 The swarm client runs in this process with 1 torch thread too. All three configs are started up front and their
-timed runs interleaved rep by rep (local b1, swarm-1 b1, swarm-2 b1, then b8, ...), so noise from other work on
-the machine hits them alike; each row is the median of --reps runs, after a short warm-up generation.
+timed runs interleaved rep by rep (local b1, swarm-1 b1, swarm-2 b1, then b8, ...; the order rotates each rep),
+so noise from other work on the machine hits them alike; each row is the median of --reps runs, after a short
+warm-up generation. Single runs on this VM swing by 10-15 %, so the ratios are also given per rep (paired with
+that rep's local run: median and quartiles) and over all reps (ratio of totals).
 To force exactly N tokens on the swarm (what min_new_tokens does for HF) it runs the client's own decode loop
 (`swarmclient.generation.generate_tokens`) over `model.inference_session` with no EOS ids; `--allow-eos` uses
 `model.generate_new_tokens` instead (may stop early). Tokens are counted the same way for every config:
@@ -131,6 +133,12 @@ class Prompts:
 
     def lengths(self) -> list[int]:
         return [int(m.sum()) for m in self.batch(len(self.texts))[1]]
+
+
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """items rotated left by shift: each rep starts with another config, so no config always runs first."""
+    shift %= max(len(items), 1)
+    return [*items[shift:], *items[:shift]]
 
 
 RunFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -366,13 +374,19 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
 # report
 
 
-def paired_ratio(row: dict[str, Any], local: dict[str, Any] | None) -> float:
-    """Median over reps of (tokens/s of this config) / (tokens/s of local in the same rep)."""
+def paired_ratios(row: dict[str, Any], local: dict[str, Any] | None) -> list[float]:
+    """Per rep: (tokens/s of this config) / (tokens/s of local in the same rep)."""
+    if local is None:
+        return []
+    return [(tokens / seconds) / (local_tokens / local_seconds) for tokens, seconds, local_tokens, local_seconds
+            in zip(row["all_tokens"], row["all_seconds"], local["all_tokens"], local["all_seconds"])]
+
+
+def ratio_of_totals(row: dict[str, Any], local: dict[str, Any] | None) -> float:
+    """All reps together: (tokens / seconds of this config) / (tokens / seconds of local)."""
     if local is None:
         return float("nan")
-    ratios = [(tokens / seconds) / (local_tokens / local_seconds) for tokens, seconds, local_tokens, local_seconds
-              in zip(row["all_tokens"], row["all_seconds"], local["all_tokens"], local["all_seconds"])]
-    return statistics.median(ratios) if ratios else float("nan")
+    return (sum(row["all_tokens"]) / sum(row["all_seconds"])) / (sum(local["all_tokens"]) / sum(local["all_seconds"]))
 
 
 def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: dict[str, Any]) -> None:
@@ -382,17 +396,22 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
           f"prompt lengths {meta['prompt_lengths']}, reps {meta['reps']}, "
           f"{'EOS allowed' if meta['allow_eos'] else 'exactly N tokens'}")
     print()
-    print("| config | batch | tokens | seconds | tokens/s | ratio vs local | paired ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | batch | tokens | seconds | tokens/s | ratio vs local | paired ratio [p25, p75] | ratio of totals |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["tokens_per_s"] / local[r["batch"]] if r["batch"] in local else float("nan")
+        local_row = next((x for x in rows if x["config"] == "local" and x["batch"] == r["batch"]), None)
+        ratios = paired_ratios(r, local_row)
         r["ratio_vs_local"] = ratio
-        r["paired_ratio"] = paired_ratio(r, next((x for x in rows if x["config"] == "local" and x["batch"] == r["batch"]),
-                                                 None))
+        r["paired_ratios"] = ratios
+        r["paired_ratio"] = statistics.median(ratios) if ratios else float("nan")
+        r["ratio_of_totals"] = ratio_of_totals(r, local_row)
         print(f"| {r['config']} | {r['batch']} | {r['tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.1f} | "
-              f"{ratio:.2f}x | {r['paired_ratio']:.2f}x |")
-    print("(ratio: of the median runs; paired ratio: median over reps of this rep's local time / its time, which"
-          " cancels the machine's drift between reps)")
+              f"{ratio:.2f}x | {r['paired_ratio']:.2f}x [{percentile(ratios, 25):.2f}, {percentile(ratios, 75):.2f}] | "
+              f"{r['ratio_of_totals']:.2f}x |")
+    print("(ratio: of the median runs; paired ratio: median over reps of this rep's local time / its time, with its"
+          " quartiles; ratio of totals: all reps' tokens / seconds against local's. The configs' order rotates"
+          " each rep, so none always runs first)")
     split = [r for r in rows if "server_compute_ms" in r]
     if split:
         print()
@@ -481,10 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for batch in batches:
                     config.run(*prompts.batch(batch), 4)
             log(f"warm-up done; timing {args.reps} rep(s) of {[c.name for c in configs_run]} x batch {batches}")
-            for _ in range(args.reps):
+            for rep in range(args.reps):
                 for batch in batches:
                     ids, mask = prompts.batch(batch)
-                    for config in configs_run:
+                    for config in rotated(configs_run, rep):
                         config.timed(batch, ids, mask, args.new_tokens)
             if two_servers is not None and args.hop_steps > 0:
                 log("measuring the per-hop round trip on swarm-2")
