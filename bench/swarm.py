@@ -390,7 +390,7 @@ def ratio_of_totals(row: dict[str, Any], local: dict[str, Any] | None) -> float:
 
 
 def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: dict[str, Any]) -> None:
-    local = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == "local"}
+    local_rows = {r["batch"]: r for r in rows if r["config"] == "local"}
     print()
     print(f"model {meta['model']} ({meta['num_blocks']} blocks), {meta['new_tokens']} new tokens, greedy, "
           f"prompt lengths {meta['prompt_lengths']}, reps {meta['reps']}, "
@@ -399,8 +399,8 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
     print("| config | batch | tokens | seconds | tokens/s | ratio vs local | paired ratio [p25, p75] | ratio of totals |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = r["tokens_per_s"] / local[r["batch"]] if r["batch"] in local else float("nan")
-        local_row = next((x for x in rows if x["config"] == "local" and x["batch"] == r["batch"]), None)
+        local_row = local_rows.get(r["batch"])
+        ratio = r["tokens_per_s"] / local_row["tokens_per_s"] if local_row else float("nan")
         ratios = paired_ratios(r, local_row)
         r["ratio_vs_local"] = ratio
         r["paired_ratios"] = ratios
