@@ -44,6 +44,22 @@ class Session:
     length: int = 0
 
 
+def check_session_id(meta: dict[str, Any], session: Session) -> None:
+    """A stream carries one session: a message naming another is refused (and changes nothing)."""
+    if meta.get("session_id") != session.session_id:
+        raise RequestRejected(ErrorCode.UNKNOWN_SESSION,
+                              f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
+
+
+@dataclass
+class Stream:
+    """One `inference` stream: the session it opened (at its first step) and whether the client ended it."""
+
+    remote: str
+    session: Session | None = None
+    ended: bool = False
+
+
 @dataclass
 class BlockHandler:
     """Serves one BlockSpan over P2P."""
@@ -101,11 +117,11 @@ class BlockHandler:
 
     async def rpc_inference(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                             ) -> None:
-        """One session per stream: each message is a step; the KV cache lives until the stream ends."""
-        holder: dict[str, Session] = {}
-        remote = str(info.peer_id)[-6:]
+        """One session per stream: each message is a step, or the client's `close`; the KV cache lives until
+        the client closes the session, the stream ends, or the session idles past `session_timeout`."""
+        stream = Stream(remote=str(info.peer_id)[-6:])
         try:
-            while True:
+            while not stream.ended:
                 try:
                     async with asyncio.timeout(self.session_timeout):  # no extra task per step, unlike wait_for
                         frame = await protocol.read_frame(reader, self.max_frame_bytes)
@@ -118,22 +134,35 @@ class BlockHandler:
                     self.stats.record_error(ErrorCode.INVALID.value)
                     protocol.write_frame(writer, protocol.encode_error(ErrorCode.INVALID, str(e)))
                     break
-                protocol.write_frame(writer, await self._guard(lambda: self._step(frame, holder, remote)))
+                protocol.write_frame(writer, await self._guard(lambda: self._message(frame, stream)))
                 await writer.drain()
         except ConnectionError:  # the client went away while we computed: nothing to answer
             pass
         finally:
-            if "session" in holder:
-                self._close(holder["session"])
+            if stream.session is not None:
+                self._close(stream.session)
             writer.close()
 
-    async def _step(self, frame: bytes, holder: dict[str, Session], remote: str) -> bytes:
+    async def _message(self, frame: bytes, stream: Stream) -> bytes:
+        """Answer one message of a stream: a step, or the client's request to end the session."""
         tensors, meta = protocol.decode(frame)
-        session = holder.get("session") or self._open(meta, remote)
-        holder["session"] = session
-        if meta.get("session_id") != session.session_id:
-            raise RequestRejected(ErrorCode.UNKNOWN_SESSION,
-                                  f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
+        if meta.get("close"):
+            return self._end(meta, stream)
+        return await self._step(tensors, meta, stream)
+
+    def _end(self, meta: dict[str, Any], stream: Stream) -> bytes:
+        """Free the stream's session now and say so: the client's `close()` returns once the cache is back."""
+        if stream.session is not None:
+            check_session_id(meta, stream.session)
+            self._close(stream.session)
+            stream.session = None
+        stream.ended = True
+        return protocol.encode([], {"closed": True})
+
+    async def _step(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
+        session = stream.session or self._open(meta, stream.remote)
+        stream.session = session
+        check_session_id(meta, session)
         if (meta.get("start"), meta.get("end")) != (session.start, session.end):
             raise reject(f"the session serves blocks {session.start}:{session.end}, not {meta.get('start')}:{meta.get('end')}")
         keep_rows = validate_keep_rows(meta.get("keep_rows"), session.batch_size)

@@ -6,7 +6,9 @@ is a bounds check and `torch.frombuffer`, no per-element work: a decode step's h
 compute that has flushed the CPU caches, and every line of Python on that path is slow then.
 
 - `inference` is a raw hivemind stream (one stream = one session): each message is an 8-byte length and a
-  frame, written with one write. One message per step, in both directions.
+  frame, written with one write. One message per step, in both directions. A last message with meta
+  {"session_id", "close": true} asks the server to free the session; it answers {"closed": true} once freed,
+  then ends the stream.
 - `info` and `forward` are unary hivemind calls; their protobuf carries the same frame in `metadata`.
 
 Errors travel in-band as metadata {"error": {"code", "message"}} so that a stream survives a rejected step

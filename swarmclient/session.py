@@ -113,15 +113,23 @@ class ServerSession:
         return PeerFailed(self.hop.peer_id, reason)
 
     async def close(self) -> None:
-        """End the stream; the server frees the session's cache when it sees the end."""
+        """Free the session on the server, then end the stream.
+
+        The server answers a `close` message once the session's cache is back in its budget, so a session opened
+        right after this returns finds the room. A stream that broke earlier is only ended (the server frees the
+        session when it sees the end); a server that does not answer within `close_timeout` is left to do the same.
+        """
         if self._writer is None:
             return
-        writer, reader, self._writer, self._failure = self._writer, self._reader, None, "closed"
+        writer, reader, self._writer = self._writer, self._reader, None
+        in_step, self._failure = self._failure is None, "closed"  # a broken stream may be mid-message
         try:
-            if writer.can_write_eof():
-                writer.write_eof()
+            if in_step:
                 assert reader is not None
-                await asyncio.wait_for(reader.read(), timeout=2)  # the server closes its side once it freed the session
+                async with asyncio.timeout(self.swarm.config.close_timeout):
+                    protocol.write_frame(writer, protocol.encode([], {"session_id": self.session_id, "close": True}))
+                    await writer.drain()
+                    await protocol.read_frame(reader, 1 << 16)
         except Exception:  # the server may already be gone: nothing left to free
             pass
         finally:

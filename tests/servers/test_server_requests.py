@@ -201,6 +201,36 @@ def test_closing_a_session_frees_it_on_the_server_before_close_returns(tiny_mode
         assert client.loop.run(client.call_info(peer))["sessions"] == 0
 
 
+def framed(tensors: list[torch.Tensor], meta: dict) -> bytes:
+    frame = protocol.encode(tensors, meta)
+    return len(frame).to_bytes(8, "big") + frame
+
+
+def test_a_close_message_frees_the_session_answers_and_ends_the_stream(tiny_model: Path, server_and_client) -> None:
+    swarm, client = server_and_client
+    hidden_size = ModelSpec.open(tiny_model).hidden_size
+    peer = swarm.servers[0].peer_id
+    reader, writer = raw_stream(client, peer)
+    opening = {"session_id": "c" * 32, "start": 0, "end": 6, "batch_size": 1, "max_length": 8}
+    assert exchange(client, reader, writer, framed(good_inputs(hidden_size, length=2), opening))["cache_len"] == 2
+    # a close naming another session is refused and changes nothing: the session goes on
+    meta = exchange(client, reader, writer, framed([], {"session_id": "x" * 32, "close": True}))
+    assert (protocol.response_error(meta) or (None,))[0] == protocol.ErrorCode.UNKNOWN_SESSION
+    assert client.loop.run(client.call_info(peer))["sessions"] == 1
+    # the answer to its own close comes after the session is freed, not merely after the stream ends
+    assert exchange(client, reader, writer, framed([], {"session_id": "c" * 32, "close": True})) == {"closed": True}
+    assert client.loop.run(client.call_info(peer))["sessions"] == 0
+    assert client.loop.run(asyncio.wait_for(reader.read(), timeout=10)) == b""  # then the server ends the stream
+    client.loop.run(_close(writer))
+
+
+def test_closing_a_stream_that_never_stepped_is_answered(server_and_client) -> None:
+    swarm, client = server_and_client
+    reader, writer = raw_stream(client, swarm.servers[0].peer_id)
+    assert exchange(client, reader, writer, framed([], {"session_id": "n" * 32, "close": True})) == {"closed": True}
+    client.loop.run(_close(writer))
+
+
 def test_a_session_reports_the_servers_compute_of_its_last_step(tiny_model: Path, server_and_client) -> None:
     _, client = server_and_client
     hidden_size = ModelSpec.open(tiny_model).hidden_size
