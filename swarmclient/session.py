@@ -143,6 +143,7 @@ class InferenceSession:
         self.swarm, self.batch_size, self.max_length = swarm, batch_size, max_length
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
+        self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
         self._broken: set[int] = set()                   # hop starts whose server failed
         self._inputs: dict[int, list[torch.Tensor]] = {}  # hop start -> hidden states sent at each step
         self._positions: list[torch.Tensor] = []          # position ids of each step
@@ -271,7 +272,7 @@ class InferenceSession:
     async def _repair(self, position: int) -> None:
         """Replace the failed hop starting at `position` with a new route, and replay its history."""
         failed = self._sessions.pop(position)
-        asyncio.ensure_future(failed.close())
+        self._close_later(failed)
         self._broken.discard(position)
         hops: list[RouteHop] = []
         try:
@@ -280,11 +281,17 @@ class InferenceSession:
         except BaseException:
             # drop the half-made replacement; the range stays broken so the next attempt repairs it again
             for hop in hops:
-                asyncio.ensure_future(self._sessions.pop(hop.start).close())
+                self._close_later(self._sessions.pop(hop.start))
             self._sessions[position] = failed
             self._broken.add(position)
             raise
         self.failovers += 1
+
+    def _close_later(self, session: ServerSession) -> None:
+        """Close a session in the background (the loop keeps only weak references to tasks: hold it here)."""
+        task = asyncio.ensure_future(session.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
         hops = await self.swarm.route(start, end)
