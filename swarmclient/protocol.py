@@ -106,9 +106,14 @@ def _tensor_spec(spec: Any) -> tuple[torch.dtype, list[int]]:
 
 # ---- streams: an 8-byte length, then the frame --------------------------------------------------------------
 
+def length_prefixed(frame: bytes) -> bytes:
+    """One stream message: the frame's length in 8 bytes (big-endian), then the frame."""
+    return len(frame).to_bytes(_LENGTH_BYTES, "big") + frame
+
+
 def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
     """Queue one message with a single write (one packet through p2pd for small frames)."""
-    writer.write(len(frame).to_bytes(_LENGTH_BYTES, "big") + frame)
+    writer.write(length_prefixed(frame))
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:

@@ -160,12 +160,12 @@ def test_an_undecodable_step_gets_an_error_and_the_stream_goes_on(tiny_model: Pa
     hidden_size = ModelSpec.open(tiny_model).hidden_size
     reader, writer = raw_stream(client, swarm.servers[0].peer_id)
     garbage = b"\x00\x00\x00\x03abc"
-    meta = exchange(client, reader, writer, len(garbage).to_bytes(8, "big") + garbage)
+    meta = exchange(client, reader, writer, protocol.length_prefixed(garbage))
     code, text = protocol.response_error(meta) or (None, "")
     assert code == protocol.ErrorCode.INVALID and "malformed" in text
     good = protocol.encode(good_inputs(hidden_size, length=2), {"session_id": "s" * 32, "start": 0, "end": 6,
                                                                  "batch_size": 1, "max_length": 8})
-    meta = exchange(client, reader, writer, len(good).to_bytes(8, "big") + good)
+    meta = exchange(client, reader, writer, protocol.length_prefixed(good))
     assert protocol.response_error(meta) is None and meta["cache_len"] == 2
     client.loop.run(_close(writer))
 
@@ -202,8 +202,7 @@ def test_closing_a_session_frees_it_on_the_server_before_close_returns(tiny_mode
 
 
 def framed(tensors: list[torch.Tensor], meta: dict) -> bytes:
-    frame = protocol.encode(tensors, meta)
-    return len(frame).to_bytes(8, "big") + frame
+    return protocol.length_prefixed(protocol.encode(tensors, meta))
 
 
 def test_a_close_message_frees_the_session_answers_and_ends_the_stream(tiny_model: Path, server_and_client) -> None:
