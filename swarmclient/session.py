@@ -122,9 +122,9 @@ class ServerSession:
         if self._writer is None:
             return
         writer, reader, self._writer = self._writer, self._reader, None
-        in_step, self._failure = self._failure is None, "closed"  # a broken stream may be mid-message
+        in_sync, self._failure = self._failure is None, "closed"  # a broken stream may be mid-message
         try:
-            if in_step:
+            if in_sync:
                 assert reader is not None
                 async with asyncio.timeout(self.swarm.config.close_timeout):
                     protocol.write_frame(writer, protocol.encode([], {"session_id": self.session_id, "close": True}))
