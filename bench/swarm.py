@@ -29,6 +29,9 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
   ping      `Swarm.ping` (the unary `info` RPC), 50 calls per server
+
+LM head (client, 1 thread): `ClientHead.logits` (a transposed head below 4 rows) against the `nn.Linear` that
+`generate` runs, on the same normed hidden states, 1 to 8 rows, 30 interleaved calls each.
 """
 from __future__ import annotations
 
@@ -374,6 +377,29 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
 # report
 
 
+@torch.inference_mode()
+def measure_head(model_dir: Path, rows: Sequence[int] = (1, 2, 3, 4, 8), calls: int = 30) -> list[dict[str, Any]]:
+    """ms per LM-head call: `ClientHead.logits` vs the model's `nn.Linear` over the same rows (see the docstring)."""
+    import torch.nn.functional as F
+
+    from swarmclient.head import ClientHead
+    from swarmclient.model_spec import ModelSpec
+
+    head = ClientHead(ModelSpec.open(model_dir))
+    results = []
+    for count in rows:
+        hidden = torch.randn(count, 1, head.lm_head.in_features, generator=torch.Generator().manual_seed(count))
+        timings: dict[str, list[float]] = {"linear": [], "client": []}
+        for _ in range(calls):
+            for name, call in (("linear", lambda: F.linear(head.norm(hidden), head.lm_head.weight)),
+                               ("client", lambda: head.logits(hidden))):
+                began = time.perf_counter()
+                call()
+                timings[name].append(time.perf_counter() - began)
+        results.append({"rows": count, "linear": summary(timings["linear"]), "client": summary(timings["client"])})
+    return results
+
+
 def paired_ratios(row: dict[str, Any], local: dict[str, Any] | None) -> list[float]:
     """Per rep: (tokens/s of this config) / (tokens/s of local in the same rep)."""
     if local is None:
@@ -387,6 +413,16 @@ def ratio_of_totals(row: dict[str, Any], local: dict[str, Any] | None) -> float:
     if local is None:
         return float("nan")
     return (sum(row["all_tokens"]) / sum(row["all_seconds"])) / (sum(local["all_tokens"]) / sum(local["all_seconds"]))
+
+
+def print_head(head: list[dict[str, Any]]) -> None:
+    print()
+    print("LM head, ms per call (median of 30, 1 thread): the nn.Linear that `generate` runs vs ClientHead.logits")
+    print("| rows | nn.Linear | ClientHead.logits | speedup |")
+    print("|---|---|---|---|")
+    for r in head:
+        linear, client = r["linear"]["median_ms"], r["client"]["median_ms"]
+        print(f"| {r['rows']} | {linear:.2f} | {client:.2f} | {linear / client:.2f}x |")
 
 
 def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: dict[str, Any]) -> None:
@@ -481,6 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configs_run: list[Config] = []
     hops = None
+    head: list[dict[str, Any]] = []
     try:
         with ExitStack() as stack:
             # every configuration stays up at once and the timed runs are interleaved (rep by rep), so a
@@ -508,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if two_servers is not None and args.hop_steps > 0:
                 log("measuring the per-hop round trip on swarm-2")
                 hops = measure_hops(two_servers, prompts, args.hop_steps)
+            log("timing the client's LM head")
+            head = measure_head(model_dir)
             if os.environ.get("BENCH_PAUSE"):  # for attaching a profiler: keep the swarms up
                 input(f"paused; client pid {os.getpid()}; press Enter to stop")
             log("stopping the swarms")
@@ -516,8 +555,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     rows = [config.result(batch) for batch in batches for config in configs_run]
     print_report(rows, hops, meta)
+    print_head(head)
     if args.out:
-        args.out.write_text(json.dumps({"meta": meta, "results": rows, "hop_rtt": hops}, indent=2))
+        args.out.write_text(json.dumps({"meta": meta, "results": rows, "hop_rtt": hops, "lm_head": head}, indent=2))
         print(f"\nwrote {args.out}")
     return 0
 

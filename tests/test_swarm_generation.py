@@ -38,8 +38,11 @@ def tiny_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield swarm
 
 
-def test_greedy_generation_through_two_servers_equals_transformers(tiny_model: Path, tiny_swarm: LocalSwarm) -> None:
-    batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[2:3]], ids=["batch-4", "batch-1"])
+def test_greedy_generation_through_two_servers_equals_transformers(tiny_model: Path, tiny_swarm: LocalSwarm,
+                                                                   prompts: list[str]) -> None:
+    """Batch 1 takes the client head's few-row path (a transposed LM head); batch 4 its nn.Linear."""
+    batch = load_tokenizer(tiny_model)(prompts, return_tensors="pt", padding=True)
     expected = reference_tokens(tiny_model, batch, 32)
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=tiny_swarm.initial_peers) as model:
         got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=32)
@@ -63,10 +66,14 @@ def test_smollm2_through_two_servers_equals_transformers(smollm2_model: Path, lo
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert len(set(batch.attention_mask.sum(1).tolist())) == 4, "prompts of different lengths"
     expected = reference_tokens(smollm2_model, batch, 32)
+    alone = tokenizer(texts[2:3], return_tensors="pt", add_special_tokens=False)  # batch 1: the few-row head
+    expected_alone = reference_tokens(smollm2_model, alone, 32)
     swarm = local_swarm(smollm2_model, [(0, 15), (15, 30)])
     with DistributedModelForCausalLM.from_pretrained(smollm2_model, initial_peers=swarm.initial_peers) as model:
         got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=32)
+        got_alone = model.generate(alone.input_ids, alone.attention_mask, max_new_tokens=32)
     assert torch.equal(got[:, batch.input_ids.shape[1]:], expected)
+    assert torch.equal(got_alone[:, alone.input_ids.shape[1]:], expected_alone)
 
 
 def test_killing_the_server_in_use_mid_generation_changes_no_token(tiny_model: Path, local_swarm) -> None:
