@@ -67,6 +67,8 @@ def test_a_remote_forward_equals_the_same_blocks_run_locally(tiny_model: Path, s
     ("batch over the limit", lambda h: good_inputs(h, batch=MAX_BATCH + 1), {"start": 0, "end": 6}, "batch size"),
     ("blocks outside the span", lambda h: good_inputs(h), {"start": 0, "end": 7}, "'end'"),
     ("a missing tensor", lambda h: good_inputs(h)[:2], {"start": 0, "end": 6}, "expected 3 tensors"),
+    ("NaN hidden states", lambda h: [torch.full((1, 4, h), float("nan"))] + good_inputs(h)[1:],
+     {"start": 0, "end": 6}, "NaN or Inf"),
 ])
 def test_a_malformed_forward_gets_an_error_and_the_next_good_one_is_served(
         tiny_model: Path, server_and_client, case: str, tensors, meta: dict, message: str) -> None:
