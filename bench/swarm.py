@@ -29,6 +29,8 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
   ping      `Swarm.ping` (the unary `info` RPC), 50 calls per server
+  floor     the same 1x1xH steps over a bare hivemind stream to an echo process holding the first server's
+            1-block and whole span (bench/transport.py): what a hop costs without any of our code
 
 LM head (client, 1 thread): `ClientHead.logits` (a transposed head below 4 rows) against the `nn.Linear` that
 `generate` runs, on the same normed hidden states, 1 to 8 rows, 30 interleaved calls each.
@@ -370,6 +372,14 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     # (4) the unary info RPC
     results["ping"] = {h.peer_id[-6:]: summary([swarm.loop.run(swarm.ping(h.peer_id)) for _ in range(50)])
                        for h in route}
+
+    # (5) the transport floor: the same steps over a bare stream to an echo of the first server's blocks
+    from transport import raw_hop_costs
+
+    first, cpu = route[0], 0 if PIN_CPUS["on"] else None
+    results["raw"] = [{"blocks": f"{first.start}:{end}",
+                       "network": summary(raw_hop_costs(spec.path, first.start, end, steps, cpu))}
+                      for end in (first.start + 1, first.end)]
     return results
 
 
@@ -478,6 +488,9 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
     print(line("full chain (step - compute) / 2 hops", chain["overhead_per_hop"]))
     for peer, s in hops["ping"].items():
         print(line(f"Swarm.ping (unary info RPC) ...{peer}", s))
+    for raw in hops["raw"]:
+        print(line(f"transport floor: bare-stream echo of blocks {raw['blocks']} (bench/transport.py), "
+                   "round trip - its compute", raw["network"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
