@@ -21,7 +21,7 @@ class ClientHead(nn.Module):
     It also keeps the LM head transposed ([hidden, vocab], one more copy of the head's weight): on a CPU, logits
     of fewer than FEW_ROWS rows (batch-1 decoding, the last rows of a batch) come from it twice as fast. Those
     logits differ from `nn.Linear`'s by float32 rounding (another summation order), as `nn.Linear`'s own logits
-    for a row differ between batch sizes (1 row vs the same row among 4: up to 2e-6 on SmolLM2's head).
+    for a row differ between batch sizes (1 row vs the same row among 4: up to 2e-6 on a head of SmolLM2's shape).
     """
 
     lm_head_columns: torch.Tensor
