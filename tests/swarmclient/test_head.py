@@ -26,4 +26,3 @@ def test_logits_match_the_linear_layer_and_few_rows_use_the_transposed_head(tiny
         assert torch.equal(got, transposed) and not torch.equal(got, linear)
     else:
         assert torch.equal(got, linear)
-
