@@ -238,8 +238,8 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
 @app.command("demo")
 def demo() -> None:
     """The main job, embedded: a local DHT and two block servers, SmolLM2 generating summaries."""
-    from jobs.demo import run_demo
-    from servers.launcher import exit_on_sigterm
+    from launch.demo import run_demo
+    from launch.processes import exit_on_sigterm
 
     exit_on_sigterm()
     guarded(lambda: run_demo(echo=typer.echo))
@@ -367,7 +367,7 @@ def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "inf
 
 def load_schedule_file(path: Optional[Path]) -> list[Any]:
     """The schedules of --file or SWARMBATCH_SCHEDULES; exit 2 with one line if neither is set."""
-    from jobs.schedules import load_schedules
+    from jobs.summaries.schedule_file import load_schedules
     from jobs.settings import get_settings
 
     path = path or get_settings().schedules
@@ -380,7 +380,7 @@ def load_schedule_file(path: Optional[Path]) -> list[Any]:
 @schedules_app.command("list")
 def schedules_list(file: SchedulesOption = None, as_json: JsonOption = False) -> None:
     """Each schedule with its cron, timezone and next run."""
-    from jobs.scheduling import next_runs
+    from jobs.summaries.firing import next_runs
 
     schedules = load_schedule_file(file)
     runs = next_runs(schedules)
@@ -398,8 +398,8 @@ def schedules_list(file: SchedulesOption = None, as_json: JsonOption = False) ->
 def schedules_run(name: str, file: SchedulesOption = None, as_json: JsonOption = False) -> None:
     """Fire one schedule now (changed and new documents only); prints the job id."""
     from jobs.runtime import get_runtime
-    from jobs.schedules import find_schedule
-    from jobs.scheduling import fire_now
+    from jobs.summaries.schedule_file import find_schedule
+    from jobs.summaries.firing import fire_now
 
     schedule = guarded(lambda: find_schedule(load_schedule_file(file), name))
     runtime = get_runtime()

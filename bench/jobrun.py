@@ -15,7 +15,7 @@ from jobs.models import Request
 from jobs.runtime import Runtime
 from jobs.store import job_counts
 from jobs.submission import submit_batch
-from jobs.worker import JobWorker
+from jobs.worker.batch_worker import JobWorker
 from modelprep import prepare_model
 
 

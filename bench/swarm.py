@@ -251,7 +251,7 @@ PIN_CPUS = {"on": True}  # --no-pin turns it off: let the scheduler place the se
 def start_swarm(stack: ExitStack, name: str, model_dir: Path, spans: list[tuple[int, int]], allow_eos: bool,
                 log_root: Path | None) -> tuple[Config, Any]:
     """A LocalSwarm (stopped by `stack`, also on Ctrl-C) and a client connected to it."""
-    from servers.launcher import LocalSwarm
+    from launch.local_swarm import LocalSwarm
     from swarmclient.model import DistributedModelForCausalLM
 
     began = time.perf_counter()

@@ -28,7 +28,7 @@ from jobrun import bench_setup, job_bench_parser, run_job  # noqa: E402  (bench/
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
-from servers.launcher import LocalSwarm  # noqa: E402
+from launch.local_swarm import LocalSwarm  # noqa: E402
 from swarmclient.model_spec import ModelSpec  # noqa: E402
 
 LOCAL = "local transformers generate, whole batch, 2 threads"

@@ -6,24 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from jobs import store
 from jobs.errors import InvalidJob, JobNotFound, StoreUnavailable
 from jobs.outputs import iter_errors, iter_results, job_public
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-
-
-class JobsClient(Protocol):
-    """Job operations the CLI needs."""
-
-    def submit(self, path: Path, *, model: str, completion_window: str) -> dict[str, Any]: ...
-    def get(self, job_id: str) -> dict[str, Any]: ...
-    def list(self) -> list[dict[str, Any]]: ...
-    def cancel(self, job_id: str) -> dict[str, Any]: ...
-    def results(self, job_id: str) -> Iterator[str]: ...
-    def errors(self, job_id: str) -> Iterator[str]: ...
 
 
 class StoreClient:

@@ -9,6 +9,7 @@ from jobs.errors import InvalidJob
 from jobs.models import Job
 from jobs.runtime import Runtime
 from jobs.store import create_job
+from jobs.worker.celery_app import PROCESS_JOB
 from modelprep import ModelPrepError
 from swarmclient.errors import ModelDirError
 
@@ -65,4 +66,4 @@ def runtime_context_length(runtime: Runtime, model: str) -> int:
 def enqueue_job(runtime: Runtime, job_id: str, *, tasks: int = 1, countdown: float = 0.0) -> None:
     """Send `tasks` process_job messages (ids only) for a job."""
     for _ in range(max(1, min(tasks, MAX_PARALLEL_TASKS))):
-        runtime.celery.send_task("jobs.tasks.process_job", args=[job_id], countdown=countdown or None)
+        runtime.celery.send_task(PROCESS_JOB, args=[job_id], countdown=countdown or None)

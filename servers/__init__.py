@@ -11,7 +11,6 @@ Modules:
     announcer        Announcer: DHT records per block, refreshed, OFFLINE on shutdown
     server           ServerConfig + BlockServer: composition, start-up and ordered shutdown
     bootstrap        the `swarmbatch dht` bootstrap node
-    launcher         LocalSwarm / ManagedProcess: real processes on this machine (demo, tests, benches)
     metrics          the Prometheus endpoint (--metrics-port): steps, tokens, errors, KV-cache use, sessions, state
     stats, errors    counters; the ServerError tree
 """

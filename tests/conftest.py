@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from modelprep import prepare_model, write_tiny_model
-from servers.launcher import LocalSwarm
+from launch.local_swarm import LocalSwarm
 
 TINY_LAYERS = 6
 MODEL_CACHE = Path(os.environ.get("SWARMBATCH_TEST_MODEL_CACHE", Path.home() / ".cache/swarmbatch-test/models"))

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import cli
-from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+from launch.local_swarm import LocalSwarm
+from launch.processes import ManagedProcess, cli_command
 from swarmclient.textgen import load_tokenizer
 
 runner = CliRunner()

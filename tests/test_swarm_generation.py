@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from servers.launcher import LocalSwarm
+from launch.local_swarm import LocalSwarm
 from swarmclient.config import ClientConfig
 from swarmclient.errors import DHTUnreachable, MissingBlocksError
 from swarmclient.generation import generate_tokens

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.local_worker import start_local_worker
+from launch.local_worker import start_local_worker
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs_support import job_status, requests_of, wait_for
-from servers.launcher import LocalSwarm
+from launch.local_swarm import LocalSwarm
 from swarmclient.model_spec import ModelSpec
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}

@@ -15,8 +15,9 @@ from jobs.models import Job
 from jobs.outputs import iter_errors, iter_results
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs.local_worker import start_local_worker
-from servers.launcher import LocalSwarm, ManagedProcess
+from launch.local_worker import start_local_worker
+from launch.local_swarm import LocalSwarm
+from launch.processes import ManagedProcess
 from jobs_support import job_status, requests_of, wait_for
 
 K = 4  # checkpoint every K tokens

@@ -11,11 +11,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobs import clock
-from jobs.local_worker import start_local_worker
+from launch.local_worker import start_local_worker
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs_support import job_status, requests_of, wait_for
-from servers.launcher import LocalSwarm
+from launch.local_swarm import LocalSwarm
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
 

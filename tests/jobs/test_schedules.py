@@ -16,15 +16,16 @@ from sqlalchemy import select
 
 from jobs import clock, store
 from jobs.client import StoreClient
-from jobs.local_worker import settings_env, start_local_worker
+from launch.local_worker import settings_env, start_local_worker
 from jobs.models import DocumentSummary, Job, RequestStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.schedules import ScheduleError, load_schedules
-from jobs.scheduling import fire_due_schedules, fire_now
-from jobs.worker import sweep_store
+from jobs.summaries.schedule_file import ScheduleError, load_schedules
+from jobs.summaries.firing import fire_due_schedules, fire_now
+from jobs.worker.sweep import sweep_store
 from jobs_support import job_status, requests_of, wait_for
 from modelprep import write_tiny_model
-from servers.launcher import LocalSwarm, ManagedProcess, cli_command
+from launch.local_swarm import LocalSwarm
+from launch.processes import ManagedProcess, cli_command
 
 K = 4
 NIGHT_1 = datetime(2026, 12, 3, 1, 30, 20, tzinfo=timezone.utc)  # 02:30:20 in Berlin (UTC+1 in December)

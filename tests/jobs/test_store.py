@@ -1,7 +1,7 @@
 """The jobs store on the embedded SQLite database and on a real PostgreSQL: jobs, leases, checkpoints, API keys.
 
 Claims take `now=`, so lease expiry needs no clock mock; only `sweep_store` reads the clock, and there the
-tests replace `jobs.worker.utcnow` and `jobs.store.utcnow` with a fixed time (clocks are the one thing we mock).
+tests replace `jobs.worker.sweep.utcnow` and `jobs.store.utcnow` with a fixed time (clocks are the one thing we mock).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch, ParsedRequ
 from jobs.errors import JobNotFound
 from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.worker import sweep_store
+from jobs.worker.sweep import sweep_store
 
 LEASE = 60.0
 MAX_ATTEMPTS = 5
@@ -112,7 +112,7 @@ def save_progress(runtime: Runtime, token: str, progress: dict[int, list[int]]) 
 
 def set_clock(monkeypatch: pytest.MonkeyPatch, now: datetime) -> None:
     """Freeze the clock that sweep_store and the store read."""
-    monkeypatch.setattr("jobs.worker.utcnow", lambda: now)
+    monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda: now)
     monkeypatch.setattr("jobs.store.utcnow", lambda: now)
 
 

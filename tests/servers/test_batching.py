@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from servers.batching import DecodeBatcher, DecodeStep, run_merged
 from servers.block_loading import load_span
-from servers.launcher import LocalSwarm
+from launch.local_swarm import LocalSwarm
 from servers.span import BlockSpan
 from servers.stats import ServerStats
 from swarmclient.data_structures import RouteHop

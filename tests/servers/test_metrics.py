@@ -13,7 +13,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port
-from servers.launcher import LocalSwarm, cli_command
+from launch.local_swarm import LocalSwarm
+from launch.processes import cli_command
 from swarmclient import protocol
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.model_spec import ModelSpec

@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from servers.block_loading import load_span
-from servers.launcher import LocalSwarm
+from launch.local_swarm import LocalSwarm
 from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest, PeerFailed

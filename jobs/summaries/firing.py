@@ -19,11 +19,11 @@ from sqlalchemy.exc import IntegrityError
 
 from jobs import clock
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, ParsedBatch
-from jobs.documents import Document, collect_documents
-from jobs.mapreduce import Planner, PlannedRequest, SummaryShape
+from jobs.summaries.documents import Document, collect_documents
+from jobs.summaries.mapreduce import Planner, PlannedRequest, SummaryShape
 from jobs.models import DocumentSummary, Job
 from jobs.runtime import Runtime
-from jobs.schedules import Schedule, ScheduleError, load_schedules
+from jobs.summaries.schedule_file import Schedule, ScheduleError, load_schedules
 from jobs.store import create_job, settle_job
 from jobs.submission import enqueue_job, runtime_context_length
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jobs.settings import Settings
-from servers.launcher import ManagedProcess, cli_command
+from launch.processes import ManagedProcess, cli_command
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.schedules import Schedule, ScheduleError
+from jobs.summaries.schedule_file import Schedule, ScheduleError
 
 TEXT_SUFFIXES = (".txt", ".md")
 

@@ -8,7 +8,9 @@ from celery import shared_task
 from celery.signals import worker_process_init, worker_ready
 
 from jobs.runtime import get_runtime
-from jobs.worker import JobWorker, retry_delay, sweep_store
+from jobs.worker.batch_worker import JobWorker, retry_delay
+from jobs.worker.celery_app import FIRE_SCHEDULES, PROCESS_JOB, SWEEP
+from jobs.worker.sweep import sweep_store
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +27,10 @@ def _init_worker_process(**_: Any) -> None:
 @worker_ready.connect
 def _sweep_on_start(sender: Any = None, **_: Any) -> None:
     """A new worker looks for work a dead one left behind, without waiting for beat."""
-    get_runtime().celery.send_task("jobs.tasks.sweep")
+    get_runtime().celery.send_task(SWEEP)
 
 
-@shared_task(name="jobs.tasks.process_job", bind=True, max_retries=None)
+@shared_task(name=PROCESS_JOB, bind=True, max_retries=None)
 def process_job(self: Any, job_id: str) -> None:
     """Generate one batch of a job's pending requests; re-enqueue while work remains."""
     runtime = get_runtime()
@@ -36,20 +38,20 @@ def process_job(self: Any, job_id: str) -> None:
     if outcome.retry:
         raise self.retry(countdown=retry_delay(self.request.retries))
     if outcome.more:
-        runtime.celery.send_task("jobs.tasks.process_job", args=[job_id])
+        runtime.celery.send_task(PROCESS_JOB, args=[job_id])
 
 
-@shared_task(name="jobs.tasks.sweep")
+@shared_task(name=SWEEP)
 def sweep() -> None:
     """Re-enqueue work whose lease expired, expire jobs past their deadline, finalize finished jobs."""
     runtime = get_runtime()
     for job_id in sweep_store(runtime):
-        runtime.celery.send_task("jobs.tasks.process_job", args=[job_id])
+        runtime.celery.send_task(PROCESS_JOB, args=[job_id])
 
 
-@shared_task(name="jobs.tasks.fire_schedules")
+@shared_task(name=FIRE_SCHEDULES)
 def fire_schedules() -> None:
     """Fire each due schedule once per period (SWARMBATCH_SCHEDULES); beat sends this every schedule_tick."""
-    from jobs.scheduling import fire_due_schedules
+    from jobs.summaries.firing import fire_due_schedules
 
     fire_due_schedules(get_runtime())

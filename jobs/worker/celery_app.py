@@ -10,6 +10,8 @@ from celery import Celery
 
 from jobs.settings import Settings
 
+# Task names are wire names: messages already queued carry them, so they keep their first module path.
+PROCESS_JOB, SWEEP, FIRE_SCHEDULES = "jobs.tasks.process_job", "jobs.tasks.sweep", "jobs.tasks.fire_schedules"
 SQLA_POLLING_INTERVAL = 0.1  # seconds; kombu's default (1 s) makes the embedded broker sluggish
 
 
@@ -19,16 +21,16 @@ def make_celery(settings: Settings) -> Celery:
     if broker.startswith("sqla+"):
         settings.home.mkdir(parents=True, exist_ok=True)
         _speed_up_sqla_transport()
-    app = Celery("swarmbatch", broker=broker, include=["jobs.tasks"])
+    app = Celery("swarmbatch", broker=broker, include=["jobs.worker.tasks"])
     app.conf.update(
         task_serializer="json", accept_content=["json"], task_ignore_result=True,
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
         # a task runs one batch (well under an hour); the sweep, not redelivery, recovers lost work
         broker_transport_options={"visibility_timeout": 3600} if broker.startswith("redis") else {},
-        beat_schedule={"sweep": {"task": "jobs.tasks.sweep", "schedule": settings.sweep_interval},
+        beat_schedule={"sweep": {"task": SWEEP, "schedule": settings.sweep_interval},
                        # beat is only a metronome: which period is due, and whether it fired, is decided in SQL
-                       "schedules": {"task": "jobs.tasks.fire_schedules", "schedule": settings.schedule_tick}},
+                       "schedules": {"task": FIRE_SCHEDULES, "schedule": settings.schedule_tick}},
     )
     return app
 

@@ -17,8 +17,9 @@ from jobs.runtime import Runtime
 from jobs.settings import Settings, get_settings
 from jobs.submission import submit_batch
 from modelprep import prepare_model
-from jobs.local_worker import start_local_worker
-from servers.launcher import LocalSwarm, ManagedProcess
+from launch.local_worker import start_local_worker
+from launch.local_swarm import LocalSwarm
+from launch.processes import ManagedProcess
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "documents"
 PROMPT = "Summarize the following text in one sentence.\n\n{text}"

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, InputLimits, ParsedBatch, parse_batch_file
 from jobs.models import Job, Request, RequestStatus
 from jobs.runtime import Runtime
-from jobs.schedules import Schedule, ScheduleError
+from jobs.summaries.schedule_file import Schedule, ScheduleError
 from jobs.store import add_requests
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,57 @@
+"""The sweep: lost leases back to pending, overdue jobs expired, finished ones settled, work re-enqueued."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import text
+
+from jobs import store
+from jobs.models import Job, JobStatus, utcnow
+from jobs.runtime import Runtime
+from jobs.worker.batch_worker import settle, write_outputs_once
+
+
+def sweep_store(runtime: Runtime) -> list[str]:
+    """Expire lost leases and overdue jobs, settle finished ones; returns the job ids that need a worker."""
+    now = utcnow()
+    needing: list[str] = []
+    with runtime.session() as session:
+        store.expire_leases(session=session, now=now)
+        for job_id in store.active_job_ids(session=session):
+            job = session.get(Job, job_id)
+            assert job is not None
+            if now > job.expires_at:
+                store.expire_job(session=session, job=job, now=now)
+                continue
+            settle(runtime, session, job, now=now)
+            counts = store.job_counts(session=session, job_id=job_id)
+            if job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and counts.pending and \
+                    not counts.in_progress:
+                needing.append(job_id)
+        # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here:
+        # its finished summaries still get their files
+        for job_id in store.recently_stopped_job_ids(session=session, since=now - timedelta(days=1)):
+            job = session.get(Job, job_id)
+            assert job is not None
+            write_outputs_once(session, job)
+        session.commit()
+    purge_consumed_messages(runtime)
+    return needing
+
+
+def purge_consumed_messages(runtime: Runtime, *, older_than: timedelta = timedelta(hours=1)) -> None:
+    """The embedded SQLite broker never deletes consumed messages; drop old ones so it does not grow forever."""
+    url = runtime.settings.resolved_broker_url
+    if not url.startswith("sqla+"):
+        return
+    from sqlalchemy import create_engine
+
+    engine = create_engine(url.removeprefix("sqla+"))
+    try:
+        with engine.begin() as connection:
+            tables = connection.execute(text("SELECT name FROM sqlite_master WHERE name='kombu_message'")).all()
+            if tables:
+                connection.execute(text("DELETE FROM kombu_message WHERE visible = 0 AND timestamp < :cutoff"),
+                                   {"cutoff": (utcnow() - older_than).replace(tzinfo=None)})
+    finally:
+        engine.dispose()
