@@ -112,6 +112,19 @@ def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client:
     assert [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
 
 
+@pytest.mark.parametrize("window", ["infh", "nanh", "1e300h", "99999999999h", "169h", "0s", "-1h", "24 hours", ""])
+def test_a_completion_window_that_is_not_a_bounded_duration_is_a_400_and_creates_no_job(
+        runtime: Runtime, client: Client, tiny_model: Path, window: str) -> None:
+    api = client(runtime, new_key(runtime))
+    body = {"model": str(tiny_model), "completion_window": window, "requests": [request_line("a")]}
+
+    response = api.post("/v1/batches", json=body)
+
+    assert response.status_code == 400, response.text
+    assert "completion window" in response.json()["error"]["message"]
+    assert api.get("/v1/batches").json()["data"] == []
+
+
 def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime, client: Client,
                                                                tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
