@@ -5,7 +5,8 @@
     ├── InvalidJob            the submission is refused whole (HTTP 400); nothing was created
     ├── JobCancelled          raised inside a worker when its job is being cancelled; not retried
     ├── LeaseLost             a worker's claim expired and another worker took the request over
-    └── StoreUnavailable      the database or broker cannot be reached (exit code 3); retry later
+    ├── StoreUnavailable      the database or broker cannot be reached (exit code 3); retry later
+    └── WorkerGone            the worker a caller waits on has exited; the job is unfinished (exit code 1)
 """
 from __future__ import annotations
 
@@ -35,3 +36,7 @@ class LeaseLost(JobsError):
 
 class StoreUnavailable(JobsError):
     """Raised when the database or the broker does not answer; a retry later may succeed."""
+
+
+class WorkerGone(JobsError):
+    """Raised to a caller that follows a job on a worker it started, when that worker exits; the job stays resumable."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
@@ -22,8 +23,13 @@ def describe_job(job: dict[str, Any]) -> str:
     return line
 
 
-def follow_job(client: Any, job_id: str, *, interval: float = 1.0) -> dict[str, Any]:
-    """Poll a job and draw a progress bar of requests and tokens on stderr until it ends; returns the job."""
+def follow_job(client: Any, job_id: str, *, interval: float = 1.0,
+               check_alive: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Poll a job and draw a progress bar of requests and tokens on stderr until it ends; returns the job.
+
+    :param check_alive: called each poll; raises (e.g. WorkerGone) when what runs the job is gone, so a caller that
+        started its own worker never waits forever on a dead one
+    """
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -42,4 +48,6 @@ def follow_job(client: Any, job_id: str, *, interval: float = 1.0) -> dict[str, 
                        note=f"blocked: {job['blocked_reason']}" if job.get("blocked_reason") else "")
             if job["status"] in TERMINAL:
                 return job
+            if check_alive is not None:
+                check_alive()
             time.sleep(interval)

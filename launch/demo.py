@@ -17,7 +17,7 @@ from jobs.runtime import Runtime
 from jobs.settings import Settings, get_settings
 from jobs.submission import submit_batch
 from modelprep import prepare_model
-from launch.local_worker import start_local_worker
+from launch.local_worker import require_running, start_local_worker
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess
 
@@ -59,7 +59,7 @@ def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
     echo("Starting a DHT node and two block servers (blocks 0:15 and 15:30) on 127.0.0.1...")
     with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm:
         settings = settings.model_copy(update={"initial_peers": swarm.initial_peers})
-        with embedded_worker(settings):
+        with embedded_worker(settings) as worker:
             runtime = Runtime(settings)
             client = StoreClient(runtime)
             docs = sample_documents()
@@ -67,7 +67,7 @@ def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
                                filename="samples/documents")
             echo(f"Swarm ready in {time.perf_counter() - began:.1f} s. Job {job.id}: {len(docs)} documents")
             job_began = time.perf_counter()
-            final = follow_job(client, job.id)
+            final = follow_job(client, job.id, check_alive=lambda: require_running(worker))
             seconds = time.perf_counter() - job_began
             results = [json.loads(line) for line in client.results(job.id)]
             runtime.close()

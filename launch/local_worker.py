@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jobs.errors import WorkerGone
 from jobs.settings import Settings
 from launch.processes import ManagedProcess, cli_command
 
@@ -26,3 +27,11 @@ def start_local_worker(settings: Settings, *, log_dir: Path, name: str = "worker
     args = ["-v"] if verbose else []
     return ManagedProcess(cli_command(*args, "worker", "--beat"), name=name, log_dir=log_dir,
                           env=settings_env(settings))
+
+
+def require_running(worker: ManagedProcess) -> None:
+    """Raise WorkerGone, naming its exit code and log, if the worker process has exited."""
+    code = worker.proc.poll()
+    if code is not None:
+        raise WorkerGone(f"the {worker.name} process (pid {worker.pid}) exited with code {code} before the job "
+                         f"ended; its checkpoints are kept: run 'swarmbatch worker' to resume. Log: {worker.log_path}")
