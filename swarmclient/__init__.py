@@ -9,7 +9,7 @@ Modules, from the wire up:
     routing          pure functions: spans, round trips and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
     swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes)
-    session          ServerSession (one stream) and InferenceSession (a chain that fails over by replay)
+    session          ServerSession (one stream), InferenceSession (a chain that fails over by replaying its StepRecords)
     head             ClientHead: embeddings, final norm and LM head, run locally
     sampling         greedy / temperature + top-p, seeded by (seed, position)
     generation       the decode loop shared by every caller
@@ -18,10 +18,23 @@ Modules, from the wire up:
     coverage         the `swarm status` coverage map
     config, errors   ClientConfig; the SwarmError tree
 
-Boundary: nothing here imports `servers`.
+Boundary: nothing here imports `servers`. This `__init__` loads none of the modules above: the client stack
+loads on first use of `DistributedModelForCausalLM`, so servers import the wire contract (`data_structures`,
+`protocol`, `errors`) without it. tests/test_layers.py checks both.
 """
 from __future__ import annotations
 
-from swarmclient.model import DistributedModelForCausalLM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from swarmclient.model import DistributedModelForCausalLM
 
 __all__ = ["DistributedModelForCausalLM"]
+
+
+def __getattr__(name: str) -> type[DistributedModelForCausalLM]:
+    """Load `DistributedModelForCausalLM` (and with it the client stack) on first access (PEP 562)."""
+    if name == "DistributedModelForCausalLM":
+        from swarmclient.model import DistributedModelForCausalLM
+        return DistributedModelForCausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

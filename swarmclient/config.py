@@ -18,4 +18,3 @@ class ClientConfig:
     ban_timeout: float = 15.0      # first ban of a failing server; doubles on each further failure
     max_ban_timeout: float = 300.0
     discovery_ttl: float = 5.0     # seconds a DHT read is reused before routing reads it again
-    missing_blocks_wait: float = 0.0  # seconds to keep waiting for missing blocks before MissingBlocksError

@@ -1,16 +1,20 @@
 """Inference sessions: `ServerSession` is one stream to one server; `InferenceSession` a fault-tolerant chain.
 
-An InferenceSession keeps, for every block boundary of its route, the hidden states it sent there at each
-step. When a server fails, the client bans it, routes the failed hop's blocks through other servers, and
-replays those inputs step by step (same shapes, same order), so the replacement caches are the same as the
-lost ones and the generation goes on with identical tokens. A step may keep only some rows of the batch
-(`keep_rows`: finished requests leave the session); the history records it, so a replay drops the same rows.
+An InferenceSession keeps its history as one `StepRecord` per completed step: the hidden states it sent to
+each block boundary of its route, the positions, the rows kept and the mask columns the step added. When a
+server fails, the client bans it, routes the failed hop's blocks through other servers, and replays those
+records in order (same shapes, same inputs), so the replacement caches are the same as the lost ones and the
+generation goes on with identical tokens. A step may keep only some rows of the batch (`keep_rows`: finished
+requests leave the session); its record says so, and a replay drops the same rows.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,7 +58,7 @@ class ServerSession:
         return self
 
     async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                   keep_rows: list[int] | None = None) -> torch.Tensor:
+                   keep_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Send one step's hidden states; returns the hop's output hidden states.
 
         keep_rows: first keep only these rows of the session's batch (the step's tensors have len(keep_rows) rows).
@@ -136,6 +140,42 @@ class ServerSession:
             writer.close()
 
 
+@dataclass(frozen=True, eq=False)
+class StepRecord:
+    """One completed step of an InferenceSession: what a replay sends a replacement server again, in order."""
+
+    inputs: dict[int, torch.Tensor]  # block index where a hop starts -> the hidden states sent to that hop
+    position_ids: torch.Tensor
+    keep_rows: tuple[int, ...] | None  # the rows the step kept first (None: all of them)
+    # the attention mask's columns this step added; a step that starts a row set (the first step, or one with
+    # keep_rows) holds its whole mask. Within a row set each step's mask extends the previous one, so the
+    # columns rebuild every step's mask without keeping one full mask per step (quadratic in the length).
+    mask_columns: torch.Tensor
+    length: int  # tokens processed after this step (prompt included)
+
+    @classmethod
+    def of(cls, inputs: dict[int, torch.Tensor], attention_mask: torch.Tensor, position_ids: torch.Tensor,
+           keep_rows: Sequence[int] | None, *, past: int) -> StepRecord:
+        """The record of a step sent with this mask after `past` tokens."""
+        if keep_rows is not None or past == 0:
+            columns = attention_mask
+        else:  # a copy: a view would keep the caller's whole mask alive
+            columns = attention_mask[:, past:].clone()
+        return cls(inputs, position_ids, None if keep_rows is None else tuple(keep_rows), columns,
+                   attention_mask.shape[1])
+
+
+def step_masks(history: Sequence[StepRecord]) -> Iterator[torch.Tensor]:
+    """Each step's whole attention mask, rebuilt from the columns the steps added."""
+    mask: torch.Tensor | None = None
+    for record in history:
+        if mask is None or record.keep_rows is not None:  # a row set starts: the record holds its whole mask
+            mask = record.mask_columns
+        else:
+            mask = torch.cat([mask, record.mask_columns], dim=1)
+        yield mask
+
+
 class InferenceSession:
     """A chain of server sessions covering blocks [0, num_blocks) that survives server failures."""
 
@@ -145,20 +185,13 @@ class InferenceSession:
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
         self._broken: set[int] = set()                   # hop starts whose server failed
-        self._inputs: dict[int, list[torch.Tensor]] = {}  # hop start -> hidden states sent at each step
-        self._positions: list[torch.Tensor] = []          # position ids of each step
-        self._lengths: list[int] = []                     # total length after each step
-        self._keep_rows: list[list[int] | None] = []      # the row selection of each step
-        # the latest 2D attention mask of each row set (a keep_rows step starts a new one); within a row set
-        # earlier masks are prefixes of the latest, so one mask per row set rebuilds every step's mask
-        self._masks: list[torch.Tensor] = []
-        self._mask_index: list[int] = []                  # step -> its row set's entry in _masks
+        self._history: list[StepRecord] = []             # every completed step, in order: what a replay sends
         self.failovers = 0
 
     @property
     def position(self) -> int:
         """Tokens processed so far (prompt included)."""
-        return self._lengths[-1] if self._lengths else 0
+        return self._history[-1].length if self._history else 0
 
     @property
     def last_compute_seconds(self) -> float:
@@ -206,28 +239,24 @@ class InferenceSession:
                          self.batch_size if keep_rows is None else len(keep_rows))
         hidden = hidden.float().contiguous()
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
+        inputs: dict[int, torch.Tensor] = {}
         position = 0
         while position < self.swarm.num_blocks:
             hidden_in = hidden
             hidden, position_next = await with_retries(
                 lambda: self._step_hop(position, hidden_in, attention_mask, position_ids, keep_rows),
                 config=self.swarm.config, on_failure=self._on_failure)
-            self._inputs[position].append(hidden_in)
+            inputs[position] = hidden_in
             position = position_next
-        self._record(attention_mask, position_ids, keep_rows)
+        self._record(inputs, attention_mask, position_ids, keep_rows)
         return hidden
 
-    def _record(self, attention_mask: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+    def _record(self, inputs: dict[int, torch.Tensor], attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                keep_rows: list[int] | None) -> None:
         """Add a completed step to the history that a replay feeds a replacement server."""
-        if keep_rows is not None or not self._masks:
-            self._masks.append(attention_mask)
-            self.batch_size = attention_mask.shape[0]
-        else:
-            self._masks[-1] = attention_mask
-        self._mask_index.append(len(self._masks) - 1)
-        self._keep_rows.append(keep_rows)
-        self._positions.append(position_ids)
-        self._lengths.append(attention_mask.shape[1])
+        self._history.append(StepRecord.of(inputs, attention_mask, position_ids, keep_rows, past=self.position))
+        if keep_rows is not None:
+            self.batch_size = len(keep_rows)
 
     def _check_keep_rows(self, keep_rows: list[int] | None) -> list[int] | None:
         if keep_rows is None:
@@ -304,24 +333,18 @@ class InferenceSession:
             raise failure
         for session in sessions:
             self._sessions[session.hop.start] = session
-            self._inputs.setdefault(session.hop.start, [])
         return hops
 
     async def _replay(self, hops: list[RouteHop]) -> None:
         """Feed the new hops every past step's inputs, in order, so their caches match the lost ones."""
-        steps = len(self._inputs[hops[0].start])
-        for hop in hops[1:]:
-            self._inputs[hop.start] = []
-        for index in range(steps):
-            hidden = self._inputs[hops[0].start][index]
-            mask = self._mask_at(index)
-            for number, hop in enumerate(hops):
-                if number > 0:
-                    self._inputs[hop.start].append(hidden)
-                hidden = await self._sessions[hop.start].step(hidden, mask, self._positions[index],
-                                                              self._keep_rows[index])
-        if steps:
-            logger.info("Replayed %d steps to %s", steps, ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in hops))
-
-    def _mask_at(self, index: int) -> torch.Tensor:
-        return self._masks[self._mask_index[index]][:, : self._lengths[index]]
+        replayed: list[StepRecord] = []
+        for record, mask in zip(self._history, step_masks(self._history), strict=True):
+            inputs, hidden = dict(record.inputs), record.inputs[hops[0].start]
+            for hop in hops:
+                inputs[hop.start] = hidden  # a new hop boundary gets its inputs recorded for later replays
+                hidden = await self._sessions[hop.start].step(hidden, mask, record.position_ids, record.keep_rows)
+            replayed.append(dataclasses.replace(record, inputs=inputs))
+        self._history = replayed  # only once the whole replay worked: a failed one leaves the history as it was
+        if replayed:
+            logger.info("Replayed %d steps to %s", len(replayed),
+                        ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in hops))

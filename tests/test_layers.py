@@ -1,0 +1,138 @@
+"""The layers of ARCHITECTURE.md, checked on the source: which package may import which.
+
+`cli.py` and the composition roots (`launch/`, `commands/`) sit above every layer; `jobs` reaches the block
+servers only over the swarm; `swarmclient` knows nothing of servers or jobs; `modelprep` is a leaf. Every
+import counts, wherever it is written: module level, inside a function, under `if TYPE_CHECKING:`, or a
+constant `importlib.import_module(...)`.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ABOVE_THE_LAYERS = ("launch", "commands", "cli")  # composition roots: they may import anything, nothing imports them
+FORBIDDEN = {  # package -> the top-level packages and modules it must never import
+    "swarmclient": ("servers", "jobs", *ABOVE_THE_LAYERS),
+    "servers": ("jobs", *ABOVE_THE_LAYERS),
+    "jobs": ("servers", *ABOVE_THE_LAYERS),
+    "modelprep": ("swarmclient", "servers", "jobs", *ABOVE_THE_LAYERS),
+}
+# what the wire contract must load without: the client stack (and transformers, which only it needs)
+CLIENT_STACK = ("swarmclient.model", "swarmclient.session", "swarmclient.network", "swarmclient.swarm",
+                "swarmclient.routing", "swarmclient.discovery", "swarmclient.generation", "swarmclient.head",
+                "swarmclient.textgen", "swarmclient.model_spec", "transformers")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One import statement: `source` (a path relative to the repository) imports module `target` at `line`."""
+
+    source: str
+    line: int
+    target: str
+
+    @property
+    def top(self) -> str:
+        """The imported top-level package or module."""
+        return self.target.split(".")[0]
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.line} imports {self.target}"
+
+
+def module_name(path: Path) -> str:
+    """'jobs/worker/tasks.py' -> 'jobs.worker.tasks'; a package's __init__.py is the package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_in(source: str, *, filename: str, module: str, is_package: bool = False) -> Iterator[Edge]:
+    """Every module that `source` (the text of `module`) imports, with relative imports made absolute."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            yield from (Edge(filename, node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            target = ".".join(part for part in (base, node.module or "") if part)
+            yield Edge(filename, node.lineno, target)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and _is_import_call(node.func)):
+            yield Edge(filename, node.lineno, node.args[0].value)
+
+
+def _is_import_call(func: ast.expr) -> bool:
+    """`importlib.import_module(...)`, `import_module(...)` or `__import__(...)`."""
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name in ("import_module", "__import__")
+
+
+def edges(package: str) -> list[Edge]:
+    """Every import written in the package's .py files."""
+    found: list[Edge] = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        found += imports_in(path.read_text(), filename=str(path.relative_to(ROOT)), module=module_name(path),
+                            is_package=path.name == "__init__.py")
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_package_imports_nothing_its_layer_forbids(package: str) -> None:
+    forbidden = FORBIDDEN[package]
+    bad = [edge for edge in edges(package) if edge.top in forbidden]
+    assert not bad, f"{package} must not import {', '.join(forbidden)}:\n  " + "\n  ".join(map(str, bad))
+
+
+def test_the_walker_sees_every_kind_of_import() -> None:
+    source = '''
+import servers.handler
+from jobs import store
+from . import sibling
+from ..data import thing
+if TYPE_CHECKING:
+    from cli import app
+def later():
+    from launch.demo import run
+    importlib.import_module("commands.serve")
+'''
+    found = {(edge.line, edge.target) for edge in imports_in(source, filename="x.py", module="pkg.sub.mod")}
+    assert found == {(2, "servers.handler"), (3, "jobs"), (4, "pkg.sub"), (5, "pkg.data"), (7, "cli"),
+                     (9, "launch.demo"), (10, "commands.serve")}
+
+
+def test_the_walker_finds_the_allowed_edges_in_the_repository() -> None:
+    # the layer tests above pass vacuously if the walker reads no file: it must see what we know is there
+    tops = {package: {edge.top for edge in edges(package)} for package in FORBIDDEN}
+    assert "swarmclient" in tops["servers"]  # servers import the wire contract
+    assert "swarmclient" in tops["jobs"]     # workers generate through the client
+    assert all(package in tops[package] for package in FORBIDDEN)  # every package imports its own modules
+
+
+def loaded_after(code: str) -> list[str]:
+    """sys.modules after running `code` in a fresh interpreter at the repository root."""
+    script = f"import json, sys\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    modules: list[str] = json.loads(done.stdout.splitlines()[-1])
+    return modules
+
+
+def test_the_wire_contract_imports_without_the_client_stack() -> None:
+    loaded = loaded_after("import swarmclient.protocol, swarmclient.data_structures, swarmclient.errors")
+    assert "swarmclient.protocol" in loaded and "swarmclient.data_structures" in loaded
+    leaked = [name for name in CLIENT_STACK if name in loaded]
+    assert not leaked, f"importing the wire contract loaded {leaked}"
+
+
+def test_the_package_still_exports_the_model_class() -> None:
+    loaded = loaded_after("from swarmclient import DistributedModelForCausalLM\n"
+                          "assert DistributedModelForCausalLM.__module__ == 'swarmclient.model'")
+    assert "swarmclient.model" in loaded
