@@ -185,14 +185,15 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
             announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
             batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens,
             metrics_port=metrics_port, metrics_host=metrics_host)
-        run_server(config, lambda server, maddrs: _print_ready(server, maddrs))
+        run_server(config, _print_ready)
 
     guarded(run)
 
 
-def _print_ready(server: Any, maddrs: list[str]) -> None:
-    typer.echo(f"Serving blocks {server.start_block}:{server.end_block} of {server.spec.model_id} "
-               f"as {server.peer_id} at {' '.join(maddrs)}")
+def _print_ready(status: Any, maddrs: list[str]) -> None:
+    span = status.loaded_span()
+    typer.echo(f"Serving blocks {span.start}:{span.end} of {status.model_id} "
+               f"as {status.peer_id} at {' '.join(maddrs)}")
     sys.stdout.flush()
 
 

@@ -7,10 +7,12 @@ Modules:
     throughput       measure_throughput: block-steps per second, announced for routing
     memory           CacheBudget: KV-cache tokens reserved per session within --attn-cache-tokens
     validation       checks on every request before compute
+    status           ServerStatus: one reading of a server, from which info, /metrics and the DHT record are made
     handler          BlockHandler: the info / forward / inference RPCs; errors become responses in one place
-    announcer        Announcer: DHT records per block, refreshed, OFFLINE on shutdown
-    server           ServerConfig + BlockServer: composition, start-up and ordered shutdown
+    announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown
+    server           ServerConfig + BlockServer: composition, start-up, status() and ordered shutdown
     bootstrap        the `swarmbatch dht` bootstrap node
-    metrics          the Prometheus endpoint (--metrics-port): steps, tokens, errors, KV-cache use, sessions, state
+    metrics          the Prometheus endpoint (--metrics-port): the status as steps, tokens, errors, KV-cache use,
+                     sessions, state
     stats, errors    counters; the ServerError tree
 """

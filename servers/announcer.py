@@ -8,18 +8,17 @@ from collections.abc import Callable
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
-from swarmclient.data_structures import ServerInfo, block_uid
+from servers.status import ServerStatus
+from swarmclient.data_structures import block_uid
 
 logger = logging.getLogger(__name__)
 
 
 class Announcer:
-    """Keeps `{model_id}.{i}` -> {peer_id: ServerInfo} fresh for each served block i."""
+    """Keeps `{model_id}.{i}` -> {peer_id: ServerInfo} fresh for each served block i, read from `status()`."""
 
-    def __init__(self, node: DHTNode, *, model_id: str, peer_id: str, info: Callable[[], ServerInfo],
-                 update_period: float) -> None:
-        self.node, self.model_id, self.peer_id = node, model_id, peer_id
-        self.info, self.update_period = info, update_period
+    def __init__(self, node: DHTNode, *, status: Callable[[], ServerStatus], update_period: float) -> None:
+        self.node, self.status, self.update_period = node, status, update_period
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -27,13 +26,14 @@ class Announcer:
         """Records live two periods, so one lost refresh does not make the server vanish."""
         return max(2 * self.update_period, 10.0)
 
-    async def announce(self, info: ServerInfo | None = None) -> bool:
-        """Store the current info under every served block key; returns whether every store succeeded."""
-        info = info or self.info()
-        keys = [block_uid(self.model_id, i) for i in range(info.start, info.end)]
+    async def announce(self) -> bool:
+        """Store the current status's record under every served block key; returns whether every store succeeded."""
+        status = self.status()
+        info = status.announcement()
+        keys = [block_uid(status.model_id, i) for i in range(info.start, info.end)]
         expiration = get_dht_time() + self.expiration
         results = await self.node.store_many(keys, [info.to_wire()] * len(keys), expiration,
-                                             subkeys=[self.peer_id] * len(keys))
+                                             subkeys=[status.peer_id] * len(keys))
         ok = all(results.values())
         logger.debug("Announced %s for blocks %d:%d (%s)", info.state.value, info.start, info.end,
                      "ok" if ok else "partly failed")

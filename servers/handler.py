@@ -23,6 +23,7 @@ from servers.errors import RequestRejected
 from servers.memory import CacheBudget
 from servers.span import BlockSpan
 from servers.stats import ServerStats
+from servers.status import ServerStatus
 from servers.validation import (Limits, reject, validate_keep_rows, validate_session_open, validate_span,
                                 validate_step)
 from swarmclient import protocol
@@ -67,7 +68,7 @@ class BlockHandler:
     span: BlockSpan
     limits: Limits
     budget: CacheBudget
-    info: Callable[[], dict[str, Any]]
+    status: Callable[[], ServerStatus]  # the server's status, which the `info` RPC answers with
     session_timeout: float = 300.0
     batch_wait_ms: float = 2.0  # how long a decode step waits for other sessions' steps to merge with; 0 = never
     max_merge_tokens: int = 2048  # a session caching more (rows x length) is never merged: copying it costs more
@@ -94,10 +95,7 @@ class BlockHandler:
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This server's announcement, limits and load."""
-        return protocol.make_response([], {**self.info(), "sessions": len(self.sessions),
-                                           "merged_steps": self.stats.merged_steps,
-                                           "merged_sessions": self.stats.merged_sessions,
-                                           "max_merged": self.stats.max_merged})
+        return protocol.make_response([], self.status().info_answer())
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:

@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from servers.errors import RequestRejected
 from swarmclient.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheUse:
+    """A budget read at one moment, so the figures derived from it agree with each other."""
+
+    used: int        # block-tokens reserved
+    limit: int       # block-tokens admitted (--attn-cache-tokens x blocks)
+    num_blocks: int
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens per block still free (what a session over the whole span could reserve)."""
+        return (self.limit - self.used) // self.num_blocks
 
 
 class CacheBudget:
@@ -22,10 +37,9 @@ class CacheBudget:
         """Block-tokens reserved now."""
         return sum(self._reserved.values())
 
-    @property
-    def tokens_left(self) -> int:
-        """Tokens per block still free (what a session over the whole span could reserve)."""
-        return (self.limit - self.used) // self.num_blocks
+    def use(self) -> CacheUse:
+        """The budget now, as one reading."""
+        return CacheUse(self.used, self.limit, self.num_blocks)
 
     def reserve(self, session_id: str, *, batch_size: int, max_length: int, num_blocks: int) -> None:
         """Reserve a session's cache; raises RequestRejected(CACHE_FULL) if it does not fit now."""

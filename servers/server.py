@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from hivemind.dht.node import DHTNode
 
 from servers.announcer import Announcer
 from servers.block_loading import DType, Quant, load_span
@@ -17,10 +18,13 @@ from servers.block_selection import choose_best_blocks
 from servers.errors import ServerConfigError
 from servers.handler import BlockHandler
 from servers.memory import CacheBudget
-from servers.metrics import MetricsEndpoint, start_metrics
+from servers.metrics import start_metrics
+from servers.span import BlockSpan
+from servers.stats import ServerStats
+from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
 from servers.validation import Limits
-from swarmclient.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
+from swarmclient.data_structures import PROTOCOL_VERSION, ServerState
 from swarmclient.discovery import get_remote_module_infos
 from swarmclient.model_spec import ModelSpec
 from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
@@ -59,77 +63,94 @@ class ServerConfig:
             raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What serves a span, built in one step once the span is chosen: the blocks, their budget, RPCs and records."""
+
+    span: BlockSpan
+    budget: CacheBudget
+    handler: BlockHandler
+    announcer: Announcer
+
+
 class BlockServer:
-    """One running server; `start()`, then `wait()` until a signal, then `shutdown()`."""
+    """One running server; `start()`, then `wait()` until a signal, then `shutdown()`.
+
+    What exists before the span is chosen is built here; `start()` builds the rest in order and registers how to
+    stop each part, so `shutdown()` stops exactly what was built, in reverse (announce OFFLINE, stop the handlers,
+    leave the DHT, close /metrics), also after a start that failed half-way or never ran.
+    """
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.spec = ModelSpec.open(config.model_dir)
+        self.max_length = min(config.max_length or self.spec.max_length, self.spec.max_length)
+        self.stats = ServerStats()
         self.state = ServerState.JOINING
-        self.throughput = 0.0
-        self.peer_id = ""
-        self.metrics: MetricsEndpoint | None = None
+        self.peer_id = ""  # set once the server has joined the DHT
+        self.throughput = 0.0  # measured once the span is loaded
+        self.serving: Serving | None = None  # set once, when the span is loaded
+        self._running = contextlib.AsyncExitStack()  # how to stop what start() built, last built first
         self._stop = asyncio.Event()
 
-    async def start(self) -> None:
-        """Join the DHT, load the span, serve, and announce ONLINE."""
+    async def start(self) -> list[str]:
+        """Join the DHT, load the span, serve, and announce ONLINE; returns the multiaddrs peers can dial."""
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         if self.config.metrics_port:  # up before loading, so a health check can see "joining"
-            self.metrics = start_metrics(self, self.config.metrics_host, self.config.metrics_port)
-        self.p2p, self.node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False)
-        self.peer_id = self.p2p.peer_id.to_base58()
-        self.start_block, self.end_block = await self._choose_span()
-        self.span = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: load_span(self.spec, self.start_block, self.end_block,
-                                    dtype=self.config.dtype, quant=self.config.quant))
-        self.budget = CacheBudget(self.config.attn_cache_tokens, self.end_block - self.start_block)
-        self.handler = BlockHandler(self.span, self._limits(), self.budget, self._info_dict,
-                                    session_timeout=self.config.session_timeout,
-                                    batch_wait_ms=self.config.batch_wait_ms,
-                                    max_merge_tokens=self.config.max_merge_tokens)
-        self.announcer = Announcer(self.node, model_id=self.spec.model_id, peer_id=self.peer_id,
-                                   info=self.info, update_period=self.config.announce_period)
-        await self.announcer.announce()  # JOINING: visible to block selection of servers starting now
-        self.throughput = measure_throughput(self.span)
-        await self.handler.register(self.p2p)
+            metrics = start_metrics(self.status, self.config.metrics_host, self.config.metrics_port)
+            self._running.callback(metrics.stop)  # stopped last: a scraper sees "offline" until the server is gone
+        p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False)
+        self._running.push_async_callback(stop_dht_node, p2p, node)
+        self.peer_id = p2p.peer_id.to_base58()
+        start, end = await self._choose_span(node)
+        serving = self.serving = await self._serve(node, start, end)
+        self._running.push_async_callback(self._stop_serving, serving)
+        await serving.announcer.announce()  # JOINING: visible to block selection of servers starting now
+        self.throughput = measure_throughput(serving.span)
+        await serving.handler.register(p2p)
         self.state = ServerState.ONLINE
-        await self.announcer.announce()
-        self.announcer.start()
+        await serving.announcer.announce()
+        serving.announcer.start()
+        return await visible_maddrs(p2p)
 
-    async def _choose_span(self) -> tuple[int, int]:
+    async def _choose_span(self, node: DHTNode) -> tuple[int, int]:
         if self.config.blocks is not None:
             start, end = self.config.blocks
             if not 0 <= start < end <= self.spec.num_blocks:
                 raise ServerConfigError(f"--blocks {start}:{end} is outside the model's 0:{self.spec.num_blocks}")
             return start, end
         assert self.config.num_blocks is not None
-        infos = await get_remote_module_infos(self.node, self.spec.model_id, self.spec.num_blocks)
+        infos = await get_remote_module_infos(node, self.spec.model_id, self.spec.num_blocks)
         try:
             return choose_best_blocks(self.config.num_blocks, infos)
         except ValueError as e:
             raise ServerConfigError(str(e)) from e
 
-    def _limits(self) -> Limits:
-        max_length = min(self.config.max_length or self.spec.max_length, self.spec.max_length)
-        return Limits(self.start_block, self.end_block, self.spec.hidden_size, self.config.max_batch_size, max_length)
+    async def _serve(self, node: DHTNode, start: int, end: int) -> Serving:
+        """Load blocks [start, end) and build what serves and announces them."""
+        config = self.config
+        span = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: load_span(self.spec, start, end, dtype=config.dtype, quant=config.quant))
+        budget = CacheBudget(config.attn_cache_tokens, end - start)
+        limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)
+        handler = BlockHandler(span, limits, budget, self.status, session_timeout=config.session_timeout,
+                               batch_wait_ms=config.batch_wait_ms, max_merge_tokens=config.max_merge_tokens,
+                               stats=self.stats)
+        announcer = Announcer(node, status=self.status, update_period=config.announce_period)
+        return Serving(span, budget, handler, announcer)
 
-    def info(self) -> ServerInfo:
-        """What this server announces now."""
-        return ServerInfo(
-            state=self.state, start=self.start_block, end=self.end_block, throughput=self.throughput,
-            cache_tokens_left=self.budget.tokens_left, dtype=self.config.dtype.value, quant=self.config.quant.value,
-            version=PROTOCOL_VERSION, revision=self.spec.revision, max_batch_size=self.config.max_batch_size,
-            max_length=self._limits().max_length)
-
-    def _info_dict(self) -> dict[str, Any]:
-        return {**self.info().to_wire(), "peer_id": self.peer_id, "model_id": self.spec.model_id,
-                "steps": self.handler.stats.steps, "tokens": self.handler.stats.tokens,
-                "errors": dict(self.handler.stats.errors)}
-
-    async def maddrs(self) -> list[str]:
-        """Multiaddrs peers can dial."""
-        return await visible_maddrs(self.p2p)
+    def status(self) -> ServerStatus:
+        """This server now: the one reading that its `info` answer, /metrics and DHT record are made from."""
+        serving = self.serving
+        span = None if serving is None else SpanStatus(
+            start=serving.span.start, end=serving.span.end, throughput=self.throughput,
+            sessions=len(serving.handler.sessions), cache=serving.budget.use())
+        return ServerStatus(
+            state=self.state, model_id=self.spec.model_id, peer_id=self.peer_id, dtype=self.config.dtype.value,
+            quant=self.config.quant.value, version=PROTOCOL_VERSION, revision=self.spec.revision,
+            max_batch_size=self.config.max_batch_size, max_length=self.max_length, stats=self.stats.copy(),
+            span=span)
 
     def request_stop(self) -> None:
         """Ask `wait()` to return (signal-safe)."""
@@ -140,24 +161,23 @@ class BlockServer:
         await self._stop.wait()
 
     async def shutdown(self) -> None:
-        """Announce OFFLINE first (clients stop routing here), then stop serving and leave the DHT."""
+        """Announce OFFLINE first (clients stop routing here), then stop serving, leave the DHT, close /metrics."""
         self.state = ServerState.OFFLINE
-        if hasattr(self, "announcer"):
-            await self.announcer.stop()
-            try:
-                await asyncio.wait_for(self.announcer.announce(), timeout=5)
-            except Exception:
-                logger.warning("Could not announce OFFLINE; records expire in %.0f s", self.announcer.expiration)
-        if hasattr(self, "handler"):
-            self.handler.executor.shutdown(wait=False, cancel_futures=True)
-        if hasattr(self, "node"):
-            await stop_dht_node(self.p2p, self.node)
-        if self.metrics is not None:  # last: a scraper sees "offline" until the server is gone
-            self.metrics.stop()
+        await self._running.aclose()
+
+    @staticmethod
+    async def _stop_serving(serving: Serving) -> None:
+        """Announce OFFLINE (peers stop routing here before we vanish), then stop the compute thread."""
+        await serving.announcer.stop()
+        try:
+            await asyncio.wait_for(serving.announcer.announce(), timeout=5)
+        except Exception:
+            logger.warning("Could not announce OFFLINE; records expire in %.0f s", serving.announcer.expiration)
+        serving.handler.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def run_server(config: ServerConfig, on_ready: Callable[[BlockServer, list[str]], None]) -> None:
-    """Run a server until SIGTERM/SIGINT; `on_ready(server, maddrs)` is called once it is ONLINE."""
+def run_server(config: ServerConfig, on_ready: Callable[[ServerStatus, list[str]], None]) -> None:
+    """Run a server until SIGTERM/SIGINT; `on_ready(status, maddrs)` is called once it is ONLINE."""
     async def main() -> None:
         server = BlockServer(config)
         loop = asyncio.get_running_loop()
@@ -165,10 +185,12 @@ def run_server(config: ServerConfig, on_ready: Callable[[BlockServer, list[str]]
             loop.add_signal_handler(sig, server.request_stop)
         began = time.perf_counter()
         try:
-            await server.start()
+            maddrs = await server.start()
+            status = server.status()
+            span = status.loaded_span()
             logger.info("Server ONLINE in %.1f s: blocks %d:%d, %.0f block-steps/s", time.perf_counter() - began,
-                        server.start_block, server.end_block, server.throughput)
-            on_ready(server, await server.maddrs())
+                        span.start, span.end, span.throughput)
+            on_ready(status, maddrs)
             await server.wait()
             logger.info("Shutting down: announcing OFFLINE")
         finally:

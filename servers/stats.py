@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -32,3 +32,7 @@ class ServerStats:
         self.merged_sessions += sessions
         self.merged_rows += rows
         self.max_merged = max(self.max_merged, sessions)
+
+    def copy(self) -> ServerStats:
+        """An independent copy: a reading that later requests do not change."""
+        return replace(self, errors=Counter(self.errors))

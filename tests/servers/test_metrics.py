@@ -16,6 +16,7 @@ from conftest import free_port
 from launch.local_swarm import LocalSwarm
 from launch.processes import cli_command
 from swarmclient import protocol
+from swarmclient.data_structures import ServerInfo
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.model_spec import ModelSpec
 from swarmclient.swarm import Swarm
@@ -23,16 +24,18 @@ from swarmclient.textgen import load_tokenizer
 from test_server_requests import forward, good_inputs, open_session, step
 
 CACHE_TOKENS = 256
+ANNOUNCE_PERIOD = 1.0  # short, so a test sees the DHT record follow the server's load
 Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @pytest.fixture(scope="module")
 def metered(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm, str]]:
-    """One server holding all 6 blocks with /metrics on a free port, and a client."""
+    """One server holding all 6 blocks with /metrics on a free port, announcing every second, and a client."""
     spec = ModelSpec.open(tiny_model)
     port = free_port()
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("metrics")) as swarm:
-        swarm.start_servers([(0, 6, ["--metrics-port", str(port), "--attn-cache-tokens", str(CACHE_TOKENS)])])
+        swarm.start_servers([(0, 6, ["--metrics-port", str(port), "--attn-cache-tokens", str(CACHE_TOKENS),
+                                     "--announce-period", str(ANNOUNCE_PERIOD)])])
         client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
         try:
             yield swarm, client, f"http://127.0.0.1:{port}/metrics"
@@ -126,6 +129,47 @@ def test_a_generation_counts_its_prefill_and_every_decode_step(tiny_model: Path,
     assert value(after, "swarmbatch_server_steps_total") - value(before, "swarmbatch_server_steps_total") == new_tokens
     assert (value(after, "swarmbatch_server_tokens_total") - value(before, "swarmbatch_server_tokens_total")
             == rows * prompt_length + rows * (new_tokens - 1))
+
+
+def announced(client: Swarm, peer_id: str, check: Callable[[ServerInfo], bool], timeout: float = 15.0) -> ServerInfo:
+    """The server's DHT record of block 0, read until `check` holds (it is refreshed every ANNOUNCE_PERIOD)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = client.loop.run(client.block_infos(refresh=True))[0][peer_id]
+        if check(record) or time.monotonic() > deadline:
+            return record
+        time.sleep(0.2)
+
+
+def test_info_metrics_and_the_dht_record_report_the_same_status(tiny_model: Path, metered) -> None:
+    swarm, client, url = metered
+    hidden_size, peer = ModelSpec.open(tiny_model).hidden_size, swarm.servers[0].peer_id
+    # Given: an open session that reserved 2 rows x 16 tokens of cache on each block
+    session = open_session(client, peer, batch_size=2, max_length=16)
+    step(client, session, good_inputs(hidden_size, batch=2, length=5))
+    left = CACHE_TOKENS - 2 * 16
+    try:
+        # When: the server has announced since, and info and /metrics are read
+        record = announced(client, peer, lambda info: info.cache_tokens_left == left)
+        info, metrics = client.loop.run(client.call_info(peer)), scrape(url)
+    finally:
+        client.loop.run(session.close())
+    # Then: the three report the same figures
+    assert {key: info[key] for key in ServerInfo.model_fields} == record.to_wire()
+    reserved, budget = (value(metrics, "swarmbatch_server_cache_reserved_block_tokens"),
+                        value(metrics, "swarmbatch_server_cache_budget_block_tokens"))
+    assert info["cache_tokens_left"] == record.cache_tokens_left == (budget - reserved) // 6 == left
+    assert info["sessions"] == value(metrics, "swarmbatch_server_open_sessions") == 1
+    assert (info["start"], info["end"]) == (record.start, record.end) == (
+        value(metrics, "swarmbatch_server_span_start"), value(metrics, "swarmbatch_server_span_end"))
+    assert info["throughput"] == record.throughput == value(metrics, "swarmbatch_server_throughput") > 0
+    assert info["state"] == record.state.value == "online" == next(
+        dict(labels)["state"] for (name, labels), sample in metrics.items()
+        if name == "swarmbatch_server_state" and sample == 1.0)
+    assert (info["steps"], info["tokens"]) == (value(metrics, "swarmbatch_server_steps_total"),
+                                               value(metrics, "swarmbatch_server_tokens_total"))
+    assert info["errors"] == {dict(labels)["code"]: sample for (name, labels), sample in metrics.items()
+                              if name == "swarmbatch_server_errors_total"}
 
 
 def test_a_taken_metrics_port_is_a_one_line_usage_error(tiny_model: Path, metered) -> None:
