@@ -146,9 +146,8 @@ class Request(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_token: Mapped[str | None] = mapped_column(String(40))
     lease_expires_at: Mapped[datetime | None]
-    resumes: Mapped[int] = mapped_column(Integer, default=0)  # claims that started from committed tokens
-    # summarization jobs (jobs/summarize): the source document, its map-reduce stage (0 = the document or its
-    # chunks, n = summaries of stage n-1), and whether this request's output is the document's summary
+    # summarization jobs: the source document, its map-reduce stage (0 = the document or its chunks,
+    # n = summaries of stage n-1), and whether this request's output is the document's summary
     document: Mapped[str | None] = mapped_column(String(1000))
     stage: Mapped[int] = mapped_column(Integer, default=0)
     final: Mapped[bool] = mapped_column(Boolean, default=True)
