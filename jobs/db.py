@@ -32,8 +32,3 @@ def _sqlite_pragmas(connection: Any, _: Any) -> None:
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions that keep loaded objects usable after commit."""
     return sessionmaker(engine, expire_on_commit=False)
-
-
-def is_postgres(engine: Engine) -> bool:
-    """Whether row locks with SKIP LOCKED are available."""
-    return engine.dialect.name == "postgresql"

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import Enum as SQLEnum
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -39,7 +40,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UTCDateTime()}
 
 
-class JobStatus(str, Enum):
+class JobStatus(StrEnum):
     """OpenAI Batch API statuses."""
 
     validating = "validating"
@@ -58,7 +59,7 @@ class JobStatus(str, Enum):
         return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled, JobStatus.expired)
 
 
-class RequestStatus(str, Enum):
+class RequestStatus(StrEnum):
     """One prompt's lifecycle."""
 
     pending = "pending"          # waiting for a worker (also after a lease expired)
@@ -72,6 +73,14 @@ class RequestStatus(str, Enum):
     def terminal(self) -> bool:
         """No worker will touch it again."""
         return self not in (RequestStatus.pending, RequestStatus.in_progress)
+
+
+def status_column(enum: type[Enum]) -> SQLEnum:
+    """A status column: the member's value as VARCHAR(20), the very strings and schema of migration 0001."""
+    # non-native and without a CHECK constraint, so the schema needs no migration; binding or loading a string
+    # that is no member raises
+    return SQLEnum(enum, native_enum=False, create_constraint=False, length=20, validate_strings=True,
+                   values_callable=lambda members: [m.value for m in members])
 
 
 class ApiKey(Base):
@@ -94,7 +103,7 @@ class Job(Base):
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
     model: Mapped[str] = mapped_column(String(500))
     endpoint: Mapped[str] = mapped_column(String(40))
-    status: Mapped[str] = mapped_column(String(20), default=JobStatus.queued.value, index=True)
+    status: Mapped[JobStatus] = mapped_column(status_column(JobStatus), default=JobStatus.queued, index=True)
     input_filename: Mapped[str | None] = mapped_column(String(500))
     line_errors: Mapped[list[Any]] = mapped_column(default=list)
     blocked_reason: Mapped[str | None] = mapped_column(Text)
@@ -137,7 +146,7 @@ class Request(Base):
     top_p: Mapped[float] = mapped_column(default=1.0)
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     stop: Mapped[list[Any]] = mapped_column(default=list)
-    status: Mapped[str] = mapped_column(String(20), default=RequestStatus.pending.value)
+    status: Mapped[RequestStatus] = mapped_column(status_column(RequestStatus), default=RequestStatus.pending)
     generated_ids: Mapped[list[Any]] = mapped_column(default=list)
     finish_reason: Mapped[str | None] = mapped_column(String(20))
     output_text: Mapped[str | None] = mapped_column(Text)
@@ -146,9 +155,8 @@ class Request(Base):
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_token: Mapped[str | None] = mapped_column(String(40))
     lease_expires_at: Mapped[datetime | None]
-    resumes: Mapped[int] = mapped_column(Integer, default=0)  # claims that started from committed tokens
-    # summarization jobs (jobs/summarize): the source document, its map-reduce stage (0 = the document or its
-    # chunks, n = summaries of stage n-1), and whether this request's output is the document's summary
+    # summarization jobs: the source document, its map-reduce stage (0 = the document or its chunks,
+    # n = summaries of stage n-1), and whether this request's output is the document's summary
     document: Mapped[str | None] = mapped_column(String(1000))
     stage: Mapped[int] = mapped_column(Integer, default=0)
     final: Mapped[bool] = mapped_column(Boolean, default=True)

@@ -12,13 +12,13 @@ from jobs.models import Job, Request, RequestStatus
 from jobs.store import job_counts
 
 CHAT_URL = "/v1/chat/completions"
-OUTPUT_STATUSES = (RequestStatus.completed.value, RequestStatus.cancelled.value, RequestStatus.expired.value)
+OUTPUT_STATUSES = (RequestStatus.completed, RequestStatus.cancelled, RequestStatus.expired)
 
 
 def response_body(job: Job, request: Request) -> dict[str, Any]:
     """A chat.completion or text_completion object for a request's output (partial when cancelled/expired)."""
     created = int((request.completed_at or request.created_at).timestamp())
-    finish = request.finish_reason or ("cancelled" if request.status == RequestStatus.cancelled.value else "length")
+    finish = request.finish_reason or ("cancelled" if request.status == RequestStatus.cancelled else "length")
     text = request.output_text or ""
     usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": len(request.generated_ids),
              "total_tokens": len(request.prompt_ids) + len(request.generated_ids)}
@@ -47,7 +47,7 @@ def iter_results(*, session: Session, job: Job) -> Iterator[str]:
     """JSONL of finished outputs in input order (partial outputs of cancelled/expired requests included)."""
     query = select(Request).where(Request.job_id == job.id, Request.status.in_(OUTPUT_STATUSES)).order_by(Request.index)
     for request in session.scalars(query):
-        if request.status == RequestStatus.completed.value or request.generated_ids:
+        if request.status == RequestStatus.completed or request.generated_ids:
             yield json.dumps(result_line(job, request)) + "\n"
 
 
@@ -56,7 +56,7 @@ def iter_errors(*, session: Session, job: Job) -> Iterator[str]:
     for error in job.line_errors:
         yield json.dumps({"id": None, "custom_id": error.get("custom_id"), "response": None,
                           "error": {"code": error["code"], "message": error["message"], "line": error["line_number"]}}) + "\n"
-    query = select(Request).where(Request.job_id == job.id, Request.status == RequestStatus.failed.value)
+    query = select(Request).where(Request.job_id == job.id, Request.status == RequestStatus.failed)
     for request in session.scalars(query.order_by(Request.index)):
         yield json.dumps(error_line(job, request)) + "\n"
 

@@ -42,8 +42,6 @@ class Settings(BaseSettings):
     sweep_interval: float = Field(default=10.0, gt=0, description="seconds between sweeps for lost work")
     schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")
     schedule_tick: float = Field(default=30.0, gt=0, description="seconds between beat's checks for due schedules")
-    api_url: str | None = Field(default=None, description="talk to this REST API instead of the store")
-    api_key: str | None = None
 
     @field_validator("schedules", mode="before")
     @classmethod

@@ -1,5 +1,12 @@
 """The jobs store: keyword-only functions over a SQLAlchemy session. SQL holds the truth; these are its verbs.
 
+Transactions: no function here commits or rolls back. Writers change the session's transaction (flushing
+where they need ids); the caller, the unit of work (an API route, one step of a worker, a CLI command, each in
+its own `runtime.session()`), commits, and nothing is visible to other sessions or durable before it does.
+Writes to leased rows (claims, checkpoints, renewals, releases) hold row locks until that commit, so their
+callers commit at once: other workers never wait on a running batch, and a lease is durable before the
+generation it guards starts.
+
 Claims use leases: a worker owns a request while `lease_token` is its token and `lease_expires_at` is in the
 future; every write by a worker is fenced by that token, so a worker whose lease was taken over writes
 nothing. On PostgreSQL claims lock rows with FOR UPDATE SKIP LOCKED; on SQLite the single writer lock and the
@@ -31,13 +38,13 @@ def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id:
                completion_window_s: int = 24 * 3600, checkpoint_every: int = 8, input_filename: str | None = None,
                idempotency_key: str | None = None, metadata: dict[str, Any] | None = None,
                annotations: Mapping[str, dict[str, Any]] | None = None) -> Job:
-    """Insert a queued job and one pending request per good line; the caller commits.
+    """Insert a queued job and one pending request per good line.
 
     `annotations` sets extra Request columns (document, stage, final) by custom_id.
     """
     now = utcnow()
     job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model, endpoint=parsed.endpoint,
-              status=JobStatus.queued.value, input_filename=input_filename,
+              status=JobStatus.queued, input_filename=input_filename,
               line_errors=[e.to_dict() for e in parsed.errors], checkpoint_every=checkpoint_every,
               completion_window_s=completion_window_s, idempotency_key=idempotency_key,
               metadata_json=metadata or {}, created_at=now, expires_at=now + timedelta(seconds=completion_window_s))
@@ -60,7 +67,7 @@ def request_rows(parsed: ParsedBatch, *, first_index: int = 0,
 
 def add_requests(*, session: Session, job: Job, parsed: ParsedBatch,
                  annotations: Mapping[str, dict[str, Any]] | None = None) -> list[Request]:
-    """Append pending requests to a live job (later map-reduce stages); the caller commits."""
+    """Append pending requests to a live job (later map-reduce stages)."""
     first = session.scalar(select(func.coalesce(func.max(Request.index) + 1, 0)).where(Request.job_id == job.id))
     rows = request_rows(parsed, first_index=int(first or 0), annotations=annotations)
     for row in rows:
@@ -103,12 +110,12 @@ def job_counts(*, session: Session, job_id: str) -> JobCounts:
     """Counts by request status, and generated tokens so far."""
     rows = session.execute(select(Request.status, func.count()).where(Request.job_id == job_id)
                            .group_by(Request.status)).all()
-    by_status: dict[str, int] = {status: count for status, count in rows}
+    by_status: dict[RequestStatus, int] = {status: count for status, count in rows}
     tokens = generated_tokens(session=session, job_id=job_id)
-    return JobCounts(total=sum(by_status.values()), completed=by_status.get(RequestStatus.completed.value, 0),
-                     failed=by_status.get(RequestStatus.failed.value, 0) + by_status.get(RequestStatus.expired.value, 0),
-                     pending=by_status.get(RequestStatus.pending.value, 0),
-                     in_progress=by_status.get(RequestStatus.in_progress.value, 0), tokens=tokens)
+    return JobCounts(total=sum(by_status.values()), completed=by_status.get(RequestStatus.completed, 0),
+                     failed=by_status.get(RequestStatus.failed, 0) + by_status.get(RequestStatus.expired, 0),
+                     pending=by_status.get(RequestStatus.pending, 0),
+                     in_progress=by_status.get(RequestStatus.in_progress, 0), tokens=tokens)
 
 
 def generated_tokens(*, session: Session, job_id: str | None = None) -> int:
@@ -121,11 +128,11 @@ def generated_tokens(*, session: Session, job_id: str | None = None) -> int:
 
 def set_job_status(job: Job, status: JobStatus, *, now: datetime | None = None) -> None:
     """Move a job to `status` and stamp `<status>_at` (one log line per transition)."""
-    if job.status == status.value:
+    if job.status == status:
         return
-    logger.info("Job %s: %s -> %s", job.id, job.status, status.value)
-    job.status = status.value
-    stamp = f"{status.value}_at"
+    logger.info("Job %s: %s -> %s", job.id, job.status, status)
+    job.status = status
+    stamp = f"{status}_at"
     if hasattr(job, stamp):
         setattr(job, stamp, now or utcnow())
 
@@ -133,11 +140,11 @@ def set_job_status(job: Job, status: JobStatus, *, now: datetime | None = None) 
 def cancel_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> Job:
     """Start cancelling: pending requests stop now, running ones at their next checkpoint."""
     job = get_job(session=session, job_id=job_id, api_key_id=api_key_id)
-    if JobStatus(job.status).terminal or job.status == JobStatus.cancelling.value:
+    if job.status.terminal or job.status == JobStatus.cancelling:
         return job
     set_job_status(job, JobStatus.cancelling)
-    session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending.value)
-                    .values(status=RequestStatus.cancelled.value, completed_at=utcnow()))
+    session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending)
+                    .values(status=RequestStatus.cancelled, completed_at=utcnow()))
     settle_job(session=session, job=job)
     return job
 
@@ -147,12 +154,12 @@ def settle_job(*, session: Session, job: Job, now: datetime | None = None) -> No
     now = now or utcnow()
     counts = job_counts(session=session, job_id=job.id)
     live = counts.pending + counts.in_progress
-    if job.status == JobStatus.cancelling.value and counts.in_progress == 0:
+    if job.status == JobStatus.cancelling and counts.in_progress == 0:
         # requests whose worker died after the cancel came back to pending through the sweep: cancel them too
-        session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending.value)
-                        .values(status=RequestStatus.cancelled.value, completed_at=now))
+        session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending)
+                        .values(status=RequestStatus.cancelled, completed_at=now))
         set_job_status(job, JobStatus.cancelled, now=now)
-    elif job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and live == 0:
+    elif job.status in (JobStatus.queued, JobStatus.in_progress) and live == 0:
         set_job_status(job, JobStatus.finalizing, now=now)
         failed_all = counts.completed == 0 and counts.failed > 0
         set_job_status(job, JobStatus.failed if failed_all else JobStatus.completed, now=now)
@@ -163,8 +170,8 @@ def expire_job(*, session: Session, job: Job, now: datetime | None = None) -> No
     """The deadline passed: unfinished requests expire (keeping partial output), finished results stay."""
     now = now or utcnow()
     session.execute(update(Request).where(Request.job_id == job.id, Request.status.in_(
-        [RequestStatus.pending.value, RequestStatus.in_progress.value]))
-        .values(status=RequestStatus.expired.value, lease_token=None, lease_owner=None, completed_at=now,
+        [RequestStatus.pending, RequestStatus.in_progress]))
+        .values(status=RequestStatus.expired, lease_token=None, lease_owner=None, completed_at=now,
                 last_error="the job's completion window ended"))
     set_job_status(job, JobStatus.expired, now=now)
 
@@ -180,22 +187,21 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
     now = now or utcnow()
     token = token or secrets.token_hex(8)
     # a row leased under this very token is already ours (a refill must not claim it again, even if it expired)
-    claimable = ((Request.status == RequestStatus.pending.value) |
-                 ((Request.status == RequestStatus.in_progress.value) & (Request.lease_expires_at < now) &
+    claimable = ((Request.status == RequestStatus.pending) |
+                 ((Request.status == RequestStatus.in_progress) & (Request.lease_expires_at < now) &
                   (Request.lease_token != token)))
     ids = list(session.scalars(select(Request.id).where(Request.job_id == job_id, claimable)
                                .order_by(Request.index).limit(limit).with_for_update(skip_locked=True)))
     if not ids:
         return token, []
     session.execute(update(Request).where(Request.id.in_(ids), claimable).values(
-        status=RequestStatus.in_progress.value, lease_owner=worker, lease_token=token,
+        status=RequestStatus.in_progress, lease_owner=worker, lease_token=token,
         lease_expires_at=now + timedelta(seconds=lease_seconds), attempts=Request.attempts + 1,
         started_at=func.coalesce(Request.started_at, now)))
     rows = list(session.scalars(select(Request).where(Request.lease_token == token, Request.id.in_(ids))
                                 .order_by(Request.index)))
-    session.commit()
     fail_exhausted(session=session, rows=rows, token=token, max_attempts=max_attempts)
-    return token, [r for r in rows if r.status == RequestStatus.in_progress.value]
+    return token, [r for r in rows if r.status == RequestStatus.in_progress]
 
 
 def fail_exhausted(*, session: Session, rows: list[Request], token: str, max_attempts: int) -> None:
@@ -204,8 +210,7 @@ def fail_exhausted(*, session: Session, rows: list[Request], token: str, max_att
         if row.attempts > max_attempts:
             finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.failed,
                            error=row.last_error or f"gave up after {max_attempts} attempts")
-            row.status = RequestStatus.failed.value
-    session.commit()
+            row.status = RequestStatus.failed
 
 
 def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], lease_seconds: float,
@@ -221,28 +226,26 @@ def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], 
         if texts is not None and request_id in texts:
             values["output_text"] = texts[request_id]
         result = session.execute(update(Request).where(
-            Request.id == request_id, Request.lease_token == token, Request.status == RequestStatus.in_progress.value)
+            Request.id == request_id, Request.lease_token == token, Request.status == RequestStatus.in_progress)
             .values(**values))
         if result.rowcount:  # type: ignore[attr-defined]
             owned.add(request_id)
-    session.commit()
     return owned
 
 
 def renew_leases(*, session: Session, token: str, lease_seconds: float) -> int:
     """Extend every live lease of a claim (a worker that just joined the swarm); returns the rows still ours."""
     result = session.execute(update(Request).where(Request.lease_token == token,
-                                                   Request.status == RequestStatus.in_progress.value)
+                                                   Request.status == RequestStatus.in_progress)
                              .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)))
-    session.commit()
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
 def finish_request(*, session: Session, request_id: int, token: str, status: RequestStatus,
                    generated: list[int] | None = None, finish_reason: str | None = None,
                    output_text: str | None = None, error: str | None = None) -> bool:
-    """Record a request's end, if the lease is still ours; the caller commits. Returns whether it was written."""
-    values: dict[str, Any] = dict(status=status.value, finish_reason=finish_reason, output_text=output_text,
+    """Record a request's end, if the lease is still ours; returns whether it was written."""
+    values: dict[str, Any] = dict(status=status, finish_reason=finish_reason, output_text=output_text,
                                   completed_at=utcnow(), lease_token=None, lease_owner=None, lease_expires_at=None)
     if generated is not None:
         values["generated_ids"] = list(generated)
@@ -252,7 +255,7 @@ def finish_request(*, session: Session, request_id: int, token: str, status: Req
                               .values(**values).returning(Request.job_id, Request.custom_id)).first()
     if written is not None:
         logger.info("Job %s request %s (%s): in_progress -> %s%s", written.job_id, request_id, written.custom_id,
-                    status.value, f" ({finish_reason}, {len(generated)} tokens)" if generated is not None else
+                    status, f" ({finish_reason}, {len(generated)} tokens)" if generated is not None else
                     f": {error}" if error else "")
     return written is not None
 
@@ -264,12 +267,11 @@ def release_requests(*, session: Session, token: str, error: str, count_attempt:
     for servers is bounded by its deadline, not by max_attempts.
     """
     released = session.execute(update(Request).where(Request.lease_token == token,
-                                                     Request.status == RequestStatus.in_progress.value)
-                               .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
+                                                     Request.status == RequestStatus.in_progress)
+                               .values(status=RequestStatus.pending, lease_token=None, lease_owner=None,
                                        lease_expires_at=None, last_error=error,
                                        attempts=Request.attempts - (0 if count_attempt else 1))
                                .returning(Request.job_id, Request.id)).all()
-    session.commit()
     for row in released:
         logger.info("Job %s request %s: in_progress -> pending (%s)", row.job_id, row.id, error)
 
@@ -277,33 +279,32 @@ def release_requests(*, session: Session, token: str, error: str, count_attempt:
 def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]:
     """Return requests whose lease expired to pending; returns the ids of the jobs affected."""
     now = now or utcnow()
-    stale = select(Request.id, Request.job_id).where(Request.status == RequestStatus.in_progress.value,
+    stale = select(Request.id, Request.job_id).where(Request.status == RequestStatus.in_progress,
                                                      Request.lease_expires_at < now)
     rows = session.execute(stale).all()
     if rows:
         session.execute(update(Request).where(Request.id.in_([r.id for r in rows]),
-                                              Request.status == RequestStatus.in_progress.value,
+                                              Request.status == RequestStatus.in_progress,
                                               Request.lease_expires_at < now)
-                        .values(status=RequestStatus.pending.value, lease_token=None, lease_owner=None,
+                        .values(status=RequestStatus.pending, lease_token=None, lease_owner=None,
                                 lease_expires_at=None))
         for row in rows:
             logger.info("Job %s request %s: in_progress -> pending (its lease expired: the worker died or stalled)",
                         row.job_id, row.id)
-    session.commit()
     return sorted({r.job_id for r in rows})
 
 
 def active_job_ids(*, session: Session) -> list[str]:
     """Jobs that are not terminal."""
-    live = [JobStatus.queued.value, JobStatus.in_progress.value, JobStatus.cancelling.value]
+    live = [JobStatus.queued, JobStatus.in_progress, JobStatus.cancelling]
     return list(session.scalars(select(Job.id).where(Job.status.in_(live)).order_by(Job.created_at)))
 
 
 def recently_stopped_job_ids(*, session: Session, since: datetime) -> list[str]:
     """Jobs cancelled or expired since `since` (their outputs may still need writing)."""
     return list(session.scalars(select(Job.id).where(or_(
-        (Job.status == JobStatus.cancelled.value) & (Job.cancelled_at >= since),
-        (Job.status == JobStatus.expired.value) & (Job.expired_at >= since))).order_by(Job.created_at)))
+        (Job.status == JobStatus.cancelled) & (Job.cancelled_at >= since),
+        (Job.status == JobStatus.expired) & (Job.expired_at >= since))).order_by(Job.created_at)))
 
 
 # ---- API keys ---------------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
 
 
 def _fix_special_tokens(tokenizer: Any, model: Any) -> None:
-    """Pin bos/eos/pad to the ChatML tokens and check their ids match FACTS (bos 1, eos = pad 2)."""
+    """Pin bos/eos/pad to the ChatML tokens and check their ids are SmolLM2's (bos 1, eos = pad 2)."""
     tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = BOS_TOKEN, EOS_TOKEN, EOS_TOKEN
     _clean_tokenizer_config(tokenizer, model.config.max_position_embeddings)
     ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from datetime import datetime
-from enum import Enum
+from enum import StrEnum
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,6 +22,8 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 from jobs import clock, store
 from jobs.models import Job, JobStatus, Request, RequestStatus
 from jobs.runtime import Runtime
+
+StatusT = TypeVar("StatusT", bound=StrEnum)
 
 
 class TokenRate:
@@ -61,11 +64,11 @@ class StoreCollector(Collector):
             yield rate
 
 
-def _by_status(name: str, documentation: str, session: Session, column: InstrumentedAttribute[str],
-               statuses: Iterable[Enum]) -> GaugeMetricFamily:
+def _by_status(name: str, documentation: str, session: Session, column: InstrumentedAttribute[StatusT],
+               statuses: Iterable[StatusT]) -> GaugeMetricFamily:
     counts = dict(session.execute(select(column, func.count()).group_by(column)).tuples().all())
     family = GaugeMetricFamily(name, documentation, labels=["status"])
-    for status in [s.value for s in statuses] + sorted(set(counts) - {s.value for s in statuses}):
+    for status in statuses:  # the column holds only members: loading another string raises
         family.add_metric([status], counts.get(status, 0))
     return family
 

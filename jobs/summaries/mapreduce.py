@@ -185,7 +185,7 @@ def advance(*, session: Session, job: Job, planner: Planner) -> int:
     for document, by_stage in stages.items():
         top = max(by_stage)
         last = by_stage[top]
-        if any(r.final for r in last) or any(r.status != RequestStatus.completed.value for r in last):
+        if any(r.final for r in last) or any(r.status != RequestStatus.completed for r in last):
             continue  # finished, still running, or failed (a failed chunk fails its document)
         planned += planner.reduce(document, top + 1, [r.output_text or "" for r in last])
     if not planned:

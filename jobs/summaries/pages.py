@@ -48,7 +48,7 @@ def write_outputs(*, session: Session, job: Job) -> bool:
     Returns whether it wrote them. Call it under the job's row lock (or with SQLite's single writer).
     """
     meta = dict(job.metadata_json or {})
-    if "schedule" not in meta or meta.get("outputs_written") or not JobStatus(job.status).terminal:
+    if "schedule" not in meta or meta.get("outputs_written") or not job.status.terminal:
         return False
     output = Path(meta["output"])
     finals = {r.document: r for r in session.scalars(select(Request).where(
@@ -73,8 +73,8 @@ def _document_output(session: Session, job: Job, meta: dict[str, Any], entry: di
     key = entry["key"]
     if entry["action"] == "skip":
         return key, "unchanged (skipped)", previous.output_path if previous else ""
-    if final is None or final.status != RequestStatus.completed.value:
-        ended = job.status in (JobStatus.cancelled.value, JobStatus.expired.value)
+    if final is None or final.status != RequestStatus.completed:
+        ended = job.status in (JobStatus.cancelled, JobStatus.expired)
         return key, job.status if ended else "failed", ""
     path = output / summary_filename(key)
     now = utcnow()

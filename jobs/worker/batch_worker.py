@@ -55,24 +55,25 @@ class JobWorker:
             token, claimed = store.claim_requests(
                 session=session, job_id=job_id, worker=self.runtime.worker_name, limit=self.settings.worker_batch_size,
                 lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+            session.commit()  # the leases are durable, and the rows unlocked, before anything slow
             if not claimed:
                 settle(self.runtime, session, job)
                 session.commit()
                 return Outcome()
-            if job.status == JobStatus.queued.value:
+            if job.status == JobStatus.queued:
                 store.set_job_status(job, JobStatus.in_progress)
-            session.commit()
+                session.commit()
             logger.info("Job %s: claimed %d requests (%s)", job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
             return self._generate(session, job, token, claimed)
 
     def _ready(self, session: Session, job: Job) -> bool:
         """Whether the job can take work now; expires or settles it otherwise."""
-        if JobStatus(job.status).terminal:
+        if job.status.terminal:
             return False
         if utcnow() > job.expires_at:
             store.expire_job(session=session, job=job)
             return False
-        if job.status == JobStatus.cancelling.value:
+        if job.status == JobStatus.cancelling:
             settle(self.runtime, session, job)
             return False
         return True
@@ -83,6 +84,7 @@ class JobWorker:
             model = self.runtime.swarm_model(job.model)
             # joining the swarm may take a while on a new worker: the lease must not lapse before the first checkpoint
             store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
+            session.commit()
             runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
                                  checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token),
                                  lanes=self.settings.pipeline_lanes, continuous=self.settings.continuous_batching,
@@ -117,6 +119,7 @@ class JobWorker:
                 _, claimed = store.claim_requests(
                     session=session, job_id=job_id, worker=self.runtime.worker_name, limit=limit, token=token,
                     lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+                session.commit()
                 for request in claimed:
                     session.expunge(request)  # read by the lane after this session closes
             if claimed:
@@ -130,8 +133,9 @@ class JobWorker:
             with self.runtime.session() as session:
                 owned = store.checkpoint(session=session, token=token, progress=progress, texts=texts,
                                          lease_seconds=self.settings.lease_seconds)
+                session.commit()
                 status = session.scalar(select(Job.status).where(Job.id == job_id))
-            if status == JobStatus.cancelling.value:
+            if status == JobStatus.cancelling:
                 raise JobCancelled(job_id)
             return owned
         return checkpoint
@@ -174,7 +178,7 @@ class JobWorker:
 def settle(runtime: Runtime, session: Session, job: Job, *, now: datetime | None = None) -> None:
     """Move a job on: add its next map-reduce stages, settle its status, write a finished summary job's files."""
     summarizing = "summarize" in (job.metadata_json or {})
-    if summarizing and job.status in (JobStatus.queued.value, JobStatus.in_progress.value):
+    if summarizing and job.status in (JobStatus.queued, JobStatus.in_progress):
         mapreduce.advance(session=session, job=job, planner=mapreduce.planner_for(runtime, job))
     store.settle_job(session=session, job=job, now=now)
     write_outputs_once(session, job)
@@ -183,7 +187,7 @@ def settle(runtime: Runtime, session: Session, job: Job, *, now: datetime | None
 def write_outputs_once(session: Session, job: Job) -> None:
     """Write an ended summarization job's Markdown files and summaries, if nobody has yet (under its row lock)."""
     meta = job.metadata_json or {}
-    if "summarize" in meta and JobStatus(job.status).terminal and not meta.get("outputs_written"):
+    if "summarize" in meta and job.status.terminal and not meta.get("outputs_written"):
         session.flush()
         session.refresh(job, with_for_update=True)  # one writer of the files and summaries per job
         write_outputs(session=session, job=job)

@@ -37,7 +37,7 @@ def make_celery(settings: Settings) -> Celery:
 
 def _speed_up_sqla_transport() -> None:
     # passing polling_interval as a transport option crashes: the sqla transport forwards every option to
-    # create_engine(); the class attribute works (see shared/FACTS.md)
+    # create_engine(); the class attribute works
     from kombu.transport import sqlalchemy as sqla_transport
 
     sqla_transport.Transport.polling_interval = SQLA_POLLING_INTERVAL

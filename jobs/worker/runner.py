@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +37,6 @@ class RowState:
     finish_reason: str | None = None
     committed: int = 0
     text: str = ""
-    fresh: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ def sweep_store(runtime: Runtime) -> list[str]:
     needing: list[str] = []
     with runtime.session() as session:
         store.expire_leases(session=session, now=now)
+        session.commit()  # lost work is claimable again even if a later step fails
         for job_id in store.active_job_ids(session=session):
             job = session.get(Job, job_id)
             assert job is not None
@@ -25,7 +26,7 @@ def sweep_store(runtime: Runtime) -> list[str]:
                 continue
             settle(runtime, session, job, now=now)
             counts = store.job_counts(session=session, job_id=job_id)
-            if job.status in (JobStatus.queued.value, JobStatus.in_progress.value) and counts.pending and \
+            if job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and \
                     not counts.in_progress:
                 needing.append(job_id)
         # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here:

@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect
+from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy.orm import Session
 
+from jobs.batch_input import COMPLETIONS_URL, ParsedBatch, ParsedRequest
 from jobs.migrate import downgrade, upgrade
 from jobs.models import Base
+from jobs.store import create_job
 
 TABLES = {"api_keys", "jobs", "requests", "document_summaries"}
 
@@ -81,3 +84,32 @@ def test_an_unmigrated_database_differs_from_the_models(database_url: str, engin
 
     added = {diff[1].name for diff in diffs if isinstance(diff, tuple) and diff[0] == "add_table"}
     assert added == TABLES
+
+
+def test_dropping_request_resumes_keeps_the_rows_both_ways(database_url: str, engine: Engine) -> None:
+    # Given a database at head holding a job with two requests
+    upgrade(database_url)
+    with Session(engine) as session:
+        job = create_job(session=session, parsed=ParsedBatch([parsed_line(1), parsed_line(2)], [], COMPLETIONS_URL),
+                         model="tiny")
+        session.commit()
+        job_id = job.id
+    # When it is downgraded to before 0003, the column comes back, 0 on the rows that exist
+    downgrade(database_url, "0002_summaries")
+    with engine.connect() as connection:
+        resumes = connection.execute(text("SELECT resumes FROM requests WHERE job_id = :id"), {"id": job_id})
+        assert list(resumes.scalars()) == [0, 0]
+    # And upgrading again drops it, keeps the requests and matches the models
+    upgrade(database_url)
+    assert "resumes" not in {c["name"] for c in inspect(engine).get_columns("requests")}
+    with engine.connect() as connection:
+        count = connection.execute(text("SELECT count(*) FROM requests WHERE job_id = :id"), {"id": job_id})
+        assert count.scalar() == 2
+    assert schema_diffs(engine) == []
+
+
+def parsed_line(line_number: int) -> ParsedRequest:
+    """A good completions line."""
+    return ParsedRequest(line_number=line_number, custom_id=f"req-{line_number}", url=COMPLETIONS_URL,
+                         body={"model": "tiny", "prompt": "hi"}, prompt_ids=[1, 2], max_tokens=4, temperature=0.0,
+                         top_p=1.0, seed=0, stop=[])

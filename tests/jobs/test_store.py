@@ -12,7 +12,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text, update
+from sqlalchemy.exc import StatementError
+from sqlalchemy.orm import Session
 
 from jobs import store
 from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch, ParsedRequest
@@ -79,10 +81,11 @@ def load_request(runtime: Runtime, request_id: int) -> Request:
 
 def claim(runtime: Runtime, job_id: str, *, worker: str = "worker-a", limit: int = 10, now: datetime | None = None,
           max_attempts: int = MAX_ATTEMPTS) -> tuple[str, list[int]]:
-    """Claim as a worker would; returns (token, claimed request ids)."""
+    """Claim and commit as a worker would; returns (token, claimed request ids)."""
     with runtime.session() as session:
         token, rows = store.claim_requests(session=session, job_id=job_id, worker=worker, limit=limit,
                                            lease_seconds=LEASE, max_attempts=max_attempts, now=now)
+        session.commit()
         return token, [r.id for r in rows]
 
 
@@ -105,9 +108,11 @@ def settle(runtime: Runtime, job_id: str, now: datetime | None = None) -> Job:
 
 
 def save_progress(runtime: Runtime, token: str, progress: dict[int, list[int]]) -> set[int]:
-    """A worker's checkpoint; returns the ids it still owns."""
+    """A worker's checkpoint, committed; returns the ids it still owns."""
     with runtime.session() as session:
-        return store.checkpoint(session=session, token=token, progress=progress, lease_seconds=LEASE)
+        owned = store.checkpoint(session=session, token=token, progress=progress, lease_seconds=LEASE)
+        session.commit()
+        return owned
 
 
 def set_clock(monkeypatch: pytest.MonkeyPatch, now: datetime) -> None:
@@ -129,7 +134,7 @@ def test_create_job_stores_one_pending_request_per_good_line_in_input_order(runt
         job_id = job.id
     # Then the job is queued, keeps the line error, and expires one window after its creation
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.queued.value
+    assert job.status == JobStatus.queued
     assert job.line_errors == [error.to_dict()]
     assert job.endpoint == COMPLETIONS_URL and job.input_filename == "in.jsonl"
     assert job.expires_at - job.created_at == timedelta(seconds=7200)
@@ -137,7 +142,7 @@ def test_create_job_stores_one_pending_request_per_good_line_in_input_order(runt
     rows = load_requests(runtime, job_id)
     assert [(r.index, r.line_number, r.custom_id) for r in rows] == [(0, 1, "first"), (1, 3, "second"),
                                                                       (2, 4, "third")]
-    assert all(r.status == RequestStatus.pending.value for r in rows)
+    assert all(r.status == RequestStatus.pending for r in rows)
     assert all(r.generated_ids == [] and r.attempts == 0 and r.lease_token is None for r in rows)
     assert rows[1].prompt_ids == [1, 103, 7] and rows[1].seed == 3 and rows[1].max_tokens == 16
     assert rows[1].body == {"url": COMPLETIONS_URL, "model": "tiny", "prompt": "prompt of second", "user": "u1"}
@@ -190,7 +195,7 @@ def test_two_concurrent_claimers_never_get_the_same_request(runtime: Runtime) ->
     assert not set(a) & set(b)
     # And the store agrees: each request was claimed exactly once, by the worker that got it
     rows = {r.id: r for r in load_requests(runtime, job_id)}
-    assert all(r.attempts == 1 and r.status == RequestStatus.in_progress.value for r in rows.values())
+    assert all(r.attempts == 1 and r.status == RequestStatus.in_progress for r in rows.values())
     assert {rows[i].lease_owner for i in a} <= {"worker-a"} and {rows[i].lease_owner for i in b} <= {"worker-b"}
 
 
@@ -293,6 +298,7 @@ def test_release_requests_returns_claimed_requests_to_pending_keeping_generated_
     # When the first claim is released because the swarm is unavailable
     with runtime.session() as session:
         store.release_requests(session=session, token=token, error="MissingBlocksError: no server holds 3-4")
+        session.commit()
     # Then its request is pending again with its tokens and the reason, and the other claim is untouched
     row = load_request(runtime, first)
     assert (row.status, row.generated_ids, row.lease_token, row.lease_owner, row.lease_expires_at) == \
@@ -314,6 +320,7 @@ def test_release_without_counting_the_attempt_gives_the_claims_attempt_back(runt
         with runtime.session() as session:
             store.release_requests(session=session, token=token, error="MissingBlocksError: 3-4",
                                    count_attempt=False)
+            session.commit()
     # Then the request never used up its attempts and is still pending
     (row,) = load_requests(runtime, job_id)
     assert (row.status, row.attempts) == ("pending", 0)
@@ -325,6 +332,7 @@ def test_release_counts_the_attempt_by_default(runtime: Runtime) -> None:
 
     with runtime.session() as session:
         store.release_requests(session=session, token=token, error="PeerFailed: reset")
+        session.commit()
 
     assert load_requests(runtime, job_id)[0].attempts == 1
 
@@ -341,7 +349,7 @@ def test_a_request_claimed_more_than_max_attempts_times_fails_with_a_reason(runt
     # Then no worker gets it: it failed, with a reason, and holds no lease
     assert third == []
     (row,) = load_requests(runtime, job_id)
-    assert row.status == RequestStatus.failed.value
+    assert row.status == RequestStatus.failed
     assert row.last_error == "gave up after 2 attempts"
     assert row.lease_token is None and row.completed_at is not None
     # And it cannot loop: later claims never return it
@@ -356,6 +364,7 @@ def test_an_exhausted_request_fails_with_its_last_error(runtime: Runtime) -> Non
     token, _ = claim(runtime, job_id, max_attempts=1)
     with runtime.session() as session:
         store.release_requests(session=session, token=token, error="PeerFailed: peer 12D3 reset")
+        session.commit()
     # When it is claimed past max_attempts
     _, got = claim(runtime, job_id, max_attempts=1)
     # Then it fails with the swarm's reason
@@ -373,9 +382,9 @@ def test_cancel_job_cancels_pending_requests_at_once(runtime: Runtime) -> None:
         session.commit()
 
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.cancelled.value
+    assert job.status == JobStatus.cancelled
     assert job.cancelling_at is not None and job.cancelled_at is not None
-    assert {r.status for r in load_requests(runtime, job_id)} == {RequestStatus.cancelled.value}
+    assert {r.status for r in load_requests(runtime, job_id)} == {RequestStatus.cancelled}
     assert claim(runtime, job_id)[1] == []
 
 
@@ -391,13 +400,13 @@ def test_cancel_job_waits_for_the_request_in_progress_and_keeps_finished_results
     # Then pending requests are cancelled now, but the job stays cancelling while a request runs
     rows = load_requests(runtime, job_id)
     assert [r.status for r in rows] == ["completed", "in_progress", "cancelled", "cancelled"]
-    assert load_job(runtime, job_id).status == JobStatus.cancelling.value
-    assert settle(runtime, job_id).status == JobStatus.cancelling.value
+    assert load_job(runtime, job_id).status == JobStatus.cancelling
+    assert settle(runtime, job_id).status == JobStatus.cancelling
     # When the running request finishes (at its checkpoint) and the job is settled
     assert finish(runtime, running, token, status=RequestStatus.cancelled, generated=[8], finish_reason="cancelled")
     job = settle(runtime, job_id)
     # Then the job is cancelled, and finished results remain
-    assert job.status == JobStatus.cancelled.value and job.cancelled_at is not None
+    assert job.status == JobStatus.cancelled and job.cancelled_at is not None
     rows = load_requests(runtime, job_id)
     assert (rows[0].status, rows[0].generated_ids, rows[0].output_text) == ("completed", [3, 4], "finished")
     assert (rows[1].status, rows[1].generated_ids) == ("cancelled", [8])
@@ -420,9 +429,9 @@ def test_a_cancelled_job_whose_worker_died_leaves_no_request_pending(
     # Then the job is cancelled and so is its request, with its partial tokens: none is left pending in a
     # terminal job (where no worker would ever take it, and results would leave it out)
     assert needing == []
-    assert load_job(runtime, job_id).status == JobStatus.cancelled.value
+    assert load_job(runtime, job_id).status == JobStatus.cancelled
     row = load_request(runtime, request_id)
-    assert (row.status, row.generated_ids) == (RequestStatus.cancelled.value, [1, 2])
+    assert (row.status, row.generated_ids) == (RequestStatus.cancelled, [1, 2])
 
 
 def test_cancel_job_of_a_finished_job_changes_nothing(runtime: Runtime) -> None:
@@ -436,7 +445,7 @@ def test_cancel_job_of_a_finished_job_changes_nothing(runtime: Runtime) -> None:
         session.commit()
 
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.completed.value and job.cancelling_at is None
+    assert job.status == JobStatus.completed and job.cancelling_at is None
 
 
 # ---- settle -------------------------------------------------------------------------------------------------------
@@ -454,7 +463,7 @@ def test_settle_job_completes_a_job_whose_requests_all_completed(runtime: Runtim
     settle(runtime, job_id, now=now)
     # Then it went through finalizing to completed, both stamped, and is no longer blocked
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.completed.value
+    assert job.status == JobStatus.completed
     assert job.finalizing_at == now and job.completed_at == now
     assert job.failed_at is None and job.blocked_reason is None
 
@@ -469,7 +478,7 @@ def test_settle_job_fails_a_job_whose_requests_all_failed(runtime: Runtime) -> N
     settle(runtime, job_id, now=now)
 
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.failed.value
+    assert job.status == JobStatus.failed
     assert job.finalizing_at == now and job.failed_at == now and job.completed_at is None
 
 
@@ -479,7 +488,7 @@ def test_settle_job_completes_a_job_with_some_failed_requests(runtime: Runtime) 
     finish(runtime, ok, token, generated=[1], output_text="x")
     finish(runtime, bad, token, status=RequestStatus.failed, error="boom")
 
-    assert settle(runtime, job_id).status == JobStatus.completed.value
+    assert settle(runtime, job_id).status == JobStatus.completed
 
 
 def test_settle_job_leaves_a_job_with_unfinished_requests_alone(runtime: Runtime) -> None:
@@ -489,7 +498,7 @@ def test_settle_job_leaves_a_job_with_unfinished_requests_alone(runtime: Runtime
 
     job = settle(runtime, job_id)
 
-    assert job.status == JobStatus.queued.value and job.finalizing_at is None
+    assert job.status == JobStatus.queued and job.finalizing_at is None
 
 
 # ---- expiry and lost leases --------------------------------------------------------------------------------------
@@ -508,7 +517,7 @@ def test_sweep_past_the_deadline_expires_the_job_and_keeps_finished_output(
     # Then the job expired and asks for no worker
     assert job_id not in needing
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.expired.value and job.expired_at == later
+    assert job.status == JobStatus.expired and job.expired_at == later
     # And unfinished requests expired (keeping partial tokens); the completed one keeps its output
     rows = load_requests(runtime, job_id)
     assert [r.status for r in rows] == ["completed", "expired", "expired"]
@@ -518,7 +527,7 @@ def test_sweep_past_the_deadline_expires_the_job_and_keeps_finished_output(
     # And the worker that held the running request can write nothing more
     assert save_progress(runtime, token, {running: [5, 6, 7]}) == set()
     assert finish(runtime, running, token, generated=[5, 6, 7], output_text="late") is False
-    assert load_request(runtime, running).status == RequestStatus.expired.value
+    assert load_request(runtime, running).status == RequestStatus.expired
 
 
 def test_expire_job_fences_out_the_worker_that_holds_a_live_lease(runtime: Runtime) -> None:
@@ -535,7 +544,7 @@ def test_expire_job_fences_out_the_worker_that_holds_a_live_lease(runtime: Runti
     assert finish(runtime, request_id, token, generated=[3, 4], output_text="late") is False
     row = load_request(runtime, request_id)
     assert (row.status, row.generated_ids, row.lease_token) == ("expired", [3], None)
-    assert load_job(runtime, job_id).status == JobStatus.expired.value
+    assert load_job(runtime, job_id).status == JobStatus.expired
 
 
 def test_sweep_before_the_deadline_does_not_expire_the_job(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -544,8 +553,8 @@ def test_sweep_before_the_deadline_does_not_expire_the_job(runtime: Runtime, mon
 
     assert sweep_store(runtime) == [job_id]
 
-    assert load_job(runtime, job_id).status == JobStatus.queued.value
-    assert load_requests(runtime, job_id)[0].status == RequestStatus.pending.value
+    assert load_job(runtime, job_id).status == JobStatus.queued
+    assert load_requests(runtime, job_id)[0].status == RequestStatus.pending
 
 
 def test_expire_leases_returns_stale_in_progress_requests_to_pending(runtime: Runtime) -> None:
@@ -557,9 +566,10 @@ def test_expire_leases_returns_stale_in_progress_requests_to_pending(runtime: Ru
     with runtime.session() as session:
         # When leases are checked while they hold, nothing changes
         assert store.expire_leases(session=session, now=t0 + timedelta(seconds=LEASE - 1)) == []
-        assert {r.status for r in load_requests(runtime, job_id)} == {RequestStatus.in_progress.value}
+        assert {r.status for r in load_requests(runtime, job_id)} == {RequestStatus.in_progress}
         # When they are checked after they expired
         affected = store.expire_leases(session=session, now=t0 + timedelta(seconds=LEASE + 10))
+        session.commit()
     # Then the job is reported and its requests are pending again, with their tokens kept
     assert affected == [job_id]
     rows = {r.id: r for r in load_requests(runtime, job_id)}
@@ -582,7 +592,91 @@ def test_sweep_returns_a_job_whose_leases_expired_as_needing_work(
     needing = sweep_store(runtime)
     # Then the request is pending again and the job is returned as needing a worker
     assert needing == [job_id]
-    assert load_request(runtime, request_id).status == RequestStatus.pending.value
+    assert load_request(runtime, request_id).status == RequestStatus.pending
+
+
+# ---- the transaction contract ------------------------------------------------------------------------------------
+def snapshot(runtime: Runtime, job_id: str) -> tuple[object, ...]:
+    """What other sessions see of a job and its requests."""
+    job = load_job(runtime, job_id)
+    return job.status, [(r.status, r.generated_ids, r.lease_token, r.lease_expires_at, r.attempts, r.last_error)
+                        for r in load_requests(runtime, job_id)]
+
+
+# each writer gets (session, job id, token of a committed claim, the request claimed under it)
+WRITERS: dict[str, Callable[[Session, str, str, int], object]] = {
+    "cancel_job": lambda session, job_id, token, request_id: store.cancel_job(session=session, job_id=job_id),
+    "expire_job": lambda session, job_id, token, request_id: store.expire_job(
+        session=session, job=store.get_job(session=session, job_id=job_id)),
+    "claim_requests": lambda session, job_id, token, request_id: store.claim_requests(
+        session=session, job_id=job_id, worker="worker-b", limit=10, lease_seconds=LEASE, max_attempts=MAX_ATTEMPTS),
+    "checkpoint": lambda session, job_id, token, request_id: store.checkpoint(
+        session=session, token=token, progress={request_id: [1, 2]}, lease_seconds=LEASE),
+    "renew_leases": lambda session, job_id, token, request_id: store.renew_leases(
+        session=session, token=token, lease_seconds=2 * LEASE),
+    "finish_request": lambda session, job_id, token, request_id: store.finish_request(
+        session=session, request_id=request_id, token=token, status=RequestStatus.completed, generated=[1]),
+    "release_requests": lambda session, job_id, token, request_id: store.release_requests(
+        session=session, token=token, error="PeerFailed: reset"),
+    "expire_leases": lambda session, job_id, token, request_id: store.expire_leases(
+        session=session, now=utcnow() + timedelta(seconds=2 * LEASE)),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_store_write_takes_effect_only_when_the_caller_commits(runtime: Runtime, writer: str) -> None:
+    # Given a job of two requests, one of them claimed (and committed) under a lease
+    job_id = new_job(runtime, 2)
+    token, (request_id,) = claim(runtime, job_id, limit=1)
+    before = snapshot(runtime, job_id)
+    write = WRITERS[writer]
+    # When a caller writes through the store and ends without committing
+    with runtime.session() as session:
+        write(session, job_id, token, request_id)
+        # Then other sessions never see the write, neither meanwhile nor afterwards
+        assert snapshot(runtime, job_id) == before
+    assert snapshot(runtime, job_id) == before
+    # When a caller writes and commits, the write is there for every session
+    with runtime.session() as session:
+        write(session, job_id, token, request_id)
+        assert snapshot(runtime, job_id) == before
+        session.commit()
+    assert snapshot(runtime, job_id) != before
+
+
+def test_create_job_flushes_ids_but_the_job_exists_for_others_only_after_the_commit(runtime: Runtime) -> None:
+    with runtime.session() as session:
+        job = store.create_job(session=session, parsed=parsed_batch(2), model="tiny")
+        # the ids are known before the commit (flushed), yet no other session finds the job
+        assert job.id and all(r.id is not None for r in job.requests)
+        with runtime.session() as other, pytest.raises(JobNotFound):
+            store.get_job(session=other, job_id=job.id)
+        session.commit()
+
+    assert load_job(runtime, job.id).status == JobStatus.queued
+
+
+# ---- status columns -----------------------------------------------------------------------------------------------
+def test_status_columns_load_as_their_enums_and_store_the_plain_values(runtime: Runtime) -> None:
+    # Given a queued job whose request is claimed
+    job_id = new_job(runtime, 1)
+    _, (request_id,) = claim(runtime, job_id)
+    # Then the ORM hands back enum members
+    assert type(load_job(runtime, job_id).status) is JobStatus
+    assert type(load_request(runtime, request_id).status) is RequestStatus
+    with runtime.session() as session:
+        assert type(session.scalar(select(Job.status).where(Job.id == job_id))) is JobStatus
+        # And the database holds the values themselves, as the plain string columns did
+        raw = session.execute(text("SELECT jobs.status, requests.status FROM jobs JOIN requests ON "
+                                   "requests.job_id = jobs.id WHERE jobs.id = :id"), {"id": job_id}).one()
+    assert tuple(raw) == ("queued", "in_progress")
+
+
+def test_a_status_that_is_no_member_is_refused(runtime: Runtime) -> None:
+    job_id = new_job(runtime, 1)
+
+    with runtime.session() as session, pytest.raises(StatementError, match="queud"):
+        session.execute(update(Job).where(Job.id == job_id).values(status="queud"))
 
 
 # ---- API keys -----------------------------------------------------------------------------------------------------
@@ -630,7 +724,7 @@ def test_a_job_of_another_key_is_not_found(runtime: Runtime) -> None:
         assert [j.id for j in store.list_jobs(session=session, api_key_id=owner.id)] == [job_id]
         assert store.list_jobs(session=session, api_key_id=stranger.id) == []
         session.commit()
-    assert load_job(runtime, job_id).status == JobStatus.queued.value
+    assert load_job(runtime, job_id).status == JobStatus.queued
 
 
 def test_get_job_of_an_unknown_id_raises_job_not_found(runtime: Runtime) -> None:
