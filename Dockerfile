@@ -14,11 +14,13 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 WORKDIR /app
 COPY pyproject.toml README.md cli.py ./
+COPY commands ./commands
 COPY swarmclient ./swarmclient
 COPY servers ./servers
 COPY jobs ./jobs
 COPY modelprep ./modelprep
 COPY migrations ./migrations
+COPY launch ./launch
 COPY samples ./samples
 RUN pip install . && mkdir -p /data/models /dht
 

@@ -6,6 +6,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from commands.ready import SERVING_BLOCKS
 from launch.processes import ManagedProcess, cli_command
 
 
@@ -53,14 +54,14 @@ class LocalSwarm:
                                 cpu=(number % (os.cpu_count() or 1)) if self.pin_cpus else None)
         self.servers.append(server)
         if wait:
-            server.wait_for_line("Serving blocks", timeout=self.ready_timeout)
+            server.wait_for_line(SERVING_BLOCKS, timeout=self.ready_timeout)
         return server
 
     def start_servers(self, specs: Sequence[tuple[int, int, Sequence[str]]]) -> list[ManagedProcess]:
         """Start several servers at once, each (start, end, extra_args), and wait until all are ready."""
         started = [self.start_server(start, end, wait=False, extra_args=args) for start, end, args in specs]
         for server in started:
-            server.wait_for_line("Serving blocks", timeout=self.ready_timeout)
+            server.wait_for_line(SERVING_BLOCKS, timeout=self.ready_timeout)
         return started
 
     def stop(self) -> None:

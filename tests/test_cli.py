@@ -1,6 +1,7 @@
 """The CLI through typer's runner: JSON shapes, one-line errors and documented exit codes."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -14,6 +15,8 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import cli
+from commands.errors import EXIT_CODES, ExitCode
+from commands.ready import SERVING_BLOCKS
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess, cli_command
 from swarmclient.textgen import load_tokenizer
@@ -50,7 +53,24 @@ def test_model_tiny_writes_a_loadable_model(tmp_path: Path) -> None:
 
 def test_model_prepare_of_a_non_model_is_a_usage_error(tmp_path: Path) -> None:
     code, _, err = invoke("model", "prepare", str(tmp_path / "nothing-here"))
-    assert code == cli.EXIT_USAGE and err.startswith("Error: ModelPrepError:") and len(err.strip().splitlines()) == 1
+    assert code == ExitCode.USAGE and err.startswith("Error: ModelPrepError:") and len(err.strip().splitlines()) == 1
+
+
+def test_every_error_class_the_boundary_maps_exists() -> None:
+    # the boundary names classes instead of importing them: a renamed or moved class must fail here, not in the field
+    for name in EXIT_CODES:
+        module, _, qualname = name.rpartition(".")
+        kind = getattr(importlib.import_module(module), qualname, None)
+        assert isinstance(kind, type) and issubclass(kind, Exception), name
+
+
+def test_an_error_of_ours_prints_its_traceback_only_with_verbose(tmp_path: Path) -> None:
+    plain = runner.invoke(cli.app, ["model", "prepare", str(tmp_path / "nothing-here")])
+    verbose = runner.invoke(cli.app, ["--verbose", "model", "prepare", str(tmp_path / "nothing-here")])
+    assert plain.exit_code == verbose.exit_code == ExitCode.USAGE
+    assert "Traceback" not in plain.stderr and len(plain.stderr.strip().splitlines()) == 1
+    assert "Traceback (most recent call last):" in verbose.stderr and "prepare_model" in verbose.stderr
+    assert verbose.stderr.strip().splitlines()[-1] == plain.stderr.strip()
 
 
 def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
@@ -71,18 +91,18 @@ def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, cli_swarm: L
 
 def test_generate_with_an_unreachable_dht_exits_4_with_one_line(tiny_model: Path) -> None:
     code, _, err = invoke("generate", str(tiny_model), "hi", "--initial-peers", DEAD_PEER)
-    assert code == cli.EXIT_SWARM_UNAVAILABLE
+    assert code == ExitCode.SWARM_UNAVAILABLE
     assert err.startswith("Error: DHTUnreachable:") and len(err.strip().splitlines()) == 1
 
 
 def test_serve_rejects_a_malformed_block_range(tiny_model: Path) -> None:
     code, _, err = invoke("serve", str(tiny_model), "--blocks", "3-5", "--initial-peers", DEAD_PEER)
-    assert code == cli.EXIT_USAGE and "START:END" in err
+    assert code == ExitCode.USAGE and "START:END" in err
 
 
 def test_serve_needs_exactly_one_span_option(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
     code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *cli_swarm.initial_peers)
-    assert code == cli.EXIT_USAGE and "--blocks" in err and "--num-blocks" in err
+    assert code == ExitCode.USAGE and "--blocks" in err and "--num-blocks" in err
 
 
 def test_a_server_with_num_blocks_fills_the_least_covered_span(tiny_model: Path, local_swarm) -> None:
@@ -90,10 +110,10 @@ def test_a_server_with_num_blocks_fills_the_least_covered_span(tiny_model: Path,
     chooser = ManagedProcess(cli_command("serve", str(tiny_model), "--num-blocks", "3", "--num-threads", "1",
                                          "--initial-peers", *swarm.initial_peers), name="chooser", log_dir=swarm.log_dir)
     try:
-        line = chooser.wait_for_line("Serving blocks", timeout=120)
+        line = chooser.wait_for_line(SERVING_BLOCKS, timeout=120)
     finally:
         chooser.terminate()
-    assert line.startswith("Serving blocks 3:6 ")
+    assert line.startswith(f"{SERVING_BLOCKS} 3:6 ")
 
 
 def test_swarm_status_shows_a_leaving_server_as_missing_within_one_announce_period(

@@ -2,17 +2,22 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from typer.testing import CliRunner
 
 import cli
+from commands.errors import ExitCode
 from jobs import store
 from jobs.models import ApiKey
 from jobs.runtime import Runtime, set_runtime
 from jobs.settings import get_settings
+from launch.processes import cli_command
 
 runner = CliRunner()
 GOOD = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hello", "max_tokens": 4}}
@@ -67,20 +72,66 @@ def test_submit_status_jobs_cancel_and_results_on_the_embedded_store(embedded_ho
 def test_a_file_without_a_good_line_is_refused_with_one_line(embedded_home: Path, tiny_model: Path,
                                                              tmp_path: Path) -> None:
     code, _, err = invoke("submit", str(write_batch(tmp_path / "bad.jsonl", "{oops")), "--model", str(tiny_model))
-    assert code == cli.EXIT_USAGE and err.startswith("Error: InvalidJob:") and len(err.strip().splitlines()) == 1
+    assert code == ExitCode.USAGE and err.startswith("Error: InvalidJob:") and len(err.strip().splitlines()) == 1
     assert json.loads(invoke("jobs", "--json")[1])["data"] == []
 
 
 def test_an_unknown_job_is_a_usage_error(embedded_home: Path) -> None:
     code, _, err = invoke("status", "batch_nope")
-    assert code == cli.EXIT_USAGE and "JobNotFound" in err
+    assert code == ExitCode.USAGE and "JobNotFound" in err
 
 
 def test_an_unreachable_database_exits_3(embedded_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SWARMBATCH_DATABASE_URL", "postgresql+psycopg2://postgres@127.0.0.1:1/nothing")
     get_settings.cache_clear()
     code, _, err = invoke("status", "batch_x")
-    assert code == cli.EXIT_STORE_UNREACHABLE and err.startswith("Error: StoreUnavailable:")
+    assert code == ExitCode.STORE_UNREACHABLE and err.startswith("Error: StoreUnavailable:")
+
+
+@pytest.mark.parametrize("command", [["status", "batch_x"], ["keys", "create", "alice"], ["db", "upgrade"], ["beat"]],
+                         ids=" ".join)
+def test_a_command_on_an_unreachable_database_exits_3_with_one_line_naming_it_without_its_password(
+        tmp_path: Path, command: list[str]) -> None:
+    # a real process: what a user sees on stderr, log lines included; beat and the servers would run forever
+    port = free_port()
+    env = {**os.environ, "SWARMBATCH_HOME": str(tmp_path / "home"),
+           "SWARMBATCH_DATABASE_URL": f"postgresql+psycopg2://postgres:sekret@127.0.0.1:{port}/x"}
+    for name in ("SWARMBATCH_BROKER_URL", "SWARMBATCH_API_URL", "SWARMBATCH_API_KEY"):
+        env.pop(name, None)
+    proc = subprocess.run(cli_command(*command), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.STORE_UNREACHABLE, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("Error: ") and f"127.0.0.1:{port}/x" in line and "sekret" not in line
+
+
+def test_keys_create_on_a_database_that_cannot_be_opened_exits_3_with_one_line(
+        embedded_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{embedded_home / 'no' / 'such' / 'dir' / 'x.sqlite'}"
+    monkeypatch.setenv("SWARMBATCH_DATABASE_URL", url)
+    get_settings.cache_clear()
+    code, _, err = invoke("keys", "create", "alice")
+    assert code == ExitCode.STORE_UNREACHABLE
+    assert err.strip().splitlines() == [f"Error: OperationalError: database {url} is not usable (unable to open "
+                                        "database file); start it or fix SWARMBATCH_DATABASE_URL, and migrate it "
+                                        "with 'swarmbatch db upgrade'"]
+
+
+def test_db_upgrade_to_an_unknown_revision_is_a_usage_error_in_one_line(embedded_home: Path) -> None:
+    code, _, err = invoke("db", "upgrade", "nosuchrev")
+    assert code == ExitCode.USAGE
+    assert err.strip().splitlines() == ["Error: CommandError: Can't locate revision identified by 'nosuchrev'"]
+
+
+def test_submit_with_an_unreachable_broker_exits_3_with_one_line_naming_it(
+        embedded_home: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    monkeypatch.setenv("SWARMBATCH_BROKER_URL", f"redis://:sekret@127.0.0.1:{port}/0")
+    get_settings.cache_clear()
+    code, _, err = invoke("submit", str(write_batch(tmp_path / "in.jsonl", GOOD)), "--model", str(tiny_model))
+    assert code == ExitCode.STORE_UNREACHABLE
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"Error: OperationalError: broker redis://:***@127.0.0.1:{port}/0 is not reachable (")
+    assert line.endswith("start it or fix SWARMBATCH_BROKER_URL")
 
 
 def test_keys_create_prints_a_key_once_and_stores_only_its_hash(embedded_home: Path) -> None:
@@ -109,4 +160,4 @@ def test_the_cli_talks_to_the_rest_api_with_a_key(make_runtime: Callable[..., Ru
     code, out, _ = invoke("status", job_id, "--json", "--api", url, "--key", key)
     assert code == 0 and json.loads(out)["request_counts"]["total"] == 1
     code, _, err = invoke("status", job_id, "--api", url, "--key", "sb-wrong")
-    assert code == cli.EXIT_USAGE and "401" in err
+    assert code == ExitCode.USAGE and "401" in err

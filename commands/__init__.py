@@ -1,0 +1,12 @@
+"""commands: the `swarmbatch` command line, one module per group of verbs; the top-level `cli.py` composes them.
+
+    errors   ExitCode (each code documented once) and ErrorBoundary, the root group that turns our errors into
+             one line on stderr and an exit code
+    options  what several modules share: --initial-peers, --json, --verbose
+    ready    the ready lines launchers and tests wait for ("Serving blocks ..."); no dependencies
+    swarm    model prepare / tiny, dht, serve, swarm status, generate, demo
+    batch    submit, status, results, cancel, jobs
+    admin    worker, beat, api, db upgrade, keys create, schedules list / run
+
+Heavy imports (torch, hivemind, the jobs store) stay inside the command bodies, so `--help` starts fast.
+"""

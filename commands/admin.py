@@ -1,0 +1,141 @@
+"""Service processes and administration: worker, beat, api, db upgrade, keys create, schedules list / run."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from commands.errors import ExitCode
+from commands.options import JsonOption, PeersOption, verbose_requested
+
+app = typer.Typer()  # top-level verbs: worker, beat, api
+db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+schedules_app = typer.Typer(help="Nightly summarization schedules (SWARMBATCH_SCHEDULES).", no_args_is_help=True)
+SchedulesOption = Annotated[Path | None, typer.Option(
+    "--file", help="Schedules TOML file (default: SWARMBATCH_SCHEDULES).")]
+
+
+# ---- service processes ---------------------------------------------------------------------------------------------
+@app.command("worker")
+def worker(ctx: typer.Context,
+           concurrency: Annotated[int, typer.Option(min=1, help="Pool processes.")] = 1,
+           pool: Annotated[str, typer.Option(help="prefork, solo or threads.")] = "prefork",
+           beat: Annotated[bool, typer.Option(help="Also run the periodic sweep (embedded beat).")] = False,
+           initial_peers: PeersOption = [],
+           loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
+    """Run a Celery worker that generates jobs through the swarm."""
+    from jobs.runtime import get_runtime
+
+    if initial_peers:
+        os.environ["SWARMBATCH_INITIAL_PEERS"] = " ".join(initial_peers)
+    runtime = get_runtime()
+    runtime.ensure_store()
+    level = "debug" if verbose_requested(ctx) else loglevel  # celery resets the root level to its own
+    args = ["worker", f"--concurrency={concurrency}", f"--pool={pool}", f"--loglevel={level}",
+            "--without-gossip", "--without-mingle", "-n", f"swarmbatch-{os.getpid()}@%h"]
+    runtime.celery.worker_main(args + (["--beat", f"--schedule={runtime.settings.home / 'beat-schedule'}"] if beat else []))
+
+
+@app.command("beat")
+def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
+    """Run Celery beat: the periodic sweep for lost work, and the schedules of SWARMBATCH_SCHEDULES."""
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    runtime.settings.home.mkdir(parents=True, exist_ok=True)
+    runtime.ensure_store()  # beat never reads the store itself, but every task it sends does: fail here, in one line
+    runtime.celery.start(["beat", f"--loglevel={loglevel}", f"--schedule={runtime.settings.home / 'beat-schedule'}"])
+
+
+@app.command("api")
+def api_server(host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
+               port: Annotated[int, typer.Option(help="TCP port.")] = 8000) -> None:
+    """Serve the REST API (OpenAPI at /docs)."""
+    import uvicorn
+
+    from jobs.api.main import make_app
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    runtime.ensure_store()
+    uvicorn.run(make_app(runtime), host=host, port=port)
+
+
+# ---- database and keys ---------------------------------------------------------------------------------------------
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Migrate the database (SWARMBATCH_DATABASE_URL, or the embedded SQLite) to the latest schema."""
+    from jobs.migrate import upgrade
+    from jobs.settings import get_settings
+
+    settings = get_settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.resolved_database_url, revision)  # the boundary tells an unknown revision from no database
+    typer.echo(f"database at {revision}")
+
+
+@keys_app.command("create")
+def keys_create(name: Annotated[str, typer.Argument(help="Who the key is for.")]) -> None:
+    """Create an API key; prints it once (only its hash is stored)."""
+    from jobs import store
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    runtime.ensure_store()
+    with runtime.session() as session:
+        _, plain = store.create_api_key(session=session, name=name)
+        session.commit()
+    typer.echo(plain)
+
+
+# ---- schedules -----------------------------------------------------------------------------------------------------
+def load_schedule_file(path: Path | None) -> list[Any]:
+    """The schedules of --file or SWARMBATCH_SCHEDULES; exit 2 with one line if neither is set."""
+    from jobs.settings import get_settings
+    from jobs.summaries.schedule_file import load_schedules
+
+    path = path or get_settings().schedules
+    if path is None:
+        typer.echo("error: no schedules file; pass --file or set SWARMBATCH_SCHEDULES", err=True)
+        raise typer.Exit(ExitCode.USAGE)
+    return load_schedules(Path(path))
+
+
+@schedules_app.command("list")
+def schedules_list(file: SchedulesOption = None, as_json: JsonOption = False) -> None:
+    """Each schedule with its cron, timezone and next run."""
+    from jobs.summaries.firing import next_runs
+
+    schedules = load_schedule_file(file)
+    runs = next_runs(schedules)
+    rows = [{"name": s.name, "cron": s.cron, "timezone": s.timezone, "next_run": runs[s.name].isoformat(),
+             "source": s.source, "model": s.model, "output": str(s.output_dir)} for s in schedules]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for row in rows:
+        typer.echo(f"{row['name']:<24} {row['cron']:<16} {row['timezone']:<18} next {row['next_run']}  "
+                   f"{row['source']} -> {row['output']}")
+
+
+@schedules_app.command("run")
+def schedules_run(name: str, file: SchedulesOption = None, as_json: JsonOption = False) -> None:
+    """Fire one schedule now (changed and new documents only); prints the job id."""
+    from jobs.runtime import get_runtime
+    from jobs.summaries.firing import fire_now
+    from jobs.summaries.schedule_file import find_schedule
+
+    schedule = find_schedule(load_schedule_file(file), name)
+    runtime = get_runtime()
+    runtime.ensure_store()
+    firing = fire_now(runtime, schedule)
+    if as_json:
+        typer.echo(json.dumps(firing.__dict__))
+    elif firing.job_id is None:
+        typer.echo(f"{name}: already fired this minute ({firing.period}); nothing created")
+    else:
+        typer.echo(f"{firing.job_id}  {firing.summarize} documents to summarize, {firing.skipped} unchanged skipped")

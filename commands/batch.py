@@ -1,0 +1,90 @@
+"""Batch-job commands: submit, status, results, cancel, jobs; on the store (default) or the REST API (--api)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from commands.errors import ExitCode
+from commands.options import JsonOption
+
+app = typer.Typer()  # top-level verbs: submit, status, results, cancel, jobs
+ApiOption = Annotated[str | None, typer.Option("--api", envvar="SWARMBATCH_API_URL",
+                                                  help="Talk to this REST API instead of the store.")]
+KeyOption = Annotated[str | None, typer.Option("--key", envvar="SWARMBATCH_API_KEY", help="API key for --api.")]
+
+
+def jobs_client(api: str | None, key: str | None) -> Any:
+    """The store (default) or the REST API."""
+    from jobs.client import ApiClient, StoreClient
+    from jobs.runtime import get_runtime
+
+    return ApiClient(api, key) if api else StoreClient(get_runtime())
+
+
+def print_job(job: dict[str, Any], as_json: bool) -> None:
+    """A job object as JSON or one readable line."""
+    from jobs.progress import describe_job
+
+    typer.echo(json.dumps(job) if as_json else describe_job(job))
+
+
+@app.command("submit")
+def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="OpenAI batch JSONL.")],
+           model: Annotated[str, typer.Option(help="'smollm2' or a local model dir.")] = "smollm2",
+           completion_window: Annotated[str, typer.Option(help="Deadline, e.g. 24h or 90m.")] = "24h",
+           wait: Annotated[bool, typer.Option(help="Show progress until the job ends.")] = False,
+           as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """Submit a batch; prints the job id (or the job object with --json)."""
+    client = jobs_client(api, key)
+    job = client.submit(file, model=model, completion_window=completion_window)
+    if not wait:
+        typer.echo(json.dumps(job) if as_json else job["id"])
+        return
+    from jobs.progress import follow_job
+
+    final = follow_job(client, job["id"])
+    print_job(final, as_json)
+    if final["status"] != "completed":
+        raise typer.Exit(ExitCode.JOB_FAILED)
+
+
+@app.command("status")
+def status(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """A job's status, request counts, tokens generated and what blocks it."""
+    print_job(jobs_client(api, key).get(job_id), as_json)
+
+
+@app.command("results")
+def results(job_id: str, output: Annotated[Path | None, typer.Option("-o", "--output", help="Write to a file.")] = None,
+            errors: Annotated[bool, typer.Option("--errors", help="The error lines instead.")] = False,
+            api: ApiOption = None, key: KeyOption = None) -> None:
+    """The output JSONL, in input order (partial while the job runs)."""
+    client = jobs_client(api, key)
+    lines = list(client.errors(job_id) if errors else client.results(job_id))
+    if output is None:
+        typer.echo("".join(lines), nl=False)
+        return
+    tmp = output.with_name(output.name + ".tmp")
+    tmp.write_text("".join(lines))
+    tmp.replace(output)
+    typer.echo(f"{len(lines)} lines written to {output}", err=True)
+
+
+@app.command("cancel")
+def cancel(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """Cancel a job; finished and partial outputs are kept."""
+    print_job(jobs_client(api, key).cancel(job_id), as_json)
+
+
+@app.command("jobs")
+def jobs(as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+    """Recent jobs, newest first."""
+    listed = jobs_client(api, key).list()
+    if as_json:
+        typer.echo(json.dumps({"object": "list", "data": listed}))
+        return
+    for job in listed:
+        print_job(job, False)

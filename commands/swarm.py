@@ -1,0 +1,183 @@
+"""Swarm commands: prepare models, run the DHT node and block servers, read the swarm, generate, the demo."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from commands.options import JsonOption, PeersOption
+from commands.ready import serving_line
+
+app = typer.Typer()  # top-level verbs: dht, serve, generate, demo
+model_app = typer.Typer(help="Prepare model directories.", no_args_is_help=True)
+swarm_app = typer.Typer(help="Inspect the swarm.", no_args_is_help=True)
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """'smollm2' or a local model dir -> a prepared model directory."""
+    from jobs.settings import get_settings
+    from modelprep import prepare_model
+
+    return prepare_model(name_or_path, cache_dir=get_settings().models_dir)
+
+
+def network_options(host: str, port: int, identity: Path | None, announce_host: str | None = None) -> Any:
+    """The P2P listen options of a DHT node or block server."""
+    from swarmclient.network import NetworkOptions
+
+    return NetworkOptions(host=host, port=port, identity_path=str(identity) if identity else None,
+                          announce_host=announce_host)
+
+
+# ---- model -------------------------------------------------------------------------------------------------
+@model_app.command("prepare")
+def model_prepare(name_or_path: Annotated[str, typer.Argument(help="'smollm2' or a local Hugging Face model dir.")]
+                  ) -> None:
+    """Make a local model directory (safetensors + tokenizer) and print its path."""
+    typer.echo(resolve_model(name_or_path))
+
+
+@model_app.command("tiny")
+def model_tiny(out: Annotated[Path, typer.Argument(help="Directory to write.")],
+               layers: Annotated[int, typer.Option(min=1, help="Number of decoder layers.")] = 4,
+               arch: Annotated[str, typer.Option(help="llama, mistral or qwen2.")] = "llama",
+               seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+               context: Annotated[int, typer.Option(min=16, help="Context length (max_position_embeddings).")] = 2048
+               ) -> None:
+    """Write a small random model with a tokenizer (tests, benchmarks)."""
+    from modelprep import write_tiny_model
+
+    typer.echo(write_tiny_model(out, layers=layers, arch=arch, seed=seed, context=context))
+
+
+# ---- swarm processes ------------------------------------------------------------------------------------------
+@app.command("dht")
+def dht(host: Annotated[str, typer.Option(help="Listen address (0.0.0.0 for other machines).")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="TCP port; 0 = any free port.")] = 0,
+        identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id across restarts.")] = None,
+        announce_host: Annotated[str | None, typer.Option(help="Address other machines dial.")] = None,
+        initial_peers: PeersOption = []) -> None:
+    """Run a DHT bootstrap node; prints its full multiaddr on one stdout line when ready."""
+    from servers.bootstrap import run_bootstrap_node
+
+    def on_ready(maddrs: list[str]) -> None:
+        typer.echo(maddrs[0])
+        sys.stdout.flush()
+
+    run_bootstrap_node(initial_peers, network_options(host, port, identity, announce_host), on_ready)
+
+
+def parse_blocks(value: str | None) -> tuple[int, int] | None:
+    """'A:B' -> (A, B)."""
+    if value is None:
+        return None
+    try:
+        start, end = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise typer.BadParameter("expected START:END, e.g. 0:15", param_hint="--blocks") from None
+    if not 0 <= start < end:
+        raise typer.BadParameter(f"empty or negative span {value}", param_hint="--blocks")
+    return start, end
+
+
+@app.command("serve")
+def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
+          initial_peers: PeersOption,
+          blocks: Annotated[str | None, typer.Option(help="Serve blocks START:END.")] = None,
+          num_blocks: Annotated[int | None, typer.Option(min=1, help="Serve N blocks where coverage is weakest.")] = None,
+          host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(help="TCP port; 0 = any free port.")] = 0,
+          announce_host: Annotated[str | None, typer.Option(help="Address other machines dial.")] = None,
+          identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id.")] = None,
+          dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+          quant: Annotated[str, typer.Option(help="none, int8 or nf4 (bitsandbytes).")] = "none",
+          attn_cache_tokens: Annotated[int, typer.Option(min=1, help="KV-cache tokens per block, all sessions.")] = 16384,
+          max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch accepted.")] = 64,
+          announce_period: Annotated[float, typer.Option(help="Seconds between DHT announcements.")] = 15.0,
+          session_timeout: Annotated[float, typer.Option(help="Idle seconds before a session is closed.")] = 300.0,
+          num_threads: Annotated[int | None, typer.Option(min=1, help="torch threads.")] = None,
+          batch_wait_ms: Annotated[float, typer.Option(
+              min=0, help="Wait up to this many ms to merge concurrent sessions' decode steps into one forward "
+                          "(at most --max-batch-size rows); 0 = no merging.")] = 2.0,
+          max_merge_tokens: Annotated[int, typer.Option(
+              min=0, help="Sessions caching more tokens (rows x length) than this run alone: merging copies "
+                          "their caches.")] = 2048,
+          metrics_port: Annotated[int, typer.Option(min=0, max=65535,
+                                                    help="Serve Prometheus /metrics on this port; 0 = off.")] = 0,
+          metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1") -> None:
+    """Run a block server for a span of the model's blocks."""
+    from servers.block_loading import DType, Quant
+    from servers.server import ServerConfig, run_server
+
+    if not initial_peers:
+        raise typer.BadParameter("a block server needs at least one DHT multiaddr (run 'swarmbatch dht')",
+                                 param_hint="--initial-peers")
+    try:
+        dtype_choice, quant_choice = DType(dtype), Quant(quant)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--dtype/--quant") from None
+    config = ServerConfig(
+        model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
+        num_blocks=num_blocks, network=network_options(host, port, identity, announce_host), dtype=dtype_choice,
+        quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
+        announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
+        batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens,
+        metrics_port=metrics_port, metrics_host=metrics_host)
+    run_server(config, print_ready)
+
+
+def print_ready(status: Any, maddrs: list[str]) -> None:
+    """The ready line on stdout, flushed: launchers wait for it."""
+    span = status.loaded_span()
+    typer.echo(serving_line(span.start, span.end, status.model_id, status.peer_id, maddrs))
+    sys.stdout.flush()
+
+
+# ---- swarm client -----------------------------------------------------------------------------------------------
+@swarm_app.command("status")
+def swarm_status(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
+                 initial_peers: PeersOption, as_json: JsonOption = False) -> None:
+    """Coverage map: which servers hold each block, their state, and which blocks are missing."""
+    from swarmclient.coverage import read_coverage, render_coverage
+
+    report = read_coverage(resolve_model(model), initial_peers)
+    typer.echo(json.dumps(report, indent=2) if as_json else render_coverage(report))
+
+
+@app.command("generate")
+def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
+             prompts: Annotated[list[str], typer.Argument(help="One or more prompts.")],
+             initial_peers: PeersOption,
+             max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 32,
+             temperature: Annotated[float, typer.Option(min=0.0, help="0 = greedy.")] = 0.0,
+             top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+             seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+             chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
+             as_json: JsonOption = False) -> None:
+    """One-off generation through the swarm."""
+    from swarmclient.textgen import generate_texts
+
+    began = time.perf_counter()
+    outputs = generate_texts(resolve_model(model), prompts, initial_peers=initial_peers, chat=chat,
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    if as_json:
+        typer.echo(json.dumps({"outputs": outputs}))
+        return
+    for item in outputs:
+        typer.echo(f"--- {item['prompt']!r}\n{item['text']}")
+    tokens = sum(len(item["token_ids"]) for item in outputs)
+    typer.echo(f"{tokens} tokens in {time.perf_counter() - began:.1f} s", err=True)
+
+
+@app.command("demo")
+def demo() -> None:
+    """The main job, embedded: a local DHT and two block servers, SmolLM2 generating summaries."""
+    from launch.demo import run_demo
+    from launch.processes import exit_on_sigterm
+
+    exit_on_sigterm()
+    run_demo(echo=typer.echo)
