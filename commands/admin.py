@@ -24,7 +24,7 @@ SchedulesOption = Annotated[Path | None, typer.Option(
 def worker(ctx: typer.Context,
            concurrency: Annotated[int, typer.Option(min=1, help="Pool processes.")] = 1,
            pool: Annotated[str, typer.Option(help="prefork, solo or threads.")] = "prefork",
-           beat: Annotated[bool, typer.Option(help="Also run the periodic sweep (embedded beat).")] = False,
+           beat: Annotated[bool, typer.Option(help="Also run beat in this process, for the schedules of SWARMBATCH_SCHEDULES.")] = False,
            initial_peers: PeersOption = [],
            loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
     """Run a Celery worker that generates jobs through the swarm."""
@@ -42,7 +42,7 @@ def worker(ctx: typer.Context,
 
 @app.command("beat")
 def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
-    """Run Celery beat: the periodic sweep for lost work, and the schedules of SWARMBATCH_SCHEDULES."""
+    """Run Celery beat: the schedules of SWARMBATCH_SCHEDULES (workers recover lost work by themselves)."""
     from jobs.runtime import get_runtime
 
     runtime = get_runtime()

@@ -120,6 +120,9 @@ class Job(Base):
     cancelling_at: Mapped[datetime | None]
     cancelled_at: Mapped[datetime | None]
     expired_at: Mapped[datetime | None]
+    # no new process_job chain is dispatched by a sweep before this time: one is scheduled (a blocked job's
+    # backoff) or was just sent; so a job has one pending chain, however many sweeps run
+    dispatch_after: Mapped[datetime | None]
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")
@@ -183,3 +186,23 @@ class DocumentSummary(Base):
     output_path: Mapped[str] = mapped_column(String(2000))
     job_id: Mapped[str] = mapped_column(String(40))
     summarized_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class WorkerHeartbeat(Base):
+    """A live worker process: written every maintenance tick, deleted on a clean stop."""
+
+    __tablename__ = "worker_heartbeats"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    started_at: Mapped[datetime]
+    last_seen: Mapped[datetime]
+    expires_at: Mapped[datetime]  # alive until then: a few of its ticks, so a slow tick is not a death
+
+
+class MaintenanceSlot(Base):
+    """When a periodic duty (the sweep) is next due; the worker that moves `next_at` on does it this time."""
+
+    __tablename__ = "maintenance_slots"
+
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    next_at: Mapped[datetime]

@@ -8,8 +8,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from jobs.models import Job, Request, RequestStatus
-from jobs.store import job_counts
+from jobs import liveness
+from jobs.models import Job, JobStatus, Request, RequestStatus
+from jobs.store import JobCounts, job_counts
 
 CHAT_URL = "/v1/chat/completions"
 OUTPUT_STATUSES = (RequestStatus.completed, RequestStatus.cancelled, RequestStatus.expired)
@@ -66,6 +67,16 @@ def unix(value: Any) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
+def blocked_reason(*, session: Session, job: Job, counts: JobCounts) -> str | None:
+    """What keeps the job from moving: no live worker for waiting work, else what the workers recorded."""
+    waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and not counts.in_progress
+    if waiting and liveness.live_workers(session=session) == 0:
+        seen = liveness.last_heartbeat(session=session)
+        since = f"the last one was seen {seen:%Y-%m-%d %H:%M:%S} UTC" if seen else "none has run"
+        return f"no worker is running ({since}); start one with 'swarmbatch worker'"
+    return job.blocked_reason
+
+
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
     """The job object of the REST API (OpenAI batch shape, plus tokens_generated and blocked_reason)."""
     counts = job_counts(session=session, job_id=job.id)
@@ -74,7 +85,7 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
         "id": job.id, "object": "batch", "endpoint": job.endpoint, "model": job.model, "status": job.status,
         "input_file_id": job.input_filename, "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
-        "tokens_generated": counts.tokens, "blocked_reason": job.blocked_reason,
+        "tokens_generated": counts.tokens, "blocked_reason": blocked_reason(session=session, job=job, counts=counts),
         "errors": {"object": "list", "data": job.line_errors} if job.line_errors else None,
         "created_at": unix(job.created_at), "in_progress_at": unix(job.in_progress_at),
         "finalizing_at": unix(job.finalizing_at), "completed_at": unix(job.completed_at),

@@ -176,6 +176,21 @@ def expire_job(*, session: Session, job: Job, now: datetime | None = None) -> No
     set_job_status(job, JobStatus.expired, now=now)
 
 
+def hold_dispatch(*, session: Session, job: Job, seconds: float, now: datetime | None = None) -> bool:
+    """Whether the caller may dispatch a process_job chain for `job` now; if so, no one else may for `seconds`.
+
+    A conditional UPDATE, so of many sweeps running at once exactly one wins; a job thus has one pending chain
+    from sweeps, not one more per sweep.
+    """
+    now = now or utcnow()
+    held = session.execute(update(Job).where(Job.id == job.id, or_(Job.dispatch_after.is_(None),
+                                                                   Job.dispatch_after <= now))
+                           .values(dispatch_after=now + timedelta(seconds=seconds)))
+    if held.rowcount:  # type: ignore[attr-defined]
+        session.refresh(job, ["dispatch_after"])
+    return bool(held.rowcount)  # type: ignore[attr-defined]
+
+
 # ---- claims and checkpoints ----------------------------------------------------------------------------------
 def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, lease_seconds: float,
                    max_attempts: int, now: datetime | None = None, token: str | None = None

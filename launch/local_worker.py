@@ -21,12 +21,14 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def start_local_worker(settings: Settings, *, log_dir: Path, name: str = "worker", verbose: bool = False
-                       ) -> ManagedProcess:
-    """A `swarmbatch worker --beat` process (own process group) on the store and broker of `settings`."""
-    args = ["-v"] if verbose else []
-    return ManagedProcess(cli_command(*args, "worker", "--beat"), name=name, log_dir=log_dir,
-                          env=settings_env(settings))
+def start_local_worker(settings: Settings, *, log_dir: Path, name: str = "worker", verbose: bool = False,
+                       beat: bool = False) -> ManagedProcess:
+    """A `swarmbatch worker` process (own process group) on the store and broker of `settings`.
+
+    It maintains the store by itself (lost leases, deadlines); `beat=True` embeds beat too, for schedules.
+    """
+    args = (["-v"] if verbose else []) + ["worker"] + (["--beat"] if beat else [])
+    return ManagedProcess(cli_command(*args), name=name, log_dir=log_dir, env=settings_env(settings))
 
 
 def require_running(worker: ManagedProcess) -> None:

@@ -1,6 +1,11 @@
 """Builders of real domain objects for tests."""
 from __future__ import annotations
 
+from typing import Any
+
+from jobs import store
+from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch, ParsedRequest
+from jobs.runtime import Runtime
 from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState
 
 
@@ -20,3 +25,24 @@ def span(peer: str, start: int, end: int, **kwargs: object) -> RemoteSpanInfo:
 def block_infos(num_blocks: int, *spans: RemoteSpanInfo) -> list[dict[str, ServerInfo]]:
     """What discovery returns for these servers: per block, peer -> info."""
     return [{s.peer_id: s.info for s in spans if s.start <= i < s.end} for i in range(num_blocks)]
+
+
+def parsed_request(line_number: int, custom_id: str, **body: Any) -> ParsedRequest:
+    """A good completions line, as batch_input would produce it."""
+    return ParsedRequest(line_number=line_number, custom_id=custom_id, url=COMPLETIONS_URL,
+                         body={"model": "tiny", "prompt": f"prompt of {custom_id}", **body},
+                         prompt_ids=[1, 100 + line_number, 7], max_tokens=16, temperature=0.0, top_p=1.0,
+                         seed=line_number, stop=[])
+
+
+def parsed_batch(count: int, errors: list[LineError] | None = None) -> ParsedBatch:
+    """`count` good lines (custom ids req-0, req-1, ...) and the given bad ones."""
+    return ParsedBatch([parsed_request(i + 1, f"req-{i}") for i in range(count)], errors or [], COMPLETIONS_URL)
+
+
+def new_job(runtime: Runtime, count: int = 3, **kwargs: Any) -> str:
+    """Create and commit a job of `count` requests; returns its id."""
+    with runtime.session() as session:
+        job = store.create_job(session=session, parsed=parsed_batch(count), model="tiny", **kwargs)
+        session.commit()
+        return job.id

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -170,6 +170,8 @@ class JobWorker:
         store.release_requests(session=session, token=token, error=reason,
                                count_attempt=not isinstance(error, MissingBlocksError))
         job.blocked_reason = reason
+        # this task's retry chain comes back within MAX_RETRY_DELAY: sweeps add no other chain until it is overdue
+        job.dispatch_after = utcnow() + timedelta(seconds=MAX_RETRY_DELAY + self.settings.lease_seconds)
         session.commit()
         logger.warning("Job %s blocked: %s", job.id, reason)
         return Outcome(retry=True)

@@ -1,8 +1,8 @@
 """`make_celery(settings)`: the Celery app, on Redis in production or an embedded SQLite broker by default.
 
 Messages carry job ids only. Tasks are acked late and rejected when their worker dies, but no broker here
-redelivers reliably after a whole worker dies, so durability comes from SQL: leases plus the periodic
-`sweep` task, which re-enqueues work whose lease expired.
+redelivers reliably after a whole worker dies, so durability comes from SQL: leases plus the `sweep` task, which
+re-enqueues work whose lease expired and which every worker sends on its own timer (jobs.worker.maintenance).
 """
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True, worker_hijack_root_logger=False,
         # a task runs one batch (well under an hour); the sweep, not redelivery, recovers lost work
         broker_transport_options={"visibility_timeout": 3600} if broker.startswith("redis") else {},
-        beat_schedule={"sweep": {"task": SWEEP, "schedule": settings.sweep_interval},
-                       # beat is only a metronome: which period is due, and whether it fired, is decided in SQL
-                       "schedules": {"task": FIRE_SCHEDULES, "schedule": settings.schedule_tick}},
+        # beat is for schedules only, and only a metronome: which period is due, and whether it fired, is decided
+        # in SQL. Lost work needs no beat: every worker ticks the sweep itself (jobs.worker.maintenance)
+        beat_schedule={"schedules": {"task": FIRE_SCHEDULES, "schedule": settings.schedule_tick}},
     )
+    from jobs.worker.maintenance import Maintenance  # it needs this module's task names
+
+    app.steps["worker"].add(Maintenance)
     return app
 
 

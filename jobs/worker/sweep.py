@@ -12,7 +12,11 @@ from jobs.worker.batch_worker import settle, write_outputs_once
 
 
 def sweep_store(runtime: Runtime) -> list[str]:
-    """Expire lost leases and overdue jobs, settle finished ones; returns the job ids that need a worker."""
+    """Expire lost leases and overdue jobs, settle finished ones; returns the job ids to dispatch a worker to.
+
+    Safe when many workers sweep at once: every step is a conditional update, and a job is returned only by the
+    sweep that wins its dispatch hold (store.hold_dispatch).
+    """
     now = utcnow()
     needing: list[str] = []
     with runtime.session() as session:
@@ -26,8 +30,11 @@ def sweep_store(runtime: Runtime) -> list[str]:
                 continue
             settle(runtime, session, job, now=now)
             counts = store.job_counts(session=session, job_id=job_id)
-            if job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and \
-                    not counts.in_progress:
+            waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and \
+                not counts.in_progress
+            # the hold covers the time the task takes to claim; a lost message is sent again after it
+            if waiting and store.hold_dispatch(session=session, job=job, seconds=runtime.settings.lease_seconds,
+                                               now=now):
                 needing.append(job_id)
         # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here:
         # its finished summaries still get their files

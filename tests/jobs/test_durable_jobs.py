@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from launch.processes import ManagedProcess
 from jobs_support import job_status, requests_of, wait_for
 
 K = 4  # checkpoint every K tokens
+LEASE = 10.0  # seconds: the workers' lease
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +45,10 @@ WorkerFactory = Callable[..., ManagedProcess]
 
 @pytest.fixture
 def start_worker(jobs_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFactory]:
-    """Start `swarmbatch worker` processes (own process groups) on a runtime's store and broker."""
+    """Start plain `swarmbatch worker` processes (no beat; own process groups) on a runtime's store and broker."""
     workers: list[ManagedProcess] = []
 
-    def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = 10.0) -> ManagedProcess:
+    def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = LEASE) -> ManagedProcess:
         settings = runtime.settings.model_copy(update={
             "initial_peers": jobs_swarm.initial_peers, "worker_batch_size": batch_size,
             "lease_seconds": lease_seconds, "sweep_interval": 2.0})
@@ -99,12 +101,17 @@ def test_a_job_survives_kill_9_of_its_worker_with_identical_output(
     first = start_worker(backend)
     wait_for(lambda: any(len(r.generated_ids) >= K and r.status == "in_progress" for r in requests_of(backend, job.id)),
              120, "committed tokens of an unfinished request")
-    # When the worker's whole process group is killed -9 mid-generation
+    # When the worker's whole process group is killed -9 mid-generation (no beat runs anywhere)
     first.kill()
+    killed_at = time.monotonic()
+    unfinished = {r.id: r.attempts for r in requests_of(backend, job.id) if r.status != "completed"}
     committed = {r.id: len(r.generated_ids) for r in requests_of(backend, job.id) if r.status != "completed"}
     reached = steps_reached(first.log_path)
-    # Then another worker completes the job
+    # Then another plain worker takes the interrupted requests over within 2 lease periods, and completes the job
     second = start_worker(backend)
+    wait_for(lambda: any(r.attempts > unfinished[r.id] for r in requests_of(backend, job.id) if r.id in unfinished),
+             2 * LEASE, "an interrupted request to be claimed again")
+    print(f"\nresumed {time.monotonic() - killed_at:.1f} s after the kill (lease {LEASE:.0f} s)")
     wait_for(lambda: job_status(backend, job.id) == "completed", 180, "the job to complete")
     interrupted = {r.id: len(r.generated_ids) for r in requests_of(backend, job.id)}
     assert any(0 < n for n in committed.values()), "the kill should interrupt a request that had committed tokens"

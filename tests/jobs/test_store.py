@@ -17,11 +17,12 @@ from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
 from jobs import store
-from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch, ParsedRequest
+from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch
 from jobs.errors import JobNotFound
 from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
+from factories import new_job, parsed_batch, parsed_request
 
 LEASE = 60.0
 MAX_ATTEMPTS = 5
@@ -34,27 +35,6 @@ def runtime(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime]
     if request.param == "sqlite":
         return make_runtime()
     return make_runtime(database_url=request.getfixturevalue("postgres_url"))
-
-
-def parsed_request(line_number: int, custom_id: str, **body: Any) -> ParsedRequest:
-    """A good completions line, as batch_input would produce it."""
-    return ParsedRequest(line_number=line_number, custom_id=custom_id, url=COMPLETIONS_URL,
-                         body={"model": "tiny", "prompt": f"prompt of {custom_id}", **body},
-                         prompt_ids=[1, 100 + line_number, 7], max_tokens=16, temperature=0.0, top_p=1.0,
-                         seed=line_number, stop=[])
-
-
-def parsed_batch(count: int, errors: list[LineError] | None = None) -> ParsedBatch:
-    """`count` good lines (custom ids req-0, req-1, ...) and the given bad ones."""
-    return ParsedBatch([parsed_request(i + 1, f"req-{i}") for i in range(count)], errors or [], COMPLETIONS_URL)
-
-
-def new_job(runtime: Runtime, count: int = 3, **kwargs: Any) -> str:
-    """Create and commit a job of `count` requests; returns its id."""
-    with runtime.session() as session:
-        job = store.create_job(session=session, parsed=parsed_batch(count), model="tiny", **kwargs)
-        session.commit()
-        return job.id
 
 
 def load_job(runtime: Runtime, job_id: str) -> Job:
