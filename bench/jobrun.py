@@ -7,9 +7,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from sqlalchemy import select
-
 import torch
+from sqlalchemy import select
 
 from jobs.models import Request
 from jobs.runtime import Runtime

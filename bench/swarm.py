@@ -292,7 +292,7 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
 
     swarm, spec = model.swarm, model.spec
     spans = [load_span(spec, h.start, h.end) for h in hops]
-    caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, hops)]
+    caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, hops, strict=True)]
     sessions = [ServerSession(swarm, h, batch_size=1, max_length=prompt_len + steps + 2) for h in hops]
     remote: list[list[float]] = [[] for _ in hops]
     compute: list[list[float]] = [[] for _ in hops]
@@ -304,7 +304,7 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
         mask = torch.ones(1, prompt_len, dtype=torch.long)
         pos = torch.arange(prompt_len)[None]
         for step in range(steps + 1):
-            for number, (session, span) in enumerate(zip(sessions, spans)):
+            for number, (session, span) in enumerate(zip(sessions, spans, strict=True)):
                 out, seconds = swarm.loop.run(_timed_step(session, hidden, mask, pos))
                 began = time.perf_counter()
                 span(hidden, mask, pos, caches[number])
@@ -321,9 +321,9 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
         for session in sessions:
             swarm.loop.run(session.close())
     return {"hops": [{"hop": f"{h.start}:{h.end}@{h.peer_id[-6:]}", "round_trip": summary(r),
-                      "local_compute": summary(c), "overhead": summary([a - b for a, b in zip(r, c)]),
-                      "server_compute": summary(sc), "network": summary([a - b for a, b in zip(r, sc)])}
-                     for h, r, c, sc in zip(hops, remote, compute, server_compute)]}
+                      "local_compute": summary(c), "overhead": summary([a - b for a, b in zip(r, c, strict=True)]),
+                      "server_compute": summary(sc), "network": summary([a - b for a, b in zip(r, sc, strict=True)])}
+                     for h, r, c, sc in zip(hops, remote, compute, server_compute, strict=True)]}
 
 
 @torch.inference_mode()
@@ -345,7 +345,7 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
 
     # (3) the full chain through InferenceSession.step (called from this thread, as generate does)
     spans = [load_span(spec, h.start, h.end) for h in route]
-    caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, route)]
+    caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, route, strict=True)]
     chain, compute = [], []
     with model.inference_session(batch_size=1, max_length=prompt_len + steps + 2) as session:
         hidden = model.head.embed(ids)
@@ -356,7 +356,7 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
             session.step(hidden, mask, pos)
             seconds = time.perf_counter() - began
             local, h = 0.0, hidden
-            for span, cache in zip(spans, caches):
+            for span, cache in zip(spans, caches, strict=True):
                 t = time.perf_counter()
                 h = span(h, mask, pos, cache)
                 local += time.perf_counter() - t
@@ -367,7 +367,7 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
             mask = torch.ones(1, mask.shape[1] + 1, dtype=torch.long)
             pos = torch.tensor([[mask.shape[1] - 1]])
     results["chain"] = {"step": summary(chain), "local_compute": summary(compute),
-                        "overhead_per_hop": summary([(a - b) / len(route) for a, b in zip(chain, compute)])}
+                        "overhead_per_hop": summary([(a - b) / len(route) for a, b in zip(chain, compute, strict=True)])}
 
     # (4) the unary info RPC
     results["ping"] = {h.peer_id[-6:]: summary([swarm.loop.run(swarm.ping(h.peer_id)) for _ in range(50)])
@@ -401,8 +401,9 @@ def measure_head(model_dir: Path, rows: Sequence[int] = (1, 2, 3, 4, 8), calls: 
         hidden = torch.randn(count, 1, head.lm_head.in_features, generator=torch.Generator().manual_seed(count))
         timings: dict[str, list[float]] = {"linear": [], "client": []}
         for _ in range(calls):
-            for name, call in (("linear", lambda: F.linear(head.norm(hidden), head.lm_head.weight)),
-                               ("client", lambda: head.logits(hidden))):
+            calls_now = (("linear", lambda: F.linear(head.norm(hidden), head.lm_head.weight)),  # noqa: B023 - run now
+                         ("client", lambda: head.logits(hidden)))  # noqa: B023 - run in this iteration
+            for name, call in calls_now:
                 began = time.perf_counter()
                 call()
                 timings[name].append(time.perf_counter() - began)
@@ -415,7 +416,7 @@ def paired_ratios(row: dict[str, Any], local: dict[str, Any] | None) -> list[flo
     if local is None:
         return []
     return [(tokens / seconds) / (local_tokens / local_seconds) for tokens, seconds, local_tokens, local_seconds
-            in zip(row["all_tokens"], row["all_seconds"], local["all_tokens"], local["all_seconds"])]
+            in zip(row["all_tokens"], row["all_seconds"], local["all_tokens"], local["all_seconds"], strict=True)]
 
 
 def ratio_of_totals(row: dict[str, Any], local: dict[str, Any] | None) -> float:

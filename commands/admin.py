@@ -24,8 +24,9 @@ SchedulesOption = Annotated[Path | None, typer.Option(
 def worker(ctx: typer.Context,
            concurrency: Annotated[int, typer.Option(min=1, help="Pool processes.")] = 1,
            pool: Annotated[str, typer.Option(help="prefork, solo or threads.")] = "prefork",
-           beat: Annotated[bool, typer.Option(help="Also run beat in this process, for the schedules of SWARMBATCH_SCHEDULES.")] = False,
-           initial_peers: PeersOption = [],
+           beat: Annotated[bool, typer.Option(
+               help="Also run beat in this process, for the schedules of SWARMBATCH_SCHEDULES.")] = False,
+           initial_peers: PeersOption = [],  # noqa: B006 - typer reads the default; nothing mutates it
            loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
     """Run a Celery worker that generates jobs through the swarm."""
     from jobs.runtime import get_runtime

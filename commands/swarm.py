@@ -60,7 +60,7 @@ def dht(host: Annotated[str, typer.Option(help="Listen address (0.0.0.0 for othe
         port: Annotated[int, typer.Option(help="TCP port; 0 = any free port.")] = 0,
         identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id across restarts.")] = None,
         announce_host: Annotated[str | None, typer.Option(help="Address other machines dial.")] = None,
-        initial_peers: PeersOption = []) -> None:
+        initial_peers: PeersOption = []) -> None:  # noqa: B006 - typer reads the default; nothing mutates it
     """Run a DHT bootstrap node; prints its full multiaddr on one stdout line when ready."""
     from servers.bootstrap import run_bootstrap_node
 

@@ -1,9 +1,9 @@
 """The one clock of the scheduler, so that tests can move time (the only thing they mock)."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 
 def now() -> datetime:
     """Timezone-aware now, in UTC."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)

@@ -1,7 +1,7 @@
 """SQL models: the truth about every job and request, including the generated token ids (the checkpoint)."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import Enum, StrEnum
 from typing import Any
 
@@ -14,7 +14,7 @@ from sqlalchemy.types import TypeDecorator
 
 def utcnow() -> datetime:
     """Timezone-aware now (stored as UTC)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -25,13 +25,13 @@ class UTCDateTime(TypeDecorator[datetime]):
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc)
+            value = value.astimezone(UTC)
             if dialect.name == "sqlite":  # stored as text: keep one naive UTC format so comparisons hold
                 value = value.replace(tzinfo=None)
         return value
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        return value.replace(tzinfo=timezone.utc) if value is not None and value.tzinfo is None else value
+        return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
 class Base(DeclarativeBase):

@@ -17,10 +17,10 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.worker.celery_app import make_celery
 from jobs.db import make_engine, make_session_factory
 from jobs.errors import StoreUnavailable
 from jobs.settings import Settings, get_settings
+from jobs.worker.celery_app import make_celery
 
 logger = logging.getLogger(__name__)
 

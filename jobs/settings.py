@@ -3,12 +3,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-
 from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -17,7 +15,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SWARMBATCH_", extra="ignore")
 
     home: Path = Field(default=Path.home() / ".swarmbatch", description="embedded state: models, SQLite, broker")
-    initial_peers: Annotated[list[str], NoDecode] = Field(default_factory=list, description="DHT multiaddrs, comma-separated in env")
+    initial_peers: Annotated[list[str], NoDecode] = Field(default_factory=list,
+                                                          description="DHT multiaddrs, comma-separated in env")
     database_url: str | None = None
     broker_url: str | None = None
 

@@ -16,10 +16,10 @@ from jobs.progress import follow_job
 from jobs.runtime import Runtime
 from jobs.settings import Settings, get_settings
 from jobs.submission import submit_batch
-from modelprep import prepare_model
-from launch.local_worker import require_running, start_local_worker
 from launch.local_swarm import LocalSwarm
+from launch.local_worker import require_running, start_local_worker
 from launch.processes import ManagedProcess
+from modelprep import prepare_model
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "documents"
 PROMPT = "Summarize the following text in one sentence.\n\n{text}"

@@ -52,7 +52,7 @@ class ManagedProcess:
                 line = self.lines.get(timeout=0.2)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise ServerError(f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}")
+                    raise ServerError(f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}") from None
                 continue
             if line.startswith(prefix):
                 self.ready_line = line

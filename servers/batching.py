@@ -84,7 +84,7 @@ def stack_left_padded(tensors: list[torch.Tensor | None], rows: list[int], lengt
     like = next(t for t in tensors if t is not None)
     out = like.new_empty(sum(rows), like.shape[1], length + 1, like.shape[3])
     row = 0
-    for tensor, count in zip(tensors, rows):
+    for tensor, count in zip(tensors, rows, strict=True):
         past = 0 if tensor is None else tensor.shape[2]
         # padding must be finite: masked weights are 0, and 0 * garbage could be NaN
         out[row:row + count, :, :length - past].zero_()
@@ -120,7 +120,7 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
     pasts = [step.caches[0].get_seq_length() for step in steps]
     length = max(pasts)
     hidden = torch.cat([step.hidden.to(span.compute_dtype) for step in steps])
-    mask = torch.cat([F.pad(step.mask, (length - past, 0)) for step, past in zip(steps, pasts)])  # 0 = padding
+    mask = torch.cat([F.pad(step.mask, (length - past, 0)) for step, past in zip(steps, pasts, strict=True)])  # 0 = padding
     positions = torch.cat([step.positions for step in steps])
     caches = merged_caches(steps, length)
     output = span(hidden, mask, positions, caches, start, end)
@@ -129,7 +129,7 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
         kv = layer_kv(cache)
         assert kv is not None
         new_keys, new_values = kv[0][:, :, -1:], kv[1][:, :, -1:]
-        for step, (low, high) in zip(steps, bounds):
+        for step, (low, high) in zip(steps, bounds, strict=True):
             step.caches[layer].update(new_keys[low:high], new_values[low:high], 0)
     return [output[low:high] for low, high in bounds]
 
@@ -196,5 +196,5 @@ class DecodeBatcher:
             return
         if len(group) > 1:
             self.stats.record_merge(sessions=len(group), rows=sum(p.step.rows for p in group))
-        for pending, output in zip(group, outputs):
+        for pending, output in zip(group, outputs, strict=True):
             pending.future.set_result((output, len(group)))

@@ -63,7 +63,7 @@ def quantize_span(span: BlockSpan, quant: Quant) -> None:
     """Replace the span's nn.Linear layers by bitsandbytes int8 / nf4 layers, in place."""
     bnb = _import_bitsandbytes(quant)
     for layer in span.layers:
-        for name, module in list(layer.named_modules()):
+        for _name, module in list(layer.named_modules()):
             for child_name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(module, child_name, _quantized_linear(bnb, child, quant))

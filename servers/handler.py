@@ -24,8 +24,7 @@ from servers.memory import CacheBudget
 from servers.span import BlockSpan
 from servers.stats import ServerStats
 from servers.status import ServerStatus
-from servers.validation import (Limits, reject, validate_keep_rows, validate_session_open, validate_span,
-                                validate_step)
+from servers.validation import Limits, reject, validate_keep_rows, validate_session_open, validate_span, validate_step
 from swarmclient import protocol
 from swarmclient.protocol import ErrorCode
 
@@ -132,7 +131,7 @@ class BlockHandler:
                     self.stats.record_error(ErrorCode.INVALID.value)
                     protocol.write_frame(writer, protocol.encode_error(ErrorCode.INVALID, str(e)))
                     break
-                protocol.write_frame(writer, await self._guard(lambda: self._message(frame, stream)))
+                protocol.write_frame(writer, await self._guard(lambda: self._message(frame, stream)))  # noqa: B023 - awaited here
                 await writer.drain()
         except ConnectionError:  # the client went away while we computed: nothing to answer
             pass

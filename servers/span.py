@@ -24,7 +24,8 @@ class BlockSpan(nn.Module):
         layer_cls = spec.family_class("DecoderLayer")
         self.layers = nn.ModuleList(layer_cls(spec.config, layer_idx=i) for i in range(start, end))
         for layer in self.layers:
-            setattr(layer.self_attn, "layer_idx", 0)  # the index into the layer's own one-layer cache
+            # the index into the layer's own one-layer cache; setattr, as mypy types submodule attributes Tensor | Module
+            setattr(layer.self_attn, "layer_idx", 0)  # noqa: B010
         self.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)
         self.layer_types = [spec.layer_type(i) for i in range(start, end)]
         self.compute_dtype = torch.float32  # set by the loader (bfloat16 spans compute in bfloat16)

@@ -61,7 +61,7 @@ def validate_keep_rows(value: Any, batch_size: int) -> list[int] | None:
         return None
     rows = list(value) if isinstance(value, (list, tuple)) else None
     if not rows or not all(isinstance(i, int) and not isinstance(i, bool) for i in rows) or \
-            any(b <= a for a, b in zip(rows, rows[1:])) or rows[0] < 0 or rows[-1] >= batch_size:
+            any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or rows[0] < 0 or rows[-1] >= batch_size:
         raise reject(f"'keep_rows' must be a non-empty sorted list of unique row indices in [0, {batch_size}), "
                      f"got {str(value)[:80]}")
     return rows

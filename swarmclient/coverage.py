@@ -49,8 +49,8 @@ def render_coverage(report: dict[str, Any]) -> str:
         lines.append(f"{block['index']:>5}  {'ok ' if online else 'MISSING'}  {servers or '-'}")
     if report["missing"]:
         ranges = ", ".join(f"{a}:{b}" for a, b in report["missing"])
-        lines.append(f"Missing blocks {ranges}: start 'swarmbatch serve MODEL --blocks A:B' for them"
-                     f"{' (or upgrade the servers marked not used to ' + PROTOCOL_VERSION + ')' if _old_servers(report) else ''}.")
+        upgrade = f" (or upgrade the servers marked not used to {PROTOCOL_VERSION})" if _old_servers(report) else ""
+        lines.append(f"Missing blocks {ranges}: start 'swarmbatch serve MODEL --blocks A:B' for them{upgrade}.")
     else:
         lines.append("All blocks are served.")
     return "\n".join(lines)

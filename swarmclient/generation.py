@@ -13,6 +13,7 @@ import torch
 from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams, sample_next
 
+
 class StepFn(Protocol):
     """(hidden [B,T,H], attention_mask [B,past+T], position_ids [B,T], keep_rows) -> hidden [B,T,H] after every block.
 

@@ -7,7 +7,6 @@ from torch import nn
 from swarmclient.errors import ModelDirError
 from swarmclient.model_spec import ModelSpec
 
-
 FEW_ROWS = 4
 """Below this many rows, MKL's GEMM runs one GEMV per row over the [vocab, hidden] LM head, and on a CPU that
 reads the weight at half the memory bandwidth that a GEMV over the [hidden, vocab] layout reaches (SmolLM2: 10.5

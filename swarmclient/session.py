@@ -244,7 +244,7 @@ class InferenceSession:
         while position < self.swarm.num_blocks:
             hidden_in = hidden
             hidden, position_next = await with_retries(
-                lambda: self._step_hop(position, hidden_in, attention_mask, position_ids, keep_rows),
+                lambda: self._step_hop(position, hidden_in, attention_mask, position_ids, keep_rows),  # noqa: B023 - awaited now
                 config=self.swarm.config, on_failure=self._on_failure)
             inputs[position] = hidden_in
             position = position_next

@@ -81,7 +81,7 @@ class Swarm:
         """Measure round trips to servers on [start, end) that we have not pinged yet; ban the silent ones."""
         todo = [s.peer_id for s in spans if s.peer_id not in self.rtts and s.end > start and s.start < end]
         results = await asyncio.gather(*(self.ping(peer) for peer in todo), return_exceptions=True)
-        for peer, result in zip(todo, results):
+        for peer, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 logger.info("Ping of %s failed (%s); banning it", peer[-6:], result)
                 self.bans.ban(peer)

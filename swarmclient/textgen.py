@@ -38,7 +38,7 @@ def generate_texts(model_dir: Path, prompts: list[str], *, initial_peers: list[s
         new = model.generate_new_tokens(encoded.input_ids, encoded.attention_mask,
                                         max_new_tokens=max_new_tokens, params=params)
         outputs = []
-        for prompt, row in zip(prompts, new.tolist()):
+        for prompt, row in zip(prompts, new.tolist(), strict=True):
             ids = strip_after_eos(row, model.eos_token_ids)
             outputs.append({"prompt": prompt, "text": tokenizer.decode(ids, skip_special_tokens=True),
                             "token_ids": ids})

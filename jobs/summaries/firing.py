@@ -19,13 +19,13 @@ from sqlalchemy.exc import IntegrityError
 
 from jobs import clock
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, ParsedBatch
-from jobs.summaries.documents import Document, collect_documents
-from jobs.summaries.mapreduce import Planner, PlannedRequest, SummaryShape
 from jobs.models import DocumentSummary, Job
 from jobs.runtime import Runtime
-from jobs.summaries.schedule_file import Schedule, ScheduleError, load_schedules
 from jobs.store import create_job, settle_job
 from jobs.submission import enqueue_job, runtime_context_length
+from jobs.summaries.documents import Document, collect_documents
+from jobs.summaries.mapreduce import PlannedRequest, Planner, SummaryShape
+from jobs.summaries.schedule_file import Schedule, ScheduleError, load_schedules
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from sqlalchemy.orm import Session
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, InputLimits, ParsedBatch, parse_batch_file
 from jobs.models import Job, Request, RequestStatus
 from jobs.runtime import Runtime
-from jobs.summaries.schedule_file import Schedule, ScheduleError
 from jobs.store import add_requests
+from jobs.summaries.schedule_file import Schedule, ScheduleError
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def pack(texts: list[str], lengths: list[int], room: int) -> list[list[str]]:
     """Consecutive texts grouped greedily so that each group's total length fits `room`."""
     groups: list[list[str]] = [[]]
     used = 0
-    for text, length in zip(texts, lengths):
+    for text, length in zip(texts, lengths, strict=True):
         if groups[-1] and used + length > room:
             groups.append([])
             used = 0

@@ -13,12 +13,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs import store
-from jobs.summaries import mapreduce
 from jobs.errors import JobCancelled, LeaseLost
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
-from jobs.worker.runner import BatchRunner, Checkpoint, Refill
 from jobs.runtime import Runtime
+from jobs.summaries import mapreduce
 from jobs.summaries.pages import write_outputs
+from jobs.worker.runner import BatchRunner, Checkpoint, Refill
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
 
 logger = logging.getLogger(__name__)

@@ -95,7 +95,7 @@ class BatchRunner:
 
     def run(self) -> dict[int, RowResult]:
         """Generate until every row ends; raises JobCancelled / LeaseLost / swarm errors from any lane."""
-        todo = self._startable(list(zip(self.rows, self.requests)))
+        todo = self._startable(list(zip(self.rows, self.requests, strict=True)))
         with ThreadPoolExecutor(max_workers=max(self.capacity, self.lanes), thread_name_prefix="swarmbatch-lane") as pool:
             lanes = {pool.submit(self._lane, group) for group in split_lanes(todo, self.lanes)}
             self._supervise(pool, lanes)
