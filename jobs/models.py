@@ -136,6 +136,8 @@ class Request(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "custom_id", name="uq_requests_job_custom_id"),
         Index("ix_requests_job_status", "job_id", "status"),
+        # covers GET /metrics' one query over requests (counts and tokens by status): read without the rows
+        Index("ix_requests_status_generated_count", "status", "generated_count"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
