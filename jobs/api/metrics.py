@@ -5,9 +5,10 @@
     swarmbatch_tokens_generated_total     generated tokens of all requests (a gauge: it drops when jobs are deleted)
     swarmbatch_tokens_per_second          generation rate over the scrapes of the last minute (0 on the first)
 
-A scrape costs two GROUP BY queries whatever the history (tokens are summed from `requests.generated_count`,
-never from the token JSON), and its numbers are reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s), so a burst of
-scrapes, or several Prometheus servers, reach the database once.
+A scrape is two GROUP BY queries of a few result rows, answered from indexes (tokens are summed from
+`requests.generated_count`, never from the token JSON). They still walk one index entry per job and request, so
+their numbers are reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst of scrapes, or several Prometheus
+servers, reach the database once.
 """
 from __future__ import annotations
 
