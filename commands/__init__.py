@@ -6,7 +6,7 @@
     ready    the ready lines launchers and tests wait for ("Serving blocks ..."); no dependencies
     swarm    model prepare / tiny, dht, serve, swarm status, generate, demo
     batch    submit, status, results, cancel, jobs
-    admin    worker, beat, api, db upgrade, keys create, schedules list / run
+    admin    worker, beat, api, db upgrade, keys create / list / revoke, schedules list / run
 
 Heavy imports (torch, hivemind, the jobs store) stay inside the command bodies, so `--help` starts fast.
 """

@@ -1,15 +1,18 @@
-"""Service processes and administration: worker, beat, api, db upgrade, keys create, schedules list / run."""
+"""Service processes and administration: worker, beat, api, db upgrade, keys create / list / revoke, schedules."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from commands.errors import ExitCode
 from commands.options import JsonOption, PeersOption, verbose_requested
+
+if TYPE_CHECKING:
+    from jobs.models import ApiKey
 
 app = typer.Typer()  # top-level verbs: worker, beat, api
 db_app = typer.Typer(help="Database administration.", no_args_is_help=True)
@@ -91,6 +94,48 @@ def keys_create(name: Annotated[str, typer.Argument(help="Who the key is for.")]
         _, plain = store.create_api_key(session=session, name=name)
         session.commit()
     typer.echo(plain)
+
+
+@keys_app.command("list")
+def keys_list(as_json: JsonOption = False) -> None:
+    """Every key: id, name, created, revoked (never the key or its hash)."""
+    from jobs import store
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    runtime.ensure_store()
+    with runtime.session() as session:
+        rows = [key_row(key) for key in store.list_api_keys(session=session)]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    if not rows:
+        typer.echo("no API keys; create one with 'swarmbatch keys create NAME'")
+    for row in rows:
+        typer.echo(f"{row['id']:>5}  {row['name']:<24} created {row['created_at']}  "
+                   f"{'revoked ' + row['revoked_at'] if row['revoked_at'] else 'live'}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(name_or_id: Annotated[str, typer.Argument(
+        metavar="NAME_OR_ID", help="The key's id (from 'keys list'), or its name if one live key has it.")]) -> None:
+    """Revoke a key: every request with it gets 401 from then on."""
+    from jobs import store
+    from jobs.runtime import get_runtime
+
+    runtime = get_runtime()
+    runtime.ensure_store()
+    with runtime.session() as session:
+        key = store.revoke_api_key(session=session, name_or_id=name_or_id)  # the boundary reports an unknown one
+        session.commit()
+        row = key_row(key)
+    typer.echo(f"key {row['id']} ({row['name']}) revoked at {row['revoked_at']}")
+
+
+def key_row(key: ApiKey) -> dict[str, Any]:
+    """An ApiKey as the CLI shows it: no hash."""
+    return {"id": key.id, "name": key.name, "created_at": key.created_at.isoformat(timespec="seconds"),
+            "revoked_at": key.revoked_at.isoformat(timespec="seconds") if key.revoked_at else None}
 
 
 # ---- schedules -----------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ class ExitCode(IntEnum):
 
     OK = 0  # the command did what it was asked
     JOB_FAILED = 1  # `submit --wait`: the job ended other than completed (or another job error reached the top)
-    USAGE = 2  # fix the command: bad flags (click's own code), an unusable model dir, an unknown job or revision
+    USAGE = 2  # fix the command: bad flags (click's own code), an unusable model dir, an unknown job, key or revision
     STORE_UNREACHABLE = 3  # the database or the broker (Redis) does not answer, or is not migrated: start it
     SWARM_UNAVAILABLE = 4  # the DHT is unreachable, blocks are missing or servers fail: start or check the swarm
 
@@ -33,6 +33,7 @@ BROKER_ERROR = "kombu.exceptions.OperationalError"  # the broker refused connect
 EXIT_CODES: dict[str, ExitCode] = {
     "jobs.errors.InvalidJob": ExitCode.USAGE,
     "jobs.errors.JobNotFound": ExitCode.USAGE,
+    "jobs.errors.ApiKeyNotFound": ExitCode.USAGE,
     "jobs.errors.StoreUnavailable": ExitCode.STORE_UNREACHABLE,
     "jobs.errors.JobsError": ExitCode.JOB_FAILED,
     "swarmclient.errors.ModelDirError": ExitCode.USAGE,

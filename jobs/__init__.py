@@ -6,7 +6,7 @@ The batch core (this package):
     db, migrate  engines and sessions; Alembic from code
     errors       the JobsError tree
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors
-    store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel, expire, keys;
+    store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel, expire, keys (revoke);
                  they never commit: the caller (route, worker step, CLI command) does
     submission   submit_batch: validate against the model, store, enqueue
     outputs      results / errors JSONL and the job object, in the OpenAI shapes

@@ -6,6 +6,7 @@
     ├── JobCancelled          raised inside a worker when its job is being cancelled; not retried
     ├── LeaseLost             a worker's claim expired and another worker took the request over
     ├── StoreUnavailable      the database or broker cannot be reached (exit code 3); retry later
+    ├── ApiKeyNotFound        `keys revoke`: no single API key has that id or name (exit code 2)
     └── WorkerGone            the worker a caller waits on has exited; the job is unfinished (exit code 1)
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ class LeaseLost(JobsError):
 
 class StoreUnavailable(JobsError):
     """Raised when the database or the broker does not answer; a retry later may succeed."""
+
+
+class ApiKeyNotFound(JobsError):
+    """Raised when no API key, or more than one, matches the id or name an operator gave; nothing changed."""
 
 
 class WorkerGone(JobsError):

@@ -92,6 +92,7 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(200))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]  # set by `swarmbatch keys revoke`: the key authenticates nothing from then on
 
 
 class Job(Base):
@@ -135,6 +136,8 @@ class Request(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "custom_id", name="uq_requests_job_custom_id"),
         Index("ix_requests_job_status", "job_id", "status"),
+        # covers GET /metrics' one query over requests (counts and tokens by status): read without the rows
+        Index("ix_requests_status_generated_count", "status", "generated_count"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -151,6 +154,8 @@ class Request(Base):
     stop: Mapped[list[Any]] = mapped_column(default=list)
     status: Mapped[RequestStatus] = mapped_column(status_column(RequestStatus), default=RequestStatus.pending)
     generated_ids: Mapped[list[Any]] = mapped_column(default=list)
+    # len(generated_ids), written with it by the store: totals sum this instead of parsing every row's JSON
+    generated_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     finish_reason: Mapped[str | None] = mapped_column(String(20))
     output_text: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(Integer, default=0)

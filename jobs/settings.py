@@ -5,8 +5,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# what the API serves when SWARMBATCH_API_MODELS is unset or empty: the built-in model, never a server path
+DEFAULT_API_MODELS = ("smollm2",)
 
 
 class Settings(BaseSettings):
@@ -42,10 +45,23 @@ class Settings(BaseSettings):
     schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")
     schedule_tick: float = Field(default=30.0, gt=0, description="seconds between beat's checks for due schedules")
 
-    @field_validator("schedules", mode="before")
+    api_models: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(DEFAULT_API_MODELS),
+        description="models (names or paths) a POST /v1/batches may name, comma-separated in env")
+    metrics_token: SecretStr | None = Field(default=None, description="when set, GET /metrics needs it as a Bearer")
+    metrics_cache_seconds: float = Field(default=5.0, ge=0, description="how long a /metrics scrape is reused")
+
+    @field_validator("schedules", "metrics_token", mode="before")
     @classmethod
-    def _no_schedules_when_empty(cls, value: object) -> object:
+    def _none_when_empty(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("api_models", mode="before")
+    @classmethod
+    def _split_models(cls, value: object) -> object:
+        if isinstance(value, str):  # commas only: a path may hold spaces
+            return [m.strip() for m in value.split(",") if m.strip()] or list(DEFAULT_API_MODELS)
+        return value
 
     @property
     def resolved_database_url(self) -> str:

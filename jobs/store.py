@@ -27,7 +27,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from jobs.batch_input import ParsedBatch
-from jobs.errors import JobNotFound
+from jobs.errors import ApiKeyNotFound, JobNotFound
 from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
 
 logger = logging.getLogger(__name__)
@@ -119,8 +119,8 @@ def job_counts(*, session: Session, job_id: str) -> JobCounts:
 
 
 def generated_tokens(*, session: Session, job_id: str | None = None) -> int:
-    """Generated tokens of one job (or of all jobs), summed in SQL (json_array_length: SQLite and PostgreSQL)."""
-    query = select(func.coalesce(func.sum(func.json_array_length(Request.generated_ids)), 0))
+    """Generated tokens of one job (or of all jobs): a sum of `generated_count`, no JSON parsed."""
+    query = select(func.coalesce(func.sum(Request.generated_count), 0))
     if job_id is not None:
         query = query.where(Request.job_id == job_id)
     return int(session.scalar(query) or 0)
@@ -237,7 +237,8 @@ def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], 
     now = utcnow()
     owned: set[int] = set()
     for request_id, generated in progress.items():
-        values: dict[str, Any] = dict(generated_ids=list(generated), lease_expires_at=now + timedelta(seconds=lease_seconds))
+        values: dict[str, Any] = dict(generated_ids=list(generated), generated_count=len(generated),
+                                      lease_expires_at=now + timedelta(seconds=lease_seconds))
         if texts is not None and request_id in texts:
             values["output_text"] = texts[request_id]
         result = session.execute(update(Request).where(
@@ -263,7 +264,7 @@ def finish_request(*, session: Session, request_id: int, token: str, status: Req
     values: dict[str, Any] = dict(status=status, finish_reason=finish_reason, output_text=output_text,
                                   completed_at=utcnow(), lease_token=None, lease_owner=None, lease_expires_at=None)
     if generated is not None:
-        values["generated_ids"] = list(generated)
+        values.update(generated_ids=list(generated), generated_count=len(generated))
     if error is not None:
         values["last_error"] = error
     written = session.execute(update(Request).where(Request.id == request_id, Request.lease_token == token)
@@ -338,5 +339,37 @@ def create_api_key(*, session: Session, name: str) -> tuple[ApiKey, str]:
 
 
 def find_api_key(*, session: Session, key: str) -> ApiKey | None:
-    """The key's row, if the key is valid."""
-    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+    """The key's row, if the key is valid (known and not revoked)."""
+    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+
+
+def list_api_keys(*, session: Session) -> list[ApiKey]:
+    """Every key, revoked ones included, oldest first."""
+    return list(session.scalars(select(ApiKey).order_by(ApiKey.id)))
+
+
+def revoke_api_key(*, session: Session, name_or_id: str, now: datetime | None = None) -> ApiKey:
+    """Revoke a key named by its id or name (from its next request on, it gets 401); idempotent.
+
+    A number is an id first. A name stands for its live key; raises ApiKeyNotFound when it names none
+    (unless all its keys are revoked already: the latest is returned) or several.
+    """
+    key = _named_key(session, name_or_id)
+    if key.revoked_at is None:
+        key.revoked_at = now or utcnow()
+        session.flush()
+        logger.info("API key %d (%s) revoked", key.id, key.name)
+    return key
+
+
+def _named_key(session: Session, name_or_id: str) -> ApiKey:
+    if name_or_id.isdigit() and (by_id := session.get(ApiKey, int(name_or_id))) is not None:
+        return by_id
+    named = list(session.scalars(select(ApiKey).where(ApiKey.name == name_or_id).order_by(ApiKey.id)))
+    live = [key for key in named if key.revoked_at is None]
+    if len(live) > 1:
+        raise ApiKeyNotFound(f"{len(live)} live API keys are named {name_or_id!r} (ids "
+                             f"{', '.join(str(key.id) for key in live)}); revoke one by its id")
+    if live or named:
+        return (live or named)[-1]
+    raise ApiKeyNotFound(f"no API key {name_or_id!r}; list them with 'swarmbatch keys list'")

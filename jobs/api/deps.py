@@ -1,6 +1,7 @@
-"""Annotated dependencies of the routes: the runtime, a session per request, and the caller's API key."""
+"""Dependencies of the routes: the runtime, a session per request, the caller's API key, and the operator's guards."""
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -8,15 +9,20 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from jobs.errors import InvalidJob
 from jobs.models import ApiKey
 from jobs.runtime import Runtime
+from jobs.settings import Settings
 from jobs.store import find_api_key
 
 MISSING_KEY = ("missing API key: send 'Authorization: Bearer KEY'; "
                "create a key with 'swarmbatch keys create NAME'")
-UNKNOWN_KEY = "unknown API key; create a key with 'swarmbatch keys create NAME'"
+UNKNOWN_KEY = "unknown API key, or a revoked one; create a key with 'swarmbatch keys create NAME'"
+METRICS_TOKEN = "metrics need 'Authorization: Bearer TOKEN' with the API's SWARMBATCH_METRICS_TOKEN"
 
 bearer = HTTPBearer(auto_error=False, description="A key made by `swarmbatch keys create NAME`.")
+metrics_bearer = HTTPBearer(auto_error=False, scheme_name="MetricsToken",
+                            description="SWARMBATCH_METRICS_TOKEN, where the operator set one.")
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -39,7 +45,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 def get_api_key(session: SessionDep,
                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> ApiKey:
-    """The caller's key row; 401 without a Bearer key or with an unknown one."""
+    """The caller's key row; 401 without a Bearer key or with an unknown or revoked one (read on every request)."""
     if credentials is None:
         raise _unauthorized(MISSING_KEY)
     key = find_api_key(session=session, key=credentials.credentials)
@@ -53,3 +59,25 @@ def _unauthorized(message: str) -> HTTPException:
 
 
 ApiKeyDep = Annotated[ApiKey, Depends(get_api_key)]
+
+
+def require_metrics_token(runtime: RuntimeDep,
+                          credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(metrics_bearer)]) -> None:
+    """401 unless SWARMBATCH_METRICS_TOKEN is unset or the caller sends it as a Bearer token."""
+    token = runtime.settings.metrics_token
+    if token is None:
+        return
+    sent = credentials.credentials if credentials is not None else ""
+    # constant time: how long a wrong guess takes says nothing about how much of it was right
+    if not hmac.compare_digest(sent.encode(), token.get_secret_value().encode()):
+        raise _unauthorized(METRICS_TOKEN)
+
+
+def require_served_model(settings: Settings, model: str) -> None:
+    """InvalidJob (400) unless the operator lists `model` in SWARMBATCH_API_MODELS.
+
+    Called before anything looks the model up, so the answer is the same for an existing path, a missing one
+    and an unknown name: a key holder learns nothing about the server's files.
+    """
+    if model not in settings.api_models:
+        raise InvalidJob(f"model {model!r} is not served here; ask the operator (SWARMBATCH_API_MODELS)")

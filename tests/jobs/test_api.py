@@ -6,7 +6,9 @@ the store's own claim/finish functions, as a worker would.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from jobs import store
+from jobs import clock, store
 from jobs.models import RequestStatus
 from jobs.runtime import Runtime
 from jobs.settings import Settings
@@ -38,17 +40,17 @@ def client(serve: Callable[[Runtime], str]) -> Iterator[Client]:
 
 
 @pytest.fixture
-def runtime(make_runtime: Callable[..., Runtime], redis_url: str) -> Runtime:
-    """SQLite store, real Redis broker."""
-    return make_runtime(broker_url=redis_url)
+def runtime(make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Path) -> Runtime:
+    """SQLite store, real Redis broker; the API serves the tiny model."""
+    return make_runtime(broker_url=redis_url, api_models=[str(tiny_model)])
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def any_store_runtime(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime], redis_url: str) -> Runtime:
+def any_store_runtime(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime], redis_url: str,
+                      tiny_model: Path) -> Runtime:
     """The runtime on each supported database: SQLite, then PostgreSQL."""
-    if request.param == "postgresql":
-        return make_runtime(database_url=request.getfixturevalue("postgres_url"), broker_url=redis_url)
-    return make_runtime(broker_url=redis_url)
+    database_url = request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
+    return make_runtime(database_url=database_url, broker_url=redis_url, api_models=[str(tiny_model)])
 
 
 def new_key(runtime: Runtime, name: str = "tester") -> str:
@@ -307,3 +309,80 @@ def test_the_openapi_docs_describe_the_routes(runtime: Runtime, client: Client) 
             "/v1/batches/{job_id}/cancel", "/healthz", "/metrics"} <= set(schema["paths"])
     body = schema["paths"]["/v1/batches"]["post"]["requestBody"]["content"]
     assert {"multipart/form-data", "application/json"} <= set(body)
+
+
+# ---- the operator's guards: the models a key may name, the metrics token ----------------------------------------
+def test_a_model_the_operator_does_not_list_is_refused_alike_whether_its_path_exists_or_not(
+        runtime: Runtime, client: Client, tiny_model: Path, tmp_path: Path) -> None:
+    # Given a server path that holds no model yet, and an API that serves only the tiny model
+    api = client(runtime, new_key(runtime))
+    elsewhere = tmp_path / "elsewhere" / "model"
+    body = {"model": str(elsewhere), "requests": [request_line("a", model=str(elsewhere))]}
+
+    # When a key names it before and after a real model is copied there
+    missing = api.post("/v1/batches", json=body)
+    shutil.copytree(tiny_model, elsewhere)
+    existing = api.post("/v1/batches", json=body)
+
+    # Then both answers are the same 400, byte for byte, and nothing was created
+    assert missing.status_code == existing.status_code == 400
+    assert missing.content == existing.content
+    assert missing.json() == {"error": {"type": "InvalidJob", "message": f"model {str(elsewhere)!r} is not served "
+                                        "here; ask the operator (SWARMBATCH_API_MODELS)"}}
+    assert api.get("/v1/batches").json()["data"] == []
+
+
+def test_the_api_serves_smollm2_alone_unless_the_operator_lists_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SWARMBATCH_API_MODELS", raising=False)
+    assert Settings().api_models == ["smollm2"]
+    monkeypatch.setenv("SWARMBATCH_API_MODELS", "smollm2, /models/my model ,,/models/tiny")
+    assert Settings().api_models == ["smollm2", "/models/my model", "/models/tiny"]
+    monkeypatch.setenv("SWARMBATCH_API_MODELS", "")
+    assert Settings().api_models == ["smollm2"]
+
+
+def test_metrics_need_the_operators_token_when_one_is_set(make_runtime: Callable[..., Runtime], client: Client,
+                                                          redis_url: str) -> None:
+    runtime = make_runtime(broker_url=redis_url, metrics_token="scrape-me")
+    api_key = new_key(runtime)
+
+    anonymous = client(runtime).get("/metrics")
+    wrong = client(runtime, "scrape-you").get("/metrics")
+    with_an_api_key = client(runtime, api_key).get("/metrics")
+    right = client(runtime, "scrape-me").get("/metrics")
+
+    for refused in (anonymous, wrong, with_an_api_key):
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert "SWARMBATCH_METRICS_TOKEN" in refused.json()["detail"] and "scrape-me" not in refused.text
+    assert right.status_code == 200 and 'swarmbatch_jobs{status="queued"} 0.0' in right.text
+    assert client(runtime).get("/healthz").status_code == 200  # health stays open to the orchestrator
+
+
+def test_a_burst_of_scrapes_reads_the_store_once_per_cache_period(make_runtime: Callable[..., Runtime], client: Client,
+                                                                  redis_url: str, tiny_model: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given metrics cached for 5 s (by the jobs clock, which the test moves) and one scrape at t0
+    t0 = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+    now = [t0]
+    monkeypatch.setattr(clock, "now", lambda: now[0])
+    runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], metrics_cache_seconds=5)
+    scraper = client(runtime)
+    assert 'swarmbatch_jobs{status="queued"} 0.0' in scraper.get("/metrics").text
+    # When a job is queued, Then scrapes within the 5 s show the first read, and the first one after shows the job
+    upload(client(runtime, new_key(runtime)), tiny_model, [request_line("a")])
+    now[0] = t0 + timedelta(seconds=4.9)
+    assert 'swarmbatch_jobs{status="queued"} 0.0' in scraper.get("/metrics").text
+    now[0] = t0 + timedelta(seconds=5)
+    assert 'swarmbatch_jobs{status="queued"} 1.0' in scraper.get("/metrics").text
+
+
+def test_metrics_answer_503_when_the_database_is_not_migrated(tmp_path: Path, client: Client) -> None:
+    bare = Runtime(Settings(home=tmp_path / "bare", database_url=f"sqlite:///{tmp_path / 'empty.sqlite'}"))
+    try:
+        response = client(bare).get("/metrics")
+    finally:
+        bare.close()
+
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["type"] == "StoreUnavailable" and "swarmbatch db upgrade" in error["message"]

@@ -7,6 +7,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import free_port
 from typer.testing import CliRunner
@@ -148,7 +149,7 @@ def test_keys_create_prints_a_key_once_and_stores_only_its_hash(embedded_home: P
 def test_the_cli_talks_to_the_rest_api_with_a_key(make_runtime: Callable[..., Runtime], redis_url: str,
                                                   serve: Callable[[Runtime], str], tiny_model: Path,
                                                   tmp_path: Path) -> None:
-    runtime = make_runtime(broker_url=redis_url)
+    runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)])
     with runtime.session() as session:
         _, key = store.create_api_key(session=session, name="cli")
         session.commit()
@@ -161,3 +162,44 @@ def test_the_cli_talks_to_the_rest_api_with_a_key(make_runtime: Callable[..., Ru
     assert code == 0 and json.loads(out)["request_counts"]["total"] == 1
     code, _, err = invoke("status", job_id, "--api", url, "--key", "sb-wrong")
     assert code == ExitCode.USAGE and "401" in err
+
+
+def test_keys_list_and_revoke_and_the_revoked_key_gets_401_at_once(embedded_home: Path,
+                                                                   serve: Callable[[Runtime], str]) -> None:
+    # Given two keys and the API serving the CLI's own store
+    alice, bob = (invoke("keys", "create", name)[1].strip() for name in ("alice", "bob"))
+    runtime = Runtime(get_settings())
+    url = serve(runtime)
+    as_alice = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {alice}"})
+    as_bob = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {bob}"})
+    assert as_alice.get("/v1/batches").status_code == 200
+    code, out, _ = invoke("keys", "list", "--json")
+    listed = json.loads(out)
+    assert code == 0 and [(k["name"], k["revoked_at"]) for k in listed] == [("alice", None), ("bob", None)]
+    assert all(set(k) == {"id", "name", "created_at", "revoked_at"} for k in listed)
+    assert alice not in out and store.hash_key(alice) not in out
+
+    # When alice's key is revoked by name
+    code, out, _ = invoke("keys", "revoke", "alice")
+
+    # Then her next call, on the same connection, is refused, and bob's key still works
+    assert code == 0 and out.startswith(f"key {listed[0]['id']} (alice) revoked at ")
+    refused = as_alice.get("/v1/batches")
+    assert refused.status_code == 401 and "revoked" in refused.json()["detail"]
+    assert as_bob.get("/v1/batches").status_code == 200
+    code, out, _ = invoke("keys", "list")
+    assert code == 0 and "revoked 20" in out.splitlines()[0] and out.splitlines()[1].endswith("live")
+    assert invoke("keys", "revoke", str(listed[1]["id"]))[0] == 0 and as_bob.get("/v1/batches").status_code == 401
+    as_alice.close()
+    as_bob.close()
+    runtime.close()
+
+
+def test_revoking_an_unknown_key_is_a_usage_error_in_one_line(embedded_home: Path) -> None:
+    invoke("keys", "create", "alice")
+
+    code, _, err = invoke("keys", "revoke", "nobody")
+
+    assert code == ExitCode.USAGE
+    assert err.strip().splitlines() == ["Error: ApiKeyNotFound: no API key 'nobody'; list them with "
+                                        "'swarmbatch keys list'"]

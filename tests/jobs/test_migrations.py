@@ -15,7 +15,7 @@ from jobs.migrate import downgrade, upgrade
 from jobs.models import Base
 from jobs.store import create_job
 
-TABLES = {"api_keys", "jobs", "requests", "document_summaries"}
+TABLES = {"api_keys", "jobs", "requests", "document_summaries", "worker_heartbeats", "maintenance_slots"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -105,6 +105,27 @@ def test_dropping_request_resumes_keeps_the_rows_both_ways(database_url: str, en
     with engine.connect() as connection:
         count = connection.execute(text("SELECT count(*) FROM requests WHERE job_id = :id"), {"id": job_id})
         assert count.scalar() == 2
+    assert schema_diffs(engine) == []
+
+
+def test_the_generated_count_is_filled_from_the_stored_token_ids(database_url: str, engine: Engine) -> None:
+    # Given requests with generated tokens, at the revision before 0006 (which has no generated_count)
+    upgrade(database_url)
+    with Session(engine) as session:
+        job = create_job(session=session, parsed=ParsedBatch([parsed_line(1), parsed_line(2)], [], COMPLETIONS_URL),
+                         model="tiny")
+        session.commit()
+        job_id = job.id
+    downgrade(database_url, "0005_api_key_revocation")
+    assert "generated_count" not in {c["name"] for c in inspect(engine).get_columns("requests")}
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE requests SET generated_ids = '[5, 6, 7]' WHERE custom_id = 'req-1'"))
+    # When it is upgraded, Then each row counts its stored tokens
+    upgrade(database_url)
+    with engine.connect() as connection:
+        counts = connection.execute(text("SELECT custom_id, generated_count FROM requests WHERE job_id = :id"),
+                                    {"id": job_id})
+        assert dict(counts.tuples().all()) == {"req-1": 3, "req-2": 0}
     assert schema_diffs(engine) == []
 
 

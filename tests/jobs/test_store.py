@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from jobs import store
 from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch
-from jobs.errors import JobNotFound
+from jobs.errors import ApiKeyNotFound, JobNotFound
 from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
@@ -230,6 +230,22 @@ def test_checkpoint_writes_generated_ids_and_renews_the_lease_of_its_owner(runti
     rows = load_requests(runtime, job_id)
     assert [r.generated_ids for r in rows] == [[5, 6], [7]]
     assert all(r.lease_expires_at is not None and r.lease_expires_at > t0 + timedelta(seconds=LEASE) for r in rows)
+
+
+def test_the_generated_count_follows_the_token_ids_through_checkpoints_and_finish(runtime: Runtime) -> None:
+    # metrics and job counts sum generated_count, never the JSON: every writer of the ids must keep it equal
+    job_id = new_job(runtime, 3)
+    token, ids = claim(runtime, job_id)
+
+    save_progress(runtime, token, {ids[0]: [5, 6], ids[1]: [7]})
+    save_progress(runtime, token, {ids[0]: [5, 6, 8, 9]})
+    finish(runtime, ids[1], token, generated=[7, 1, 2])
+
+    rows = load_requests(runtime, job_id)
+    assert [(len(r.generated_ids), r.generated_count) for r in rows] == [(4, 4), (3, 3), (0, 0)]
+    with runtime.session() as session:
+        assert store.job_counts(session=session, job_id=job_id).tokens == 7
+        assert store.generated_tokens(session=session) == 7
 
 
 def test_checkpoint_after_the_lease_was_taken_over_writes_nothing(runtime: Runtime) -> None:
@@ -685,6 +701,45 @@ def test_find_api_key_finds_a_key_by_its_plain_value_and_not_by_its_hash(runtime
         assert found is not None and found.id == row.id
         assert store.find_api_key(session=session, key=row.key_hash) is None
         assert store.find_api_key(session=session, key=plain + "x") is None
+
+
+def test_a_revoked_key_is_found_no_more_and_revoking_it_again_keeps_its_first_revocation(runtime: Runtime) -> None:
+    with runtime.session() as session:
+        row, plain = store.create_api_key(session=session, name="ci")
+        session.commit()
+    with runtime.session() as session:
+        first = store.revoke_api_key(session=session, name_or_id=str(row.id)).revoked_at
+        session.commit()
+    with runtime.session() as session:
+        again = store.revoke_api_key(session=session, name_or_id="ci").revoked_at
+        session.commit()
+        assert store.find_api_key(session=session, key=plain) is None
+    assert first is not None and again == first
+    with runtime.session() as session:
+        assert [(k.name, k.revoked_at) for k in store.list_api_keys(session=session)] == [("ci", first)]
+
+
+def test_a_name_revokes_its_one_live_key_and_an_unknown_or_ambiguous_one_revokes_nothing(runtime: Runtime) -> None:
+    # Given alice's old key (revoked), her live one, and two live keys named "ci"
+    with runtime.session() as session:
+        old, _ = store.create_api_key(session=session, name="alice")
+        live, live_plain = store.create_api_key(session=session, name="alice")
+        store.create_api_key(session=session, name="ci")
+        store.create_api_key(session=session, name="ci")
+        session.commit()
+        store.revoke_api_key(session=session, name_or_id=str(old.id))
+        session.commit()
+    with runtime.session() as session:
+        # When "alice" is revoked, Then her live key is
+        assert store.revoke_api_key(session=session, name_or_id="alice").id == live.id
+        session.commit()
+        assert store.find_api_key(session=session, key=live_plain) is None
+        # and a name of nobody, or of two live keys, raises without revoking anything
+        with pytest.raises(ApiKeyNotFound, match="no API key 'bob'; list them with 'swarmbatch keys list'"):
+            store.revoke_api_key(session=session, name_or_id="bob")
+        with pytest.raises(ApiKeyNotFound, match="2 live API keys are named 'ci'"):
+            store.revoke_api_key(session=session, name_or_id="ci")
+        assert [k.revoked_at is None for k in store.list_api_keys(session=session)] == [False, False, True, True]
 
 
 def test_a_job_of_another_key_is_not_found(runtime: Runtime) -> None:

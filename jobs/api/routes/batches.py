@@ -8,14 +8,15 @@ from fastapi.responses import StreamingResponse
 
 from jobs import outputs, store
 from jobs.api.batch_request import REQUEST_BODY, SubmissionDep
-from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep
+from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep, require_served_model
 from jobs.submission import submit_batch
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 JSONL = "application/jsonl"
 Responses = dict[int | str, dict[str, Any]]
-ERRORS: Responses = {400: {"description": "InvalidJob: the batch is refused whole; nothing was created."},
+ERRORS: Responses = {400: {"description": "InvalidJob: the batch is refused whole (a bad body, a model the operator "
+                                          "does not serve, no good line); nothing was created."},
           401: {"description": "No API key, or an unknown one."}}
 NOT_FOUND: Responses = {404: {"description": "JobNotFound: no such job for this API key."}}
 STREAMED: Responses = {200: {"content": {JSONL: {}}, "description": "One JSON line per request, in input order."}}
@@ -26,6 +27,7 @@ def create_batch(key: ApiKeyDep, submission: SubmissionDep, runtime: RuntimeDep,
                  ) -> dict[str, Any]:
     """Submit a JSONL batch (multipart `file` + `model`) or inline requests (JSON); returns the queued job."""
     # the key comes first among the parameters, so an anonymous caller is refused before its body is read
+    require_served_model(runtime.settings, submission.model)  # before any lookup of the model on this server
     job = submit_batch(runtime, submission.data, model=submission.model, filename=submission.filename,
                        api_key_id=key.id, completion_window=submission.completion_window,
                        metadata=submission.metadata)

@@ -1,10 +1,10 @@
-"""`GET /healthz` and `GET /metrics`: liveness of the store and Prometheus metrics, without an API key."""
+"""`GET /healthz` and `GET /metrics` (no API key; SWARMBATCH_METRICS_TOKEN where set): store liveness, Prometheus."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from jobs.api.deps import RuntimeDep
+from jobs.api.deps import RuntimeDep, require_metrics_token
 
 router = APIRouter(tags=["health"])
 
@@ -16,9 +16,11 @@ def healthz(runtime: RuntimeDep) -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
-def metrics(request: Request, runtime: RuntimeDep) -> Response:
-    """Job and request counts by status and generated tokens, in the Prometheus text format."""
-    runtime.check_store()  # a clean 503 rather than a failed scrape when the database is down
+@router.get("/metrics", response_class=Response, dependencies=[Depends(require_metrics_token)],
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}},
+                       401: {"description": "SWARMBATCH_METRICS_TOKEN is set and the Bearer token is not it."},
+                       503: {"description": "The database is unreachable or not migrated."}})
+def metrics(request: Request) -> Response:
+    """Job and request counts by status and generated tokens, in the Prometheus text format (reused for a few s)."""
     registry: CollectorRegistry = request.app.state.metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
