@@ -2,15 +2,18 @@
 
 The batch core (this package):
     settings     Settings (SWARMBATCH_* environment) and get_settings()
-    models       SQLAlchemy models: Job, Request (generated token ids = the checkpoint), ApiKey, DocumentSummary
+    models       SQLAlchemy models: Job (with its kind), Request (generated token ids = the checkpoint), ApiKey,
+                 SummaryRun, DocumentSummary, WorkerHeartbeat, MaintenanceSlot
     db, migrate  engines and sessions; Alembic from code
     errors       the JobsError tree
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors
-    store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel, expire, keys (revoke);
-                 they never commit: the caller (route, worker step, CLI command) does
-    submission   submit_batch: validate against the model, store, enqueue
+    store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
+                 requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
+    lifecycle    Lifecycle: the one owner of job transitions (start, settle, finalize, cancel, expire), running
+                 each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
+    submission   submit_batch: validate against the model (and the user's metadata), store, enqueue
     outputs      results / errors JSONL and the job object, in the OpenAI shapes
-    runtime      Runtime: the collaborators of one process (settings, engine, Celery app, swarm clients)
+    runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients)
     client       StoreClient / ApiClient: how the CLI reaches jobs
     progress     status lines and the live progress bar
     clock        now(): the scheduler's clock (the one thing tests fake)

@@ -37,7 +37,7 @@ class StoreClient:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         with self.runtime.session() as session:
-            job = store.cancel_job(session=session, job_id=job_id)
+            job = self.runtime.lifecycle.cancel(session, job_id)
             session.commit()
             return job_public(session=session, job=job)
 

@@ -59,6 +59,13 @@ class JobStatus(StrEnum):
         return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled, JobStatus.expired)
 
 
+class JobKind(StrEnum):
+    """What a job is for: it picks the lifecycle hooks (jobs.lifecycle) that run when the job moves."""
+
+    batch = "batch"      # a user's batch (API or CLI): nothing beyond the requests
+    summary = "summary"  # a schedule's run (jobs.summaries): map-reduce stages, then Markdown pages
+
+
 class RequestStatus(StrEnum):
     """One prompt's lifecycle."""
 
@@ -76,7 +83,7 @@ class RequestStatus(StrEnum):
 
 
 def status_column(enum: type[Enum]) -> SQLEnum:
-    """A status column: the member's value as VARCHAR(20), the very strings and schema of migration 0001."""
+    """A status (or kind) column: the member's value as VARCHAR(20), the very strings and schema of migration 0001."""
     # non-native and without a CHECK constraint, so the schema needs no migration; binding or loading a string
     # that is no member raises
     return SQLEnum(enum, native_enum=False, create_constraint=False, length=20, validate_strings=True,
@@ -105,12 +112,15 @@ class Job(Base):
     model: Mapped[str] = mapped_column(String(500))
     endpoint: Mapped[str] = mapped_column(String(40))
     status: Mapped[JobStatus] = mapped_column(status_column(JobStatus), default=JobStatus.queued, index=True)
+    kind: Mapped[JobKind] = mapped_column(status_column(JobKind), default=JobKind.batch)
     input_filename: Mapped[str | None] = mapped_column(String(500))
     line_errors: Mapped[list[Any]] = mapped_column(default=list)
     blocked_reason: Mapped[str | None] = mapped_column(Text)
     checkpoint_every: Mapped[int] = mapped_column(Integer, default=8)
     completion_window_s: Mapped[int] = mapped_column(Integer, default=24 * 3600)
     idempotency_key: Mapped[str | None] = mapped_column(String(300), unique=True)
+    # the user's metadata (OpenAI's shape: at most 16 string pairs), shown back and never read by the service,
+    # which keeps its own state in columns (`kind`, the summary run)
     metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]
@@ -127,6 +137,7 @@ class Job(Base):
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")
+    summary: Mapped[SummaryRun | None] = relationship(back_populates="job", cascade="all, delete-orphan")
 
 
 class Request(Base):
@@ -173,6 +184,33 @@ class Request(Base):
     completed_at: Mapped[datetime | None]
 
     job: Mapped[Job] = relationship(back_populates="requests")
+
+
+class SummaryRun(Base):
+    """A summary job's own state: which schedule and period it runs, where its pages go, and whether they went.
+
+    Everything here comes from the operator's schedules file (at firing) or from the service, never from a user.
+    """
+
+    __tablename__ = "summary_runs"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    schedule: Mapped[str] = mapped_column(String(200))
+    period: Mapped[str] = mapped_column(String(100))
+    model_id: Mapped[str] = mapped_column(String(500))      # the model and its weights revision
+    template_sha: Mapped[str] = mapped_column(String(64))   # Schedule.template_sha at firing
+    output_dir: Mapped[str] = mapped_column(String(2000))   # Schedule.output_dir at firing: the pages go here
+    shape: Mapped[dict[str, Any]] = mapped_column()          # SummaryShape: how later map-reduce stages prompt
+    documents: Mapped[list[Any]] = mapped_column()           # [{"key", "source", "sha", "action": summarize|skip}]
+    skipped: Mapped[int] = mapped_column(Integer, default=0)  # unchanged documents not summarized again
+    # the pages: written once the job ends; a failed write is recorded and retried by sweeps, a bounded number of
+    # times (jobs.summaries.pages)
+    pages_written_at: Mapped[datetime | None]
+    pages_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    pages_error: Mapped[str | None] = mapped_column(Text)
+    pages_retry_at: Mapped[datetime | None]                  # the next try; None: written, or given up
+
+    job: Mapped[Job] = relationship(back_populates="summary")
 
 
 class DocumentSummary(Base):

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs import liveness
-from jobs.models import Job, JobStatus, Request, RequestStatus
+from jobs.models import Job, JobKind, JobStatus, Request, RequestStatus
 from jobs.store import JobCounts, job_counts
 
 CHAT_URL = "/v1/chat/completions"
@@ -77,8 +77,18 @@ def blocked_reason(*, session: Session, job: Job, counts: JobCounts) -> str | No
     return job.blocked_reason
 
 
+def summary_public(job: Job) -> dict[str, Any] | None:
+    """A summary job's own facts (None for a batch): its schedule and period, documents, and its pages' state."""
+    if job.kind != JobKind.summary or job.summary is None:  # a batch never loads the relationship
+        return None
+    run = job.summary
+    return {"schedule": run.schedule, "period": run.period, "output": run.output_dir,
+            "documents": len(run.documents), "skipped": run.skipped,
+            "pages_written_at": unix(run.pages_written_at), "pages_error": run.pages_error}
+
+
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
-    """The job object of the REST API (OpenAI batch shape, plus tokens_generated and blocked_reason)."""
+    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason and summary)."""
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {
@@ -91,5 +101,5 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
         "finalizing_at": unix(job.finalizing_at), "completed_at": unix(job.completed_at),
         "failed_at": unix(job.failed_at), "cancelling_at": unix(job.cancelling_at),
         "cancelled_at": unix(job.cancelled_at), "expires_at": unix(job.expires_at), "expired_at": unix(job.expired_at),
-        "metadata": job.metadata_json,
+        "metadata": job.metadata_json, "summary": summary_public(job),
     }

@@ -16,8 +16,11 @@ def describe_job(job: dict[str, Any]) -> str:
             f"{counts['failed']} failed, {job.get('tokens_generated', 0)} tokens")
     if job.get("errors"):
         line += f", {len(job['errors']['data'])} bad input lines"
-    if (job.get("metadata") or {}).get("skipped"):
-        line += f", {job['metadata']['skipped']} unchanged documents skipped"
+    summary = job.get("summary") or {}
+    if summary.get("skipped"):
+        line += f", {summary['skipped']} unchanged documents skipped"
+    if summary.get("pages_error"):
+        line += f"; pages not written: {summary['pages_error']}"
     if job.get("blocked_reason") and job["status"] not in TERMINAL:
         line += f"; blocked: {job['blocked_reason']}"
     return line

@@ -1,4 +1,4 @@
-"""`Runtime`: the composition root of a process — settings, database, Celery app, swarm clients, tokenizers."""
+"""`Runtime`: the composition root of a process — settings, database, Celery app, lifecycle, swarm clients, tokenizers."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from sqlalchemy import Engine, text
@@ -21,6 +21,9 @@ from jobs.db import make_engine, make_session_factory
 from jobs.errors import StoreUnavailable
 from jobs.settings import Settings, get_settings
 from jobs.worker.celery_app import make_celery
+
+if TYPE_CHECKING:
+    from jobs.lifecycle import Lifecycle
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,15 @@ class Runtime:
     def celery(self) -> Celery:
         """The Celery app."""
         return make_celery(self.settings)
+
+    @cached_property
+    def lifecycle(self) -> Lifecycle:
+        """Job transitions with every kind's hooks registered: the one way any caller changes a job's status."""
+        from jobs.lifecycle import JobHooks, Lifecycle
+        from jobs.models import JobKind
+        from jobs.summaries.hooks import SummaryHooks
+
+        return Lifecycle({JobKind.batch: JobHooks(), JobKind.summary: SummaryHooks(self)})
 
     @property
     def worker_name(self) -> str:

@@ -1,5 +1,7 @@
 """The jobs store: keyword-only functions over a SQLAlchemy session. SQL holds the truth; these are its verbs.
 
+Job status moves only through jobs.lifecycle (settle, cancel, expire), which calls the request-level verbs here.
+
 Transactions: no function here commits or rolls back. Writers change the session's transaction (flushing
 where they need ids); the caller, the unit of work (an API route, one step of a worker, a CLI command, each in
 its own `runtime.session()`), commits, and nothing is visible to other sessions or durable before it does.
@@ -28,7 +30,7 @@ from sqlalchemy.orm import Session
 
 from jobs.batch_input import ParsedBatch
 from jobs.errors import ApiKeyNotFound, JobNotFound
-from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
+from jobs.models import ApiKey, Job, JobKind, JobStatus, Request, RequestStatus, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +39,15 @@ logger = logging.getLogger(__name__)
 def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id: int | None = None,
                completion_window_s: int = 24 * 3600, checkpoint_every: int = 8, input_filename: str | None = None,
                idempotency_key: str | None = None, metadata: dict[str, Any] | None = None,
-               annotations: Mapping[str, dict[str, Any]] | None = None) -> Job:
+               annotations: Mapping[str, dict[str, Any]] | None = None, kind: JobKind = JobKind.batch) -> Job:
     """Insert a queued job and one pending request per good line.
 
-    `annotations` sets extra Request columns (document, stage, final) by custom_id.
+    `metadata` is the user's (validated by the caller); `kind` picks the job's lifecycle hooks; `annotations`
+    sets extra Request columns (document, stage, final) by custom_id.
     """
     now = utcnow()
     job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model, endpoint=parsed.endpoint,
-              status=JobStatus.queued, input_filename=input_filename,
+              status=JobStatus.queued, kind=kind, input_filename=input_filename,
               line_errors=[e.to_dict() for e in parsed.errors], checkpoint_every=checkpoint_every,
               completion_window_s=completion_window_s, idempotency_key=idempotency_key,
               metadata_json=metadata or {}, created_at=now, expires_at=now + timedelta(seconds=completion_window_s))
@@ -126,54 +129,18 @@ def generated_tokens(*, session: Session, job_id: str | None = None) -> int:
     return int(session.scalar(query) or 0)
 
 
-def set_job_status(job: Job, status: JobStatus, *, now: datetime | None = None) -> None:
-    """Move a job to `status` and stamp `<status>_at` (one log line per transition)."""
-    if job.status == status:
-        return
-    logger.info("Job %s: %s -> %s", job.id, job.status, status)
-    job.status = status
-    stamp = f"{status}_at"
-    if hasattr(job, stamp):
-        setattr(job, stamp, now or utcnow())
+def cancel_pending_requests(*, session: Session, job_id: str, now: datetime | None = None) -> None:
+    """Cancel a job's pending requests (its running ones stop at their next checkpoint); jobs.lifecycle calls it."""
+    session.execute(update(Request).where(Request.job_id == job_id, Request.status == RequestStatus.pending)
+                    .values(status=RequestStatus.cancelled, completed_at=now or utcnow()))
 
 
-def cancel_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> Job:
-    """Start cancelling: pending requests stop now, running ones at their next checkpoint."""
-    job = get_job(session=session, job_id=job_id, api_key_id=api_key_id)
-    if job.status.terminal or job.status == JobStatus.cancelling:
-        return job
-    set_job_status(job, JobStatus.cancelling)
-    session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending)
-                    .values(status=RequestStatus.cancelled, completed_at=utcnow()))
-    settle_job(session=session, job=job)
-    return job
-
-
-def settle_job(*, session: Session, job: Job, now: datetime | None = None) -> None:
-    """Move a job on once its requests allow it: finalize when all are terminal, cancel when none runs."""
-    now = now or utcnow()
-    counts = job_counts(session=session, job_id=job.id)
-    live = counts.pending + counts.in_progress
-    if job.status == JobStatus.cancelling and counts.in_progress == 0:
-        # requests whose worker died after the cancel came back to pending through the sweep: cancel them too
-        session.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.pending)
-                        .values(status=RequestStatus.cancelled, completed_at=now))
-        set_job_status(job, JobStatus.cancelled, now=now)
-    elif job.status in (JobStatus.queued, JobStatus.in_progress) and live == 0:
-        set_job_status(job, JobStatus.finalizing, now=now)
-        failed_all = counts.completed == 0 and counts.failed > 0
-        set_job_status(job, JobStatus.failed if failed_all else JobStatus.completed, now=now)
-        job.blocked_reason = None
-
-
-def expire_job(*, session: Session, job: Job, now: datetime | None = None) -> None:
-    """The deadline passed: unfinished requests expire (keeping partial output), finished results stay."""
-    now = now or utcnow()
-    session.execute(update(Request).where(Request.job_id == job.id, Request.status.in_(
+def expire_open_requests(*, session: Session, job_id: str, now: datetime | None = None) -> None:
+    """Expire a job's unfinished requests, keeping partial output and fencing out their workers; jobs.lifecycle calls it."""
+    session.execute(update(Request).where(Request.job_id == job_id, Request.status.in_(
         [RequestStatus.pending, RequestStatus.in_progress]))
-        .values(status=RequestStatus.expired, lease_token=None, lease_owner=None, completed_at=now,
+        .values(status=RequestStatus.expired, lease_token=None, lease_owner=None, completed_at=now or utcnow(),
                 last_error="the job's completion window ended"))
-    set_job_status(job, JobStatus.expired, now=now)
 
 
 def hold_dispatch(*, session: Session, job: Job, seconds: float, now: datetime | None = None) -> bool:
@@ -314,13 +281,6 @@ def active_job_ids(*, session: Session) -> list[str]:
     """Jobs that are not terminal."""
     live = [JobStatus.queued, JobStatus.in_progress, JobStatus.cancelling]
     return list(session.scalars(select(Job.id).where(Job.status.in_(live)).order_by(Job.created_at)))
-
-
-def recently_stopped_job_ids(*, session: Session, since: datetime) -> list[str]:
-    """Jobs cancelled or expired since `since` (their outputs may still need writing)."""
-    return list(session.scalars(select(Job.id).where(or_(
-        (Job.status == JobStatus.cancelled) & (Job.cancelled_at >= since),
-        (Job.status == JobStatus.expired) & (Job.expired_at >= since))).order_by(Job.created_at)))
 
 
 # ---- API keys ---------------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ MAX_PARALLEL_TASKS = 8  # tasks in flight per job at submission; each re-enqueue
 WINDOW = re.compile(r"(?P<amount>\d{1,7}(?:\.\d{1,6})?)(?P<unit>[hms]?)")
 WINDOW_UNITS = {"h": 3600, "m": 60, "s": 1, "": 1}
 MAX_WINDOW_SECONDS = 7 * 24 * 3600  # OpenAI accepts 24h; a week is the longest deadline we keep a job for
+# the user's metadata, in OpenAI's shape: it is stored and shown back, never read by the service
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 def parse_window(value: str) -> int:
@@ -33,11 +35,43 @@ def parse_window(value: str) -> int:
     return seconds
 
 
+def check_metadata(metadata: object) -> dict[str, str]:
+    """The user's metadata as stored: at most 16 pairs of strings, keys up to 64 characters, values up to 512.
+
+    Raises InvalidJob (a 400; nothing is created) with one line naming the first thing wrong.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InvalidJob(f"metadata must be an object of string keys and values, not {type(metadata).__name__}")
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidJob(f"metadata may hold at most {MAX_METADATA_PAIRS} pairs, not {len(metadata)}")
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise InvalidJob(f"metadata keys must be strings, not {type(key).__name__}")
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidJob(f"metadata key {_clip(key)!r} is longer than {MAX_METADATA_KEY} characters")
+        if not isinstance(value, str):
+            raise InvalidJob(f"metadata value of {key!r} must be a string, not {type(value).__name__}")
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidJob(f"metadata value of {key!r} is longer than {MAX_METADATA_VALUE} characters")
+    return dict(metadata)
+
+
+def _clip(value: object, length: int = 20) -> str:
+    text = str(value)
+    return text if len(text) <= length else text[:length] + "..."
+
+
 def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None,
                  api_key_id: int | None = None, completion_window: str = "24h",
                  metadata: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Job:
-    """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if no line is usable."""
+    """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if anything is refused.
+
+    Refused: a window or metadata out of bounds, an unusable model, a file without one usable line.
+    """
     window = parse_window(completion_window)
+    metadata = check_metadata(metadata)
     try:
         tokenizer = runtime.tokenizer(model)
         context = runtime_context_length(runtime, model)

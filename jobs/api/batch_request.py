@@ -16,6 +16,7 @@ from starlette.datastructures import FormData, UploadFile
 from jobs.errors import InvalidJob
 
 DEFAULT_WINDOW = "24h"
+METADATA = "Yours alone: up to 16 pairs of strings, keys up to 64 characters, values up to 512."
 
 
 class BatchOptions(BaseModel):
@@ -29,7 +30,7 @@ class BatchCreate(BatchOptions):
     """The JSON body: the requests inline, as OpenAI batch request line objects."""
 
     requests: list[Any] = Field(description='Objects like {"custom_id", "method": "POST", "url", "body"}.')
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = Field(default=None, description=METADATA)
 
 
 class BatchForm(BatchOptions):
@@ -56,7 +57,7 @@ REQUEST_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
             "file": {"type": "string", "format": "binary", "description": "The JSONL batch, one request a line."},
             "model": {"type": "string"},
             "completion_window": {"type": "string", "default": DEFAULT_WINDOW},
-            "metadata": {"type": "string", "description": "A JSON object, as text."}}}},
+            "metadata": {"type": "string", "description": f"{METADATA} As JSON text."}}}},
     "application/json": {"schema": BatchCreate.model_json_schema()},
 }}}
 

@@ -19,9 +19,9 @@ from sqlalchemy.exc import IntegrityError
 
 from jobs import clock
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, ParsedBatch
-from jobs.models import DocumentSummary, Job
+from jobs.models import DocumentSummary, Job, JobKind, SummaryRun
 from jobs.runtime import Runtime
-from jobs.store import create_job, settle_job
+from jobs.store import create_job
 from jobs.submission import enqueue_job, runtime_context_length
 from jobs.summaries.documents import Document, collect_documents
 from jobs.summaries.mapreduce import PlannedRequest, Planner, SummaryShape
@@ -82,12 +82,12 @@ def fire(runtime: Runtime, schedule: Schedule, period: str) -> Firing:
                       runtime_context_length(runtime, schedule.model), schedule.model)
     planned = [request for document in fresh for request in planner.document(document.key, document.text)]
     parsed = planner.parse(planned) if planned else ParsedBatch([], [], CHAT_URL if schedule.chat else COMPLETIONS_URL)
-    metadata = {"schedule": schedule.name, "period": period, "model_id": model_id, "output": str(schedule.output_dir),
-                "template_sha": schedule.template_sha, "summarize": SummaryShape.of(schedule).to_dict(),
-                "documents": [_document_entry(d, "summarize") for d in fresh] +
-                             [_document_entry(d, "skip") for d in skipped],
-                "skipped": len(skipped)}
-    job_id = _create(runtime, schedule, key, parsed, planned, metadata)
+    run = SummaryRun(schedule=schedule.name, period=period, model_id=model_id, output_dir=str(schedule.output_dir),
+                     template_sha=schedule.template_sha, shape=SummaryShape.of(schedule).to_dict(),
+                     documents=[_document_entry(d, "summarize") for d in fresh] +
+                               [_document_entry(d, "skip") for d in skipped],
+                     skipped=len(skipped))
+    job_id = _create(runtime, schedule, key, parsed, planned, run)
     if job_id is None:
         return Firing(schedule.name, period, None)
     logger.info("Schedule %s fired for %s: job %s, %d documents to summarize, %d unchanged skipped",
@@ -98,16 +98,17 @@ def fire(runtime: Runtime, schedule: Schedule, period: str) -> Firing:
 
 
 def _create(runtime: Runtime, schedule: Schedule, key: str, parsed: ParsedBatch, planned: list[PlannedRequest],
-            metadata: dict[str, object]) -> str | None:
-    """Insert the job under its idempotency key; None when another firing inserted it first."""
+            run: SummaryRun) -> str | None:
+    """Insert the job and its summary run under its idempotency key; None when another firing inserted it first."""
     with runtime.session() as session:
         try:
             job = create_job(session=session, parsed=parsed, model=schedule.model, idempotency_key=key,
-                             checkpoint_every=runtime.settings.checkpoint_every,
-                             input_filename=f"schedule:{schedule.name}", metadata=metadata,
+                             checkpoint_every=runtime.settings.checkpoint_every, kind=JobKind.summary,
+                             input_filename=f"schedule:{schedule.name}",
                              annotations={p.line["custom_id"]: p.annotation for p in planned})
-            if not planned:
-                settle_job(session=session, job=job)  # nothing changed: the night's job completes at once
+            job.summary = run
+            if not planned:  # nothing changed: the night's job completes at once, and writes its index
+                runtime.lifecycle.settle(session, job)
             session.commit()
             return job.id
         except IntegrityError:

@@ -35,7 +35,7 @@ SEPARATOR = "\n\n"
 
 @dataclass(frozen=True)
 class SummaryShape:
-    """How a job summarizes (stored in the job's metadata, so later stages don't depend on the schedules file)."""
+    """How a job summarizes (stored in its summary run, so later stages don't depend on the schedules file)."""
 
     prompt: str
     reduce_prompt: str
@@ -53,7 +53,7 @@ class SummaryShape:
                    schedule.top_p, schedule.seed, schedule.chunk_overlap)
 
     def to_dict(self) -> dict[str, Any]:
-        """For Job.metadata."""
+        """For SummaryRun.shape."""
         return asdict(self)
 
 
@@ -143,10 +143,12 @@ class Planner:
 
 
 def planner_for(runtime: Runtime, job: Job) -> Planner:
-    """The planner of a summarization job, from the shape stored in its metadata."""
+    """The planner of a summary job, from the shape stored in its summary run."""
     from jobs.submission import runtime_context_length
 
-    shape = SummaryShape(**job.metadata_json["summarize"])
+    if job.summary is None:
+        raise ValueError(f"job {job.id} is a {job.kind} job, not a summary job")
+    shape = SummaryShape(**job.summary.shape)
     return Planner(shape, runtime.tokenizer(job.model), runtime_context_length(runtime, job.model), job.model)
 
 

@@ -1,24 +1,29 @@
-"""A finished summarization job's outputs: one Markdown file per document, an index, and the skip state.
+"""An ended summary job's pages: one Markdown file per document, an index, and the skip state.
 
-Files are written to a temporary name and renamed into place, so a crash never leaves half a file; the
-job's metadata records `outputs_written` in the same transaction that records the summaries, and a crash
-between the two only means the (identical) files are written again by the next sweep.
+Files are written to a temporary name and renamed into place, so a crash never leaves half a file. The job's
+summary run records `pages_written_at` in the same transaction as the summaries (and as the transition that
+ended the job), under the run's row lock, so the pages are written once; a crash before the commit only means
+the (identical) files are written again. A write that fails (disk full, no permission, a file where the folder
+should be) is recorded on the run (`pages_error`) and retried by later sweeps with backoff, at most
+MAX_PAGE_ATTEMPTS times in all; it never fails the transition that ended the job.
 """
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from jobs.models import DocumentSummary, Job, JobStatus, Request, RequestStatus, utcnow
+from jobs.models import DocumentSummary, Job, JobStatus, Request, RequestStatus, SummaryRun
 
 logger = logging.getLogger(__name__)
+
+MAX_PAGE_ATTEMPTS = 5
+FIRST_RETRY_DELAY = timedelta(minutes=1)  # doubled after each failure: 1, 2, 4, 8 min
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -42,33 +47,63 @@ def summary_filename(key: str) -> str:
     return f"{safe}.md"
 
 
-def write_outputs(*, session: Session, job: Job) -> bool:
-    """If `job` is a finished summarization job whose outputs are not written yet, write them; the caller commits.
+def write_pages_once(*, session: Session, job: Job, now: datetime) -> bool:
+    """Write an ended summary job's pages unless written or given up; returns whether they were written.
 
-    Returns whether it wrote them. Call it under the job's row lock (or with SQLite's single writer).
+    A failure is recorded on the run and scheduled for a retry (jobs.lifecycle.retry_ended); the caller commits.
     """
-    meta = dict(job.metadata_json or {})
-    if "schedule" not in meta or meta.get("outputs_written") or not job.status.terminal:
+    run = _locked_run(session, job)
+    if run is None or run.pages_written_at is not None or run.pages_attempts >= MAX_PAGE_ATTEMPTS:
         return False
-    output = Path(meta["output"])
-    finals = {r.document: r for r in session.scalars(select(Request).where(
-        Request.job_id == job.id, Request.final.is_(True), Request.document.is_not(None)))}
-    previous = {s.document: s for s in session.scalars(
-        select(DocumentSummary).where(DocumentSummary.schedule == meta["schedule"]))}
-    lines = []
-    for entry in meta["documents"]:
-        lines.append(_document_output(session, job, meta, entry, finals.get(entry["key"]),
-                                      previous.get(entry["key"]), output))
-    write_atomically(output / "index.md", _index(meta, job, lines))
-    meta["outputs_written"] = True
-    job.metadata_json = meta
-    logger.info("Job %s: wrote %d summaries and index.md to %s", job.id,
-                sum(1 for line in lines if line[1] == "summarized"), output)
+    run.pages_attempts += 1
+    session.flush()  # the attempt counts whatever happens; and on SQLite the savepoint below is then not outermost
+    try:
+        with session.begin_nested():  # a failed write keeps none of its summaries
+            write_pages(session=session, job=job, run=run, now=now)
+    except OSError as error:
+        _record_failure(run, error, now)
+        return False
+    run.pages_written_at, run.pages_error, run.pages_retry_at = now, None, None
     return True
 
 
-def _document_output(session: Session, job: Job, meta: dict[str, Any], entry: dict[str, str],
-                     final: Request | None, previous: DocumentSummary | None, output: Path) -> tuple[str, str, str]:
+def due_retries(*, session: Session, now: datetime) -> list[str]:
+    """Jobs whose page write failed and whose next try is due."""
+    return list(session.scalars(select(SummaryRun.job_id).where(
+        SummaryRun.pages_written_at.is_(None), SummaryRun.pages_retry_at <= now).order_by(SummaryRun.pages_retry_at)))
+
+
+def write_pages(*, session: Session, job: Job, run: SummaryRun, now: datetime) -> None:
+    """Write the pages and index of `run` to its output folder and record the summaries; raises OSError."""
+    output = Path(run.output_dir)
+    finals = {r.document: r for r in session.scalars(select(Request).where(
+        Request.job_id == job.id, Request.final.is_(True), Request.document.is_not(None)))}
+    previous = {s.document: s for s in session.scalars(
+        select(DocumentSummary).where(DocumentSummary.schedule == run.schedule))}
+    lines = [_document_output(session, job, run, entry, finals.get(entry["key"]), previous.get(entry["key"]), now)
+             for entry in run.documents]
+    write_atomically(output / "index.md", _index(run, job, lines))
+    logger.info("Job %s: wrote %d summaries and index.md to %s", job.id,
+                sum(1 for line in lines if line[1] == "summarized"), output)
+
+
+def _locked_run(session: Session, job: Job) -> SummaryRun | None:
+    """The job's summary run, read afresh under its row lock: one writer of the pages per job."""
+    return session.scalar(select(SummaryRun).where(SummaryRun.job_id == job.id).with_for_update()
+                          .execution_options(populate_existing=True))
+
+
+def _record_failure(run: SummaryRun, error: OSError, now: datetime) -> None:
+    run.pages_error = f"{type(error).__name__}: {error}"
+    retry = run.pages_attempts < MAX_PAGE_ATTEMPTS
+    run.pages_retry_at = now + FIRST_RETRY_DELAY * 2 ** (run.pages_attempts - 1) if retry else None
+    logger.warning("Job %s: pages not written to %s (attempt %d of %d): %s%s", run.job_id, run.output_dir,
+                   run.pages_attempts, MAX_PAGE_ATTEMPTS, run.pages_error,
+                   f"; retrying after {run.pages_retry_at:%H:%M:%S} UTC" if retry else "; giving up")
+
+
+def _document_output(session: Session, job: Job, run: SummaryRun, entry: dict[str, str], final: Request | None,
+                     previous: DocumentSummary | None, now: datetime) -> tuple[str, str, str]:
     """(key, state, file) for the index, writing the document's Markdown when it was summarized now."""
     key = entry["key"]
     if entry["action"] == "skip":
@@ -76,18 +111,17 @@ def _document_output(session: Session, job: Job, meta: dict[str, Any], entry: di
     if final is None or final.status != RequestStatus.completed:
         ended = job.status in (JobStatus.cancelled, JobStatus.expired)
         return key, job.status if ended else "failed", ""
-    path = output / summary_filename(key)
-    now = utcnow()
-    write_atomically(path, _markdown(key, entry["source"], meta["model_id"], meta["period"], job.id, now,
+    path = Path(run.output_dir) / summary_filename(key)
+    write_atomically(path, _markdown(key, entry["source"], run.model_id, run.period, job.id, now,
                                      final.output_text or ""))
-    _record(session, meta, entry, final.output_text or "", str(path), job.id, previous, now)
+    _record(session, run, entry, final.output_text or "", str(path), job.id, previous, now)
     return key, "summarized", str(path)
 
 
-def _record(session: Session, meta: dict[str, Any], entry: dict[str, str], summary: str, path: str, job_id: str,
+def _record(session: Session, run: SummaryRun, entry: dict[str, str], summary: str, path: str, job_id: str,
             previous: DocumentSummary | None, now: datetime) -> None:
-    row = previous or DocumentSummary(schedule=meta["schedule"], document=entry["key"])
-    row.content_sha, row.model_id, row.template_sha = entry["sha"], meta["model_id"], meta["template_sha"]
+    row = previous or DocumentSummary(schedule=run.schedule, document=entry["key"])
+    row.content_sha, row.model_id, row.template_sha = entry["sha"], run.model_id, run.template_sha
     row.summary, row.output_path, row.job_id, row.summarized_at = summary, path, job_id, now
     session.add(row)
 
@@ -98,8 +132,8 @@ def _markdown(key: str, source: str, model_id: str, period: str, job_id: str, wh
             f"- Job: `{job_id}`\n\n{summary.strip()}\n")
 
 
-def _index(meta: dict[str, Any], job: Job, lines: list[tuple[str, str, str]]) -> str:
+def _index(run: SummaryRun, job: Job, lines: list[tuple[str, str, str]]) -> str:
     rows = "\n".join(f"| {key} | {state} | {Path(path).name if path else ''} |" for key, state, path in lines)
-    return (f"# {meta['schedule']}: summaries\n\nRun {meta['period']}, job `{job.id}` ({job.status}), "
-            f"model `{meta['model_id']}`; {meta['skipped']} unchanged documents skipped.\n\n"
+    return (f"# {run.schedule}: summaries\n\nRun {run.period}, job `{job.id}` ({job.status}), "
+            f"model `{run.model_id}`; {run.skipped} unchanged documents skipped.\n\n"
             f"| document | state | summary |\n| --- | --- | --- |\n{rows}\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -16,8 +16,6 @@ from jobs import store
 from jobs.errors import JobCancelled, LeaseLost
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.summaries import mapreduce
-from jobs.summaries.pages import write_outputs
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
 
@@ -43,7 +41,7 @@ class JobWorker:
     """Processes one batch of one job."""
 
     def __init__(self, runtime: Runtime) -> None:
-        self.runtime, self.settings = runtime, runtime.settings
+        self.runtime, self.settings, self.lifecycle = runtime, runtime.settings, runtime.lifecycle
 
     def process(self, job_id: str) -> Outcome:
         """Claim up to `worker_batch_size` requests of the job and generate them."""
@@ -57,11 +55,11 @@ class JobWorker:
                 lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
             session.commit()  # the leases are durable, and the rows unlocked, before anything slow
             if not claimed:
-                settle(self.runtime, session, job)
+                self.lifecycle.settle(session, job)
                 session.commit()
                 return Outcome()
             if job.status == JobStatus.queued:
-                store.set_job_status(job, JobStatus.in_progress)
+                self.lifecycle.start(session, job)
                 session.commit()
             logger.info("Job %s: claimed %d requests (%s)", job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
             return self._generate(session, job, token, claimed)
@@ -71,10 +69,10 @@ class JobWorker:
         if job.status.terminal:
             return False
         if utcnow() > job.expires_at:
-            store.expire_job(session=session, job=job)
+            self.lifecycle.expire(session, job)
             return False
         if job.status == JobStatus.cancelling:
-            settle(self.runtime, session, job)
+            self.lifecycle.settle(session, job)
             return False
         return True
 
@@ -108,7 +106,7 @@ class JobWorker:
                                  generated=result.generated, finish_reason=result.finish_reason,
                                  output_text=result.text)
         job.blocked_reason = None
-        settle(self.runtime, session, job)
+        self.lifecycle.settle(session, job)
         session.commit()
         logger.info("Job %s: finished %d requests", job.id, len(runner.requests))
         return Outcome(more=store.job_counts(session=session, job_id=job.id).pending > 0)
@@ -150,14 +148,14 @@ class JobWorker:
                                  output_text=tokenizer.decode(generated, skip_special_tokens=True))
         session.commit()
         session.refresh(job)
-        settle(self.runtime, session, job)
+        self.lifecycle.settle(session, job)
         session.commit()
 
     def _fail_all(self, session: Session, job: Job, token: str, claimed: list[Request], reason: str) -> None:
         for request in claimed:
             store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.failed,
                                  error=reason)
-        settle(self.runtime, session, job)
+        self.lifecycle.settle(session, job)
         session.commit()
 
     def _blocked(self, session: Session, job: Job, token: str, error: Exception) -> Outcome:
@@ -176,20 +174,3 @@ class JobWorker:
         logger.warning("Job %s blocked: %s", job.id, reason)
         return Outcome(retry=True)
 
-
-def settle(runtime: Runtime, session: Session, job: Job, *, now: datetime | None = None) -> None:
-    """Move a job on: add its next map-reduce stages, settle its status, write a finished summary job's files."""
-    summarizing = "summarize" in (job.metadata_json or {})
-    if summarizing and job.status in (JobStatus.queued, JobStatus.in_progress):
-        mapreduce.advance(session=session, job=job, planner=mapreduce.planner_for(runtime, job))
-    store.settle_job(session=session, job=job, now=now)
-    write_outputs_once(session, job)
-
-
-def write_outputs_once(session: Session, job: Job) -> None:
-    """Write an ended summarization job's Markdown files and summaries, if nobody has yet (under its row lock)."""
-    meta = job.metadata_json or {}
-    if "summarize" in meta and job.status.terminal and not meta.get("outputs_written"):
-        session.flush()
-        session.refresh(job, with_for_update=True)  # one writer of the files and summaries per job
-        write_outputs(session=session, job=job)

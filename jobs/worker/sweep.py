@@ -1,4 +1,5 @@
-"""The sweep: lost leases back to pending, overdue jobs expired, finished ones settled, work re-enqueued."""
+"""The sweep: lost leases back to pending, overdue jobs expired, finished ones settled, failed end hooks retried,
+work re-enqueued."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -8,17 +9,19 @@ from sqlalchemy import text
 from jobs import store
 from jobs.models import Job, JobStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.worker.batch_worker import settle, write_outputs_once
 
 
 def sweep_store(runtime: Runtime) -> list[str]:
-    """Expire lost leases and overdue jobs, settle finished ones; returns the job ids to dispatch a worker to.
+    """Expire lost leases and overdue jobs, settle the others, retry failed end hooks; returns the jobs to dispatch.
+
+    The end hooks retried are those that failed where the job ended (a summary job's page write, bounded).
 
     Safe when many workers sweep at once: every step is a conditional update, and a job is returned only by the
     sweep that wins its dispatch hold (store.hold_dispatch).
     """
     now = utcnow()
     needing: list[str] = []
+    lifecycle = runtime.lifecycle
     with runtime.session() as session:
         store.expire_leases(session=session, now=now)
         session.commit()  # lost work is claimable again even if a later step fails
@@ -26,9 +29,9 @@ def sweep_store(runtime: Runtime) -> list[str]:
             job = session.get(Job, job_id)
             assert job is not None
             if now > job.expires_at:
-                store.expire_job(session=session, job=job, now=now)
+                lifecycle.expire(session, job, now=now)
                 continue
-            settle(runtime, session, job, now=now)
+            lifecycle.settle(session, job, now=now)
             counts = store.job_counts(session=session, job_id=job_id)
             waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and \
                 not counts.in_progress
@@ -36,12 +39,8 @@ def sweep_store(runtime: Runtime) -> list[str]:
             if waiting and store.hold_dispatch(session=session, job=job, seconds=runtime.settings.lease_seconds,
                                                now=now):
                 needing.append(job_id)
-        # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here:
-        # its finished summaries still get their files
-        for job_id in store.recently_stopped_job_ids(session=session, since=now - timedelta(days=1)):
-            job = session.get(Job, job_id)
-            assert job is not None
-            write_outputs_once(session, job)
+        # whoever ended a job ran its end hooks then; only those that failed (a page write) come back here
+        lifecycle.retry_ended(session, now=now)
         session.commit()
     purge_consumed_messages(runtime)
     return needing

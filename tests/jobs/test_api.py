@@ -18,8 +18,10 @@ import redis
 
 from jobs import clock, store
 from jobs.models import RequestStatus
+from jobs.progress import describe_job
 from jobs.runtime import Runtime
 from jobs.settings import Settings
+from jobs.worker.sweep import sweep_store
 
 Client = Callable[..., httpx.Client]
 
@@ -102,7 +104,7 @@ def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, 
 
 def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client: Client, tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
-    body = {"model": str(tiny_model), "completion_window": "2h", "metadata": {"run": 7},
+    body = {"model": str(tiny_model), "completion_window": "2h", "metadata": {"run": "7"},
             "requests": [request_line("a", model=str(tiny_model)), request_line("b"), request_line("c")]}
 
     response = api.post("/v1/batches", json=body)
@@ -110,7 +112,7 @@ def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client:
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["status"] == "queued" and job["request_counts"]["total"] == 3
-    assert job["completion_window"] == "2h" and job["metadata"] == {"run": 7}
+    assert job["completion_window"] == "2h" and job["metadata"] == {"run": "7"}
     assert [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
 
 
@@ -125,6 +127,69 @@ def test_a_completion_window_that_is_not_a_bounded_duration_is_a_400_and_creates
     assert response.status_code == 400, response.text
     assert "completion window" in response.json()["error"]["message"]
     assert api.get("/v1/batches").json()["data"] == []
+
+
+# ---- metadata: the user's alone, in OpenAI's shape ---------------------------------------------------------------
+def json_body(model: Path, metadata: object) -> dict[str, Any]:
+    """A JSON body of one request with this metadata."""
+    return {"model": str(model), "metadata": metadata, "requests": [request_line("a")]}
+
+
+@pytest.mark.parametrize("metadata", [
+    {f"k{i}": "v" for i in range(17)},
+    {"k" * 65: "v"},
+    {"note": "v" * 513},
+    {"summarize": 1},
+    {"summarize": {"prompt": "{document}"}, "output": "/tmp/x"},
+    {"tags": ["a", "b"]},
+    {"note": None},
+    ["a", "b"],
+], ids=["17 pairs", "key of 65", "value of 513", "number", "object", "list value", "null value", "not an object"])
+@pytest.mark.parametrize("form", ["json", "multipart"])
+def test_metadata_beyond_openais_shape_is_a_400_in_one_line_and_creates_no_job(
+        runtime: Runtime, client: Client, tiny_model: Path, metadata: object, form: str) -> None:
+    api = client(runtime, new_key(runtime))
+
+    response = (api.post("/v1/batches", json=json_body(tiny_model, metadata)) if form == "json" else
+                upload(api, tiny_model, [request_line("a")], metadata=json.dumps(metadata)))
+
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "InvalidJob" and "metadata" in error["message"] and "\n" not in error["message"]
+    assert api.get("/v1/batches").json()["data"] == []
+
+
+def test_metadata_at_openais_limits_is_kept_as_given(runtime: Runtime, client: Client, tiny_model: Path) -> None:
+    api = client(runtime, new_key(runtime))
+    metadata = {"k" * 64: "v" * 512, **{f"k{i}": f"v{i}" for i in range(15)}}
+
+    response = api.post("/v1/batches", json=json_body(tiny_model, metadata))
+
+    assert response.status_code == 200, response.text
+    assert response.json()["metadata"] == metadata and response.json()["summary"] is None
+
+
+def test_a_batch_whose_metadata_names_the_services_own_keys_is_an_ordinary_batch(
+        any_store_runtime: Runtime, client: Client, tiny_model: Path, tmp_path: Path) -> None:
+    # Given a batch whose metadata holds every key a summary job once kept there, pointing at a folder of the caller's
+    runtime = any_store_runtime
+    api = client(runtime, new_key(runtime))
+    target = tmp_path / "written-by-a-key-holder"
+    metadata = {"summarize": '{"prompt": "{document}"}', "schedule": "nightly", "period": "p", "model_id": "m",
+                "output": str(target), "template_sha": "t", "documents": "[]", "skipped": "3", "outputs_written": ""}
+    job = api.post("/v1/batches", json={**json_body(tiny_model, metadata),
+                                        "requests": [request_line("a"), request_line("b")]}).json()
+    assert job["metadata"] == metadata and job["summary"] is None
+    # When a worker finishes its requests and a sweep comes by
+    finish(runtime, job["id"], {0: (RequestStatus.completed, [5, 6]), 1: (RequestStatus.completed, [7])})
+    assert sweep_store(runtime) == []
+    # Then the job completed like any batch, no file was written, and the metadata is shown back as it was
+    finished = api.get(f"/v1/batches/{job['id']}").json()
+    assert finished["status"] == "completed" and finished["metadata"] == metadata and finished["summary"] is None
+    assert not target.exists()
+    assert "skipped" not in describe_job(finished)
+    # And a later sweep still returns normally
+    assert sweep_store(runtime) == []
 
 
 def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime, client: Client,

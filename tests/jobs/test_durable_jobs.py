@@ -156,7 +156,7 @@ def test_cancelling_mid_job_keeps_finished_and_partial_outputs(
     start_worker(backend, batch_size=4)
     wait_for(lambda: any(len(r.generated_ids) >= K for r in requests_of(backend, job.id)), 120, "progress")
     with backend.session() as session:
-        store.cancel_job(session=session, job_id=job.id)
+        backend.lifecycle.cancel(session, job.id)
         session.commit()
     wait_for(lambda: job_status(backend, job.id) == "cancelled", 30, "cancelled")
     rows = requests_of(backend, job.id)

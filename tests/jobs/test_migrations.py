@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy import JSON, Engine, create_engine, inspect, select, text
+from sqlalchemy import column as sa_column
+from sqlalchemy import table as sa_table
 from sqlalchemy.orm import Session
 
 from jobs.batch_input import COMPLETIONS_URL, ParsedBatch, ParsedRequest
 from jobs.migrate import downgrade, upgrade
-from jobs.models import Base
+from jobs.models import Base, Job, JobKind, UTCDateTime
 from jobs.store import create_job
 
-TABLES = {"api_keys", "jobs", "requests", "document_summaries", "worker_heartbeats", "maintenance_slots"}
+TABLES = {"api_keys", "jobs", "requests", "document_summaries", "summary_runs", "worker_heartbeats", "maintenance_slots"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -134,3 +137,70 @@ def parsed_line(line_number: int) -> ParsedRequest:
     return ParsedRequest(line_number=line_number, custom_id=f"req-{line_number}", url=COMPLETIONS_URL,
                          body={"model": "tiny", "prompt": "hi"}, prompt_ids=[1, 2], max_tokens=4, temperature=0.0,
                          top_p=1.0, seed=0, stop=[])
+
+
+# ---- 0007: a summary job's state moves out of the user's metadata ------------------------------------------------
+OLD_SUMMARY_METADATA = {
+    "schedule": "nightly", "period": "2026-12-03T02:30:00+01:00", "model_id": "tiny@r1",
+    "output": "/srv/summaries/notes", "template_sha": "t" * 64,
+    "summarize": {"prompt": "Summarize: {document}", "reduce_prompt": "Combine: {summaries}", "chat": True,
+                  "max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "seed": 0, "chunk_overlap": 64},
+    "documents": [{"key": "a.txt", "source": "/docs/a.txt", "sha": "s" * 64, "action": "summarize"},
+                  {"key": "b.txt", "source": "/docs/b.txt", "sha": "u" * 64, "action": "skip"}],
+    "skipped": 1, "outputs_written": True}
+# what a key holder could submit before 0007: the service's keys, in a user's batch
+HOSTILE_METADATA = {"summarize": 1, "schedule": "nightly", "period": "p", "output": "/etc", "team": "docs"}
+
+old_jobs = sa_table("jobs", *(sa_column(name) for name in (
+    "id", "api_key_id", "model", "endpoint", "status", "checkpoint_every", "completion_window_s", "idempotency_key")),
+    *(sa_column(name, UTCDateTime()) for name in ("created_at", "expires_at", "completed_at")),
+    sa_column("line_errors", JSON), sa_column("metadata", JSON))
+
+
+def old_job(job_id: str, metadata: dict[str, object], *, api_key_id: int | None = None,
+            idempotency_key: str | None = None) -> dict[str, object]:
+    """A completed job row as the code before 0007 wrote it."""
+    now = datetime.now(UTC)
+    return {"id": job_id, "api_key_id": api_key_id, "model": "tiny", "endpoint": COMPLETIONS_URL,
+            "status": "completed", "line_errors": [], "checkpoint_every": 8, "completion_window_s": 3600,
+            "idempotency_key": idempotency_key, "created_at": now, "expires_at": now + timedelta(hours=1),
+            "completed_at": now, "metadata": metadata}
+
+
+def test_0007_moves_a_summary_jobs_state_out_of_the_metadata_and_back(database_url: str, engine: Engine) -> None:
+    # Given a database at 0004 with an old-style summary job, a user's batch holding the same keys, and a plain one
+    upgrade(database_url, "0004_worker_maintenance")
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO api_keys (id, name, key_hash, created_at) "
+                                "VALUES (7, 'user', :hash, CURRENT_TIMESTAMP)"), {"hash": "h" * 64})
+        connection.execute(old_jobs.insert(), [
+            old_job("batch_summary", OLD_SUMMARY_METADATA,
+                    idempotency_key=f"schedule:nightly:{OLD_SUMMARY_METADATA['period']}"),
+            old_job("batch_hostile", HOSTILE_METADATA, api_key_id=7),
+            old_job("batch_plain", {"team": "docs"}, api_key_id=7)])
+    # When it is upgraded
+    upgrade(database_url)
+    # Then the summary job is of kind summary, its state is in its summary run, and its metadata is empty
+    with Session(engine) as session:
+        summary = session.get(Job, "batch_summary")
+        assert summary is not None and summary.kind == JobKind.summary and summary.metadata_json == {}
+        run = summary.summary
+        assert run is not None
+        assert (run.schedule, run.period, run.model_id, run.output_dir, run.template_sha, run.skipped) == (
+            "nightly", OLD_SUMMARY_METADATA["period"], "tiny@r1", "/srv/summaries/notes", "t" * 64, 1)
+        assert run.shape == OLD_SUMMARY_METADATA["summarize"] and run.documents == OLD_SUMMARY_METADATA["documents"]
+        assert run.pages_written_at is not None and run.pages_retry_at is None and run.pages_error is None
+        # And the user's batches stay batches with their metadata as it was: nothing a user wrote becomes state
+        for job_id, metadata in (("batch_hostile", HOSTILE_METADATA), ("batch_plain", {"team": "docs"})):
+            job = session.get(Job, job_id)
+            assert job is not None and job.kind == JobKind.batch and job.summary is None
+            assert job.metadata_json == metadata
+    assert schema_diffs(engine) == []
+    # When it is downgraded to 0004, Then the metadata is as the old code wrote it, and the new schema is gone
+    downgrade(database_url, "0004_worker_maintenance")
+    with engine.connect() as connection:
+        rows = connection.execute(select(old_jobs.c.id, old_jobs.c.metadata)).all()
+    assert dict(rows) == {"batch_summary": OLD_SUMMARY_METADATA, "batch_hostile": HOSTILE_METADATA,
+                          "batch_plain": {"team": "docs"}}
+    assert "summary_runs" not in table_names(engine)
+    assert "kind" not in {c["name"] for c in inspect(engine).get_columns("jobs")}

@@ -11,16 +11,20 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import select
 
 from jobs import clock, store
 from jobs.client import StoreClient
 from launch.local_worker import settings_env, start_local_worker
-from jobs.models import DocumentSummary, Job, RequestStatus, utcnow
+from jobs.models import DocumentSummary, Job, RequestStatus, SummaryRun, utcnow
+from jobs.progress import describe_job
+from jobs.summaries.pages import MAX_PAGE_ATTEMPTS
 from jobs.runtime import Runtime
 from jobs.summaries.schedule_file import ScheduleError, load_schedules
 from jobs.summaries.firing import fire_due_schedules, fire_now
+from jobs.worker.batch_worker import JobWorker
 from jobs.worker.sweep import sweep_store
 from jobs_support import job_status, requests_of, wait_for
 from modelprep import write_tiny_model
@@ -70,9 +74,21 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> list[datetime]:
     return now
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest) -> str | None:
+    """The embedded SQLite store (None), or a fresh PostgreSQL database."""
+    return None if request.param == "sqlite" else str(request.getfixturevalue("postgres_url"))
+
+
 def jobs_of(runtime: Runtime) -> list[Job]:
     with runtime.session() as session:
         return list(session.scalars(select(Job).order_by(Job.created_at)))
+
+
+def periods_of(runtime: Runtime) -> list[str]:
+    """The period of each summary job, oldest job first."""
+    with runtime.session() as session:
+        return list(session.scalars(select(SummaryRun.period).join(Job).order_by(Job.created_at)))
 
 
 # ---- the schedules file ---------------------------------------------------------------------------------------------
@@ -130,7 +146,7 @@ def test_a_night_fires_once_with_two_beats_and_across_a_beat_restart(
     # the next night fires again, once
     fake_clock[0] = NIGHT_1 + timedelta(days=1)
     assert [f.job_id is not None for f in fire_due_schedules(restarted) + fire_due_schedules(beats[0])] == [True, False]
-    periods = [job.metadata_json["period"] for job in jobs_of(restarted)]
+    periods = periods_of(restarted)
     assert periods == ["2026-12-03T02:30:00+01:00", "2026-12-04T02:30:00+01:00"]
 
 
@@ -152,7 +168,7 @@ def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
     finally:
         for process in processes:
             process.terminate()
-    periods = [job.metadata_json["period"] for job in jobs_of(runtime)]
+    periods = periods_of(runtime)
     assert periods and len(periods) == len(set(periods)), periods
 
 
@@ -197,6 +213,7 @@ def test_the_second_night_summarizes_only_the_changed_document(
     assert "| a.txt | unchanged (skipped) | a.txt.md |" in index and "| notes/b.md | summarized |" in index
     assert second.job_id in (tmp_path / "summaries" / "notes__b.md.md").read_text()
     assert first.job_id in (tmp_path / "summaries" / "a.txt.md").read_text()
+    assert "2 unchanged documents skipped" in describe_job(StoreClient(runtime).get(second.job_id))
     with runtime.session() as session:
         by_document = {s.document: s.job_id for s in session.scalars(select(DocumentSummary))}
     assert by_document == {"a.txt": first.job_id, "notes/c.txt": first.job_id, "notes/b.md": second.job_id}
@@ -287,6 +304,42 @@ def test_schedules_list_shows_each_next_run_and_run_names_unknown_schedules(
     assert len(unknown.output.strip().splitlines()) == 1
 
 
+def finish_first_summary(runtime: Runtime, job_id: str, text: str = "Bike lanes grow by twelve miles.") -> str:
+    """As a worker would: claim the night's first request and complete it; returns its document."""
+    with runtime.session() as session:
+        token, (request,) = store.claim_requests(session=session, job_id=job_id, worker="w", limit=1,
+                                                 lease_seconds=60, max_attempts=3)
+        store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.completed,
+                             generated=[5, 6], finish_reason="stop", output_text=text)
+        session.commit()
+        assert request.document is not None
+        return request.document
+
+
+def page_of(output: Path, document: str) -> Path:
+    return output / (document.replace("/", "__") + ".md")
+
+
+def assert_pages_of_an_ended_night(output: Path, job_id: str, document: str, end: str) -> None:
+    """The finished summary has its page, and the index names the two other documents as ended."""
+    page = page_of(output, document).read_text()
+    assert "Bike lanes grow by twelve miles." in page and job_id in page
+    index = (output / "index.md").read_text()
+    assert f"| {document} | summarized |" in index and index.count(f"| {end} |") == 2 and f"({end})" in index
+
+
+def summarized_documents(runtime: Runtime) -> list[str]:
+    with runtime.session() as session:
+        return [s.document for s in session.scalars(select(DocumentSummary))]
+
+
+def summary_run(runtime: Runtime, job_id: str) -> SummaryRun:
+    with runtime.session() as session:
+        run = session.get(SummaryRun, job_id)
+        assert run is not None
+        return run
+
+
 @pytest.mark.parametrize("end", ["cancelled", "expired"])
 def test_a_night_cancelled_or_expired_with_nothing_running_still_writes_its_finished_summaries(
         make_runtime: Callable[..., Runtime], tiny_model: Path, docs: Path, tmp_path: Path,
@@ -294,13 +347,7 @@ def test_a_night_cancelled_or_expired_with_nothing_running_still_writes_its_fini
     # Given a night whose first document's summary is finished and whose other two are still pending
     runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model))
     (night,) = fire_due_schedules(runtime)
-    with runtime.session() as session:
-        token, (request,) = store.claim_requests(session=session, job_id=night.job_id, worker="w", limit=1,
-                                                 lease_seconds=60, max_attempts=3)
-        store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.completed,
-                             generated=[5, 6], finish_reason="stop", output_text="Bike lanes grow by twelve miles.")
-        session.commit()
-        document = request.document
+    document = finish_first_summary(runtime, night.job_id)
     # When it is cancelled (nothing runs, so it ends at once) or its window ends, and the workers' sweep comes by
     if end == "cancelled":
         assert StoreClient(runtime).cancel(night.job_id)["status"] == "cancelled"
@@ -312,9 +359,116 @@ def test_a_night_cancelled_or_expired_with_nothing_running_still_writes_its_fini
     assert job_status(runtime, night.job_id) == end
     sweep_store(runtime)  # a second sweep writes nothing twice
     # Then the finished summary has its page, and the index names the two others as cancelled (expired)
-    page = (tmp_path / "summaries" / (document.replace("/", "__") + ".md")).read_text()
-    assert "Bike lanes grow by twelve miles." in page and night.job_id in page
-    index = (tmp_path / "summaries" / "index.md").read_text()
-    assert f"| {document} | summarized |" in index and index.count(f"| {end} |") == 2 and f"({end})" in index
+    assert_pages_of_an_ended_night(tmp_path / "summaries", night.job_id, document, end)
+    assert summarized_documents(runtime) == [document]
+
+
+# ---- one lifecycle: whoever ends a night writes its pages, once -----------------------------------------------------
+@pytest.mark.parametrize("path", ["api", "cli"])
+def test_a_night_cancelled_over_the_api_or_the_cli_writes_its_pages_at_once_and_once(
+        make_runtime: Callable[..., Runtime], database_url: str | None, serve: Callable[[Runtime], str],
+        tiny_model: Path, docs: Path, tmp_path: Path, fake_clock: list[datetime], path: str) -> None:
+    # Given a night whose first document's summary is finished and whose other two are still pending
+    runtime = make_runtime(database_url=database_url, schedules=write_schedules(tmp_path / "schedules.toml",
+                                                                                tiny_model))
+    (night,) = fire_due_schedules(runtime)
+    document = finish_first_summary(runtime, night.job_id)
+    output = tmp_path / "summaries"
+    api = None
+    if path == "api":
+        # a schedule's job belongs to no key; an operator's key owns this one, so the API may cancel it
+        with runtime.session() as session:
+            key, plain = store.create_api_key(session=session, name="operator")
+            session.get(Job, night.job_id).api_key_id = key.id
+            session.commit()
+        api = httpx.Client(base_url=serve(runtime), headers={"Authorization": f"Bearer {plain}"}, timeout=60)
+
+    def cancel() -> dict[str, Any]:
+        if api is not None:
+            return dict(api.post(f"/v1/batches/{night.job_id}/cancel").json())
+        return StoreClient(runtime).cancel(night.job_id)
+
+    # When it is cancelled, with no worker and no sweep running
+    job = cancel()
+    # Then it is cancelled at once, and its pages are written by that very call
+    assert job["status"] == "cancelled" and job["summary"]["pages_written_at"] is not None
+    assert_pages_of_an_ended_night(output, night.job_id, document, "cancelled")
+    assert summarized_documents(runtime) == [document]
+    # And only once: cancelling again writes nothing
+    page_of(output, document).unlink()
+    (output / "index.md").unlink()
+    assert cancel()["status"] == "cancelled"
+    assert not page_of(output, document).exists() and not (output / "index.md").exists()
+    if api is not None:
+        api.close()
+
+
+def test_a_night_that_a_worker_finds_overdue_writes_its_pages_as_it_expires_it(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, docs: Path, tmp_path: Path,
+        fake_clock: list[datetime]) -> None:
+    # Given a night whose first document's summary is finished, past its deadline
+    runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model))
+    (night,) = fire_due_schedules(runtime)
+    document = finish_first_summary(runtime, night.job_id)
     with runtime.session() as session:
-        assert [s.document for s in session.scalars(select(DocumentSummary))] == [document]
+        session.get(Job, night.job_id).expires_at = utcnow() - timedelta(seconds=1)
+        session.commit()
+    # When a worker's task for it runs (no sweep): the worker expires it
+    JobWorker(runtime).process(night.job_id)
+    # Then the job expired, and the worker wrote its pages as it did so
+    assert job_status(runtime, night.job_id) == "expired"
+    assert_pages_of_an_ended_night(tmp_path / "summaries", night.job_id, document, "expired")
+    assert summarized_documents(runtime) == [document]
+
+
+def test_pages_that_cannot_be_written_are_recorded_and_a_later_sweep_writes_them(
+        make_runtime: Callable[..., Runtime], database_url: str | None, tiny_model: Path, docs: Path, tmp_path: Path,
+        fake_clock: list[datetime], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a night whose output folder cannot be made (a file holds its name)
+    runtime = make_runtime(database_url=database_url, schedules=write_schedules(tmp_path / "schedules.toml",
+                                                                                tiny_model))
+    output = tmp_path / "summaries"
+    output.write_text("not a folder")
+    (night,) = fire_due_schedules(runtime)
+    document = finish_first_summary(runtime, night.job_id)
+    # When it is cancelled: the cancel succeeds, and the failed write is recorded, not raised
+    job = StoreClient(runtime).cancel(night.job_id)
+    assert job["status"] == "cancelled" and job["summary"]["pages_written_at"] is None
+    assert "pages not written: FileExistsError" in describe_job(job)
+    assert summarized_documents(runtime) == []
+    first_try = summary_run(runtime, night.job_id)
+    assert first_try.pages_attempts == 1 and first_try.pages_retry_at is not None
+    # And a sweep before the retry is due does not try again
+    monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda: first_try.pages_retry_at - timedelta(seconds=1))
+    assert sweep_store(runtime) == []
+    assert summary_run(runtime, night.job_id).pages_attempts == 1
+    # When the folder is fixed and a sweep runs once the retry is due
+    output.unlink()
+    monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda: first_try.pages_retry_at)
+    assert sweep_store(runtime) == []
+    # Then the pages are written, and the error is cleared
+    assert_pages_of_an_ended_night(output, night.job_id, document, "cancelled")
+    assert summarized_documents(runtime) == [document]
+    run = summary_run(runtime, night.job_id)
+    assert (run.pages_attempts, run.pages_error, run.pages_retry_at) == (2, None, None)
+    assert run.pages_written_at is not None
+
+
+def test_a_page_write_that_keeps_failing_is_tried_a_bounded_number_of_times(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, docs: Path, tmp_path: Path,
+        fake_clock: list[datetime], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a cancelled night whose output folder can never be made
+    runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model))
+    (tmp_path / "summaries").write_text("not a folder")
+    (night,) = fire_due_schedules(runtime)
+    finish_first_summary(runtime, night.job_id)
+    StoreClient(runtime).cancel(night.job_id)
+    # When sweeps run for days, each one after the previous retry was due
+    for day in range(1, 11):
+        monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda day=day: utcnow() + timedelta(days=day))
+        assert sweep_store(runtime) == []
+    # Then it was tried MAX_PAGE_ATTEMPTS times in all, gave up, and keeps the error
+    run = summary_run(runtime, night.job_id)
+    assert run.pages_attempts == MAX_PAGE_ATTEMPTS and run.pages_retry_at is None
+    assert run.pages_error is not None and run.pages_error.startswith("FileExistsError")
+    assert StoreClient(runtime).get(night.job_id)["summary"]["pages_error"] == run.pages_error

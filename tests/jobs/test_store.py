@@ -1,7 +1,8 @@
 """The jobs store on the embedded SQLite database and on a real PostgreSQL: jobs, leases, checkpoints, API keys.
 
 Claims take `now=`, so lease expiry needs no clock mock; only `sweep_store` reads the clock, and there the
-tests replace `jobs.worker.sweep.utcnow` and `jobs.store.utcnow` with a fixed time (clocks are the one thing we mock).
+tests replace `jobs.worker.sweep.utcnow`, `jobs.store.utcnow` and `jobs.lifecycle.utcnow` with a fixed time
+(clocks are the one thing we mock).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from sqlalchemy.orm import Session
 from jobs import store
 from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch
 from jobs.errors import ApiKeyNotFound, JobNotFound
-from jobs.models import ApiKey, Job, JobStatus, Request, RequestStatus, utcnow
+from jobs.lifecycle import JobHooks, Lifecycle
+from jobs.models import ApiKey, Job, JobKind, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
 from factories import new_job, parsed_batch, parsed_request
@@ -79,10 +81,10 @@ def finish(runtime: Runtime, request_id: int, token: str, status: RequestStatus 
 
 
 def settle(runtime: Runtime, job_id: str, now: datetime | None = None) -> Job:
-    """Run settle_job on the job and commit; returns the job."""
+    """Settle the job through the lifecycle and commit; returns the job."""
     with runtime.session() as session:
         job = store.get_job(session=session, job_id=job_id)
-        store.settle_job(session=session, job=job, now=now)
+        runtime.lifecycle.settle(session, job, now=now)
         session.commit()
         return job
 
@@ -99,6 +101,7 @@ def set_clock(monkeypatch: pytest.MonkeyPatch, now: datetime) -> None:
     """Freeze the clock that sweep_store and the store read."""
     monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda: now)
     monkeypatch.setattr("jobs.store.utcnow", lambda: now)
+    monkeypatch.setattr("jobs.lifecycle.utcnow", lambda: now)
 
 
 # ---- create_job ---------------------------------------------------------------------------------------------------
@@ -374,7 +377,7 @@ def test_cancel_job_cancels_pending_requests_at_once(runtime: Runtime) -> None:
     job_id = new_job(runtime, 3)
 
     with runtime.session() as session:
-        job = store.cancel_job(session=session, job_id=job_id)
+        job = runtime.lifecycle.cancel(session, job_id)
         session.commit()
 
     job = load_job(runtime, job_id)
@@ -391,7 +394,7 @@ def test_cancel_job_waits_for_the_request_in_progress_and_keeps_finished_results
     assert finish(runtime, done, token, generated=[3, 4], finish_reason="stop", output_text="finished")
     # When the job is cancelled
     with runtime.session() as session:
-        store.cancel_job(session=session, job_id=job_id)
+        runtime.lifecycle.cancel(session, job_id)
         session.commit()
     # Then pending requests are cancelled now, but the job stays cancelling while a request runs
     rows = load_requests(runtime, job_id)
@@ -415,7 +418,7 @@ def test_a_cancelled_job_whose_worker_died_leaves_no_request_pending(
     token, (request_id,) = claim(runtime, job_id)
     save_progress(runtime, token, {request_id: [1, 2]})
     with runtime.session() as session:
-        store.cancel_job(session=session, job_id=job_id)
+        runtime.lifecycle.cancel(session, job_id)
         session.commit()
     # When its worker dies and the sweep runs after the lease expired
     lease_end = load_request(runtime, request_id).lease_expires_at
@@ -437,7 +440,7 @@ def test_cancel_job_of_a_finished_job_changes_nothing(runtime: Runtime) -> None:
     settle(runtime, job_id)
 
     with runtime.session() as session:
-        store.cancel_job(session=session, job_id=job_id)
+        runtime.lifecycle.cancel(session, job_id)
         session.commit()
 
     job = load_job(runtime, job_id)
@@ -497,6 +500,12 @@ def test_settle_job_leaves_a_job_with_unfinished_requests_alone(runtime: Runtime
     assert job.status == JobStatus.queued and job.finalizing_at is None
 
 
+def test_a_lifecycle_without_hooks_for_every_job_kind_is_refused() -> None:
+    # a kind without hooks would be a path on which its hooks never run
+    with pytest.raises(ValueError, match="no lifecycle hooks for job kinds summary"):
+        Lifecycle({JobKind.batch: JobHooks()})
+
+
 # ---- expiry and lost leases --------------------------------------------------------------------------------------
 def test_sweep_past_the_deadline_expires_the_job_and_keeps_finished_output(
         runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -533,7 +542,7 @@ def test_expire_job_fences_out_the_worker_that_holds_a_live_lease(runtime: Runti
     save_progress(runtime, token, {request_id: [3]})
     # When the job expires (a worker found it past its deadline)
     with runtime.session() as session:
-        store.expire_job(session=session, job=store.get_job(session=session, job_id=job_id))
+        runtime.lifecycle.expire(session, store.get_job(session=session, job_id=job_id))
         session.commit()
     # Then the request expired with its partial tokens, and the worker can neither checkpoint nor finish it
     assert save_progress(runtime, token, {request_id: [3, 4]}) == set()
@@ -600,21 +609,21 @@ def snapshot(runtime: Runtime, job_id: str) -> tuple[object, ...]:
 
 
 # each writer gets (session, job id, token of a committed claim, the request claimed under it)
-WRITERS: dict[str, Callable[[Session, str, str, int], object]] = {
-    "cancel_job": lambda session, job_id, token, request_id: store.cancel_job(session=session, job_id=job_id),
-    "expire_job": lambda session, job_id, token, request_id: store.expire_job(
-        session=session, job=store.get_job(session=session, job_id=job_id)),
-    "claim_requests": lambda session, job_id, token, request_id: store.claim_requests(
+WRITERS: dict[str, Callable[[Runtime, Session, str, str, int], object]] = {
+    "cancel": lambda runtime, session, job_id, token, request_id: runtime.lifecycle.cancel(session, job_id),
+    "expire": lambda runtime, session, job_id, token, request_id: runtime.lifecycle.expire(
+        session, store.get_job(session=session, job_id=job_id)),
+    "claim_requests": lambda runtime, session, job_id, token, request_id: store.claim_requests(
         session=session, job_id=job_id, worker="worker-b", limit=10, lease_seconds=LEASE, max_attempts=MAX_ATTEMPTS),
-    "checkpoint": lambda session, job_id, token, request_id: store.checkpoint(
+    "checkpoint": lambda runtime, session, job_id, token, request_id: store.checkpoint(
         session=session, token=token, progress={request_id: [1, 2]}, lease_seconds=LEASE),
-    "renew_leases": lambda session, job_id, token, request_id: store.renew_leases(
+    "renew_leases": lambda runtime, session, job_id, token, request_id: store.renew_leases(
         session=session, token=token, lease_seconds=2 * LEASE),
-    "finish_request": lambda session, job_id, token, request_id: store.finish_request(
+    "finish_request": lambda runtime, session, job_id, token, request_id: store.finish_request(
         session=session, request_id=request_id, token=token, status=RequestStatus.completed, generated=[1]),
-    "release_requests": lambda session, job_id, token, request_id: store.release_requests(
+    "release_requests": lambda runtime, session, job_id, token, request_id: store.release_requests(
         session=session, token=token, error="PeerFailed: reset"),
-    "expire_leases": lambda session, job_id, token, request_id: store.expire_leases(
+    "expire_leases": lambda runtime, session, job_id, token, request_id: store.expire_leases(
         session=session, now=utcnow() + timedelta(seconds=2 * LEASE)),
 }
 
@@ -628,13 +637,13 @@ def test_a_store_write_takes_effect_only_when_the_caller_commits(runtime: Runtim
     write = WRITERS[writer]
     # When a caller writes through the store and ends without committing
     with runtime.session() as session:
-        write(session, job_id, token, request_id)
+        write(runtime, session, job_id, token, request_id)
         # Then other sessions never see the write, neither meanwhile nor afterwards
         assert snapshot(runtime, job_id) == before
     assert snapshot(runtime, job_id) == before
     # When a caller writes and commits, the write is there for every session
     with runtime.session() as session:
-        write(session, job_id, token, request_id)
+        write(runtime, session, job_id, token, request_id)
         assert snapshot(runtime, job_id) == before
         session.commit()
     assert snapshot(runtime, job_id) != before
@@ -755,7 +764,7 @@ def test_a_job_of_another_key_is_not_found(runtime: Runtime) -> None:
         with pytest.raises(JobNotFound):
             store.get_job(session=session, job_id=job_id, api_key_id=stranger.id)
         with pytest.raises(JobNotFound):
-            store.cancel_job(session=session, job_id=job_id, api_key_id=stranger.id)
+            runtime.lifecycle.cancel(session, job_id, api_key_id=stranger.id)
         assert [j.id for j in store.list_jobs(session=session, api_key_id=owner.id)] == [job_id]
         assert store.list_jobs(session=session, api_key_id=stranger.id) == []
         session.commit()

@@ -63,8 +63,8 @@ def get_errors(job_id: str, session: SessionDep, key: ApiKeyDep) -> StreamingRes
 
 
 @router.post("/{job_id}/cancel", responses=NOT_FOUND)
-def cancel_batch(job_id: str, session: SessionDep, key: ApiKeyDep) -> dict[str, Any]:
+def cancel_batch(job_id: str, session: SessionDep, key: ApiKeyDep, runtime: RuntimeDep) -> dict[str, Any]:
     """Cancel: pending requests stop now, running ones at their next checkpoint; finished outputs are kept."""
-    job = store.cancel_job(session=session, job_id=job_id, api_key_id=key.id)
+    job = runtime.lifecycle.cancel(session, job_id, api_key_id=key.id)
     session.commit()
     return outputs.job_public(session=session, job=job)
