@@ -62,6 +62,27 @@ def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
         swarm.stop()
 
 
+@pytest.fixture(scope="session")
+def session_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    """The swarm behind shared_swarm, started by the first test that uses it and stopped at the session's end."""
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("shared-swarm")) as swarm:
+        yield swarm
+
+
+@pytest.fixture
+def shared_swarm(session_swarm: LocalSwarm) -> Iterator[LocalSwarm]:
+    """A DHT node and two servers splitting the tiny model's 6 blocks at 3 (default options), one per session.
+
+    For tests that only use a swarm (clients, workers, CLI commands); a test that stops, kills, adds or
+    reconfigures servers starts its own with local_swarm. Checked after each test: still the same live processes.
+    """
+    processes = [session_swarm.dht, *session_swarm.servers]
+    yield session_swarm
+    dead = [p.name for p in processes if p is not None and p.proc.poll() is not None]
+    assert not dead and [session_swarm.dht, *session_swarm.servers] == processes, \
+        f"a test changed the shared swarm (stopped: {dead}); give it its own swarm with local_swarm"
+
+
 # ---- stores: real PostgreSQL and Redis (skip on a laptop without them, fail in CI) --------------------------------
 PG_ADMIN_URL = os.environ.get("SWARMBATCH_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("SWARMBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")

@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from swarmclient.textgen import load_tokenizer
 runner = CliRunner()
 DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
 ANNOUNCE_PERIOD = 3.0
-
-
-@pytest.fixture(scope="module")
-def cli_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("cli-swarm"),
-                    server_args=["--announce-period", str(ANNOUNCE_PERIOD)]) as swarm:
-        yield swarm
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -53,9 +45,9 @@ def test_model_prepare_of_a_non_model_is_a_usage_error(tmp_path: Path) -> None:
     assert code == cli.EXIT_USAGE and err.startswith("Error: ModelPrepError:") and len(err.strip().splitlines()) == 1
 
 
-def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
+def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
     code, out, err = invoke("generate", str(tiny_model), "Hello world", "The quick brown fox", "--max-new-tokens", "12",
-                            "--json", "--initial-peers", *cli_swarm.initial_peers)
+                            "--json", "--initial-peers", *shared_swarm.initial_peers)
     assert code == 0, err
     outputs = json.loads(out)["outputs"]
     assert [o["prompt"] for o in outputs] == ["Hello world", "The quick brown fox"]
@@ -80,8 +72,8 @@ def test_serve_rejects_a_malformed_block_range(tiny_model: Path) -> None:
     assert code == cli.EXIT_USAGE and "START:END" in err
 
 
-def test_serve_needs_exactly_one_span_option(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
-    code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *cli_swarm.initial_peers)
+def test_serve_needs_exactly_one_span_option(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
+    code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *shared_swarm.initial_peers)
     assert code == cli.EXIT_USAGE and "--blocks" in err and "--num-blocks" in err
 
 

@@ -23,12 +23,6 @@ from jobs_support import job_status, requests_of, wait_for
 K = 4  # checkpoint every K tokens
 
 
-@pytest.fixture(scope="module")
-def jobs_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("jobs-swarm")) as swarm:
-        yield swarm
-
-
 @pytest.fixture(params=["embedded", "redis+postgres"])
 def backend(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime]) -> Runtime:
     """A migrated store and broker: SQLite + the embedded SQLite broker, or PostgreSQL + Redis."""
@@ -42,13 +36,13 @@ WorkerFactory = Callable[..., ManagedProcess]
 
 
 @pytest.fixture
-def start_worker(jobs_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFactory]:
+def start_worker(shared_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFactory]:
     """Start `swarmbatch worker` processes (own process groups) on a runtime's store and broker."""
     workers: list[ManagedProcess] = []
 
     def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = 10.0) -> ManagedProcess:
         settings = runtime.settings.model_copy(update={
-            "initial_peers": jobs_swarm.initial_peers, "worker_batch_size": batch_size,
+            "initial_peers": shared_swarm.initial_peers, "worker_batch_size": batch_size,
             "lease_seconds": lease_seconds, "sweep_interval": 2.0})
         workers.append(start_local_worker(settings, log_dir=tmp_path, name=f"worker{len(workers)}", verbose=True))
         return workers[-1]

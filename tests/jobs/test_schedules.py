@@ -157,12 +157,6 @@ def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
 
 
 # ---- incremental nights, on a real swarm ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def schedule_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("schedule-swarm")) as swarm:
-        yield swarm
-
-
 def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, batch_size: int = 4,
                  lease_seconds: float = 6.0) -> ManagedProcess:
     settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "schedules": None,
@@ -172,10 +166,10 @@ def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, 
 
 
 def test_the_second_night_summarizes_only_the_changed_document(
-        make_runtime: Callable[..., Runtime], schedule_swarm: LocalSwarm, tiny_model: Path, docs: Path,
+        make_runtime: Callable[..., Runtime], shared_swarm: LocalSwarm, tiny_model: Path, docs: Path,
         tmp_path: Path, fake_clock: list[datetime]) -> None:
     runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model), checkpoint_every=K)
-    worker = start_worker(runtime, schedule_swarm, tmp_path, "worker")
+    worker = start_worker(runtime, shared_swarm, tmp_path, "worker")
     try:
         (first,) = fire_due_schedules(runtime)
         assert (first.summarize, first.skipped) == (3, 0)
