@@ -18,6 +18,10 @@ import pytest
 from modelprep import prepare_model, write_tiny_model
 from launch.local_swarm import LocalSwarm
 
+pytest_plugins = ["tiers", "pytester"]  # tiers: the swarm marker and its guard; pytester: tiers' own test
+pytest.register_assert_rewrite("tiers")  # a plugin, imported here first
+from tiers import process_fixture  # noqa: E402
+
 TINY_LAYERS = 6
 MODEL_CACHE = Path(os.environ.get("SWARMBATCH_TEST_MODEL_CACHE", Path.home() / ".cache/swarmbatch-test/models"))
 
@@ -46,7 +50,7 @@ def smollm2_model() -> Path:
 SwarmFactory = Callable[..., LocalSwarm]
 
 
-@pytest.fixture
+@process_fixture()
 def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
     """Start a DHT node and block servers (real processes); everything is stopped by PID at teardown."""
     started: list[LocalSwarm] = []
@@ -62,14 +66,14 @@ def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
         swarm.stop()
 
 
-@pytest.fixture(scope="session")
+@process_fixture(scope="session")
 def session_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     """The swarm behind shared_swarm, started by the first test that uses it and stopped at the session's end."""
     with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("shared-swarm")) as swarm:
         yield swarm
 
 
-@pytest.fixture
+@process_fixture()
 def shared_swarm(session_swarm: LocalSwarm) -> Iterator[LocalSwarm]:
     """A DHT node and two servers splitting the tiny model's 6 blocks at 3 (default options), one per session.
 

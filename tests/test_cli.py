@@ -61,6 +61,7 @@ def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, shared_swarm
         assert item["text"] == tokenizer.decode(item["token_ids"], skip_special_tokens=True)
 
 
+@pytest.mark.swarm  # its client starts a p2pd
 def test_generate_with_an_unreachable_dht_exits_4_with_one_line(tiny_model: Path) -> None:
     code, _, err = invoke("generate", str(tiny_model), "hi", "--initial-peers", DEAD_PEER)
     assert code == cli.EXIT_SWARM_UNAVAILABLE
@@ -110,6 +111,7 @@ def test_swarm_status_shows_a_leaving_server_as_missing_within_one_announce_peri
     assert "Missing blocks 3:6" in text
 
 
+@pytest.mark.swarm
 def test_the_dht_exits_when_its_whole_process_group_gets_sigterm(tmp_path: Path) -> None:
     # Ctrl-C in a terminal and `kill -- -PGID` reach p2pd too; the node must not wait for the dead daemon
     dht = ManagedProcess(cli_command("dht", "--host", "127.0.0.1"), name="dht", log_dir=tmp_path)

@@ -17,12 +17,13 @@ from jobs.submission import submit_batch
 from jobs_support import job_status, requests_of, wait_for
 from launch.local_swarm import LocalSwarm
 from swarmclient.model_spec import ModelSpec
+from tiers import process_fixture
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
 FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@process_fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def throughput_swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[LocalSwarm]:
     """Two servers, halves of the tiny model or of SmolLM2."""

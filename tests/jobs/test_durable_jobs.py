@@ -154,6 +154,7 @@ def test_cancelling_mid_job_keeps_finished_and_partial_outputs(
     assert {f"req-{rows.index(r)}" for r in partial} <= set(results)
 
 
+@pytest.mark.swarm
 def test_a_job_waits_for_missing_blocks_and_says_so(
         make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
     runtime = make_runtime(checkpoint_every=K)

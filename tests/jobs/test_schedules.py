@@ -26,6 +26,7 @@ from jobs_support import job_status, requests_of, wait_for
 from modelprep import write_tiny_model
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess, cli_command
+from tiers import process_fixture
 
 K = 4
 NIGHT_1 = datetime(2026, 12, 3, 1, 30, 20, tzinfo=timezone.utc)  # 02:30:20 in Berlin (UTC+1 in December)
@@ -134,6 +135,7 @@ def test_a_night_fires_once_with_two_beats_and_across_a_beat_restart(
     assert periods == ["2026-12-03T02:30:00+01:00", "2026-12-04T02:30:00+01:00"]
 
 
+@pytest.mark.swarm
 def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
         make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str, tiny_model: Path, docs: Path,
         tmp_path: Path) -> None:
@@ -207,7 +209,7 @@ def short_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-256", layers=6, seed=3, context=SHORT_CONTEXT)
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def short_swarm(short_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     with LocalSwarm(short_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("short-swarm")) as swarm:
         yield swarm
