@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,8 @@ from jobs.submission import submit_batch
 from launch.local_worker import start_local_worker
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess
-from jobs_support import job_status, requests_of, wait_for
+from jobs.worker.runner import STEP_LOG
+from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 
 K = 4  # checkpoint every K tokens
 
@@ -79,8 +79,8 @@ def texts(runtime: Runtime, job_id: str) -> dict[str, str]:
 def steps_reached(log: Path) -> dict[int, int]:
     """Per request id, the most tokens a worker had generated (from its debug step lines)."""
     reached: dict[int, int] = {}
-    for match in re.finditer(r"step \d+: ((?:\d+=\d+ ?)+)", log.read_text()):
-        for pair in match.group(1).split():
+    for match in log_pattern(STEP_LOG).finditer(log.read_text()):
+        for pair in match.group(2).split():
             request_id, count = (int(x) for x in pair.split("="))
             reached[request_id] = max(reached.get(request_id, 0), count)
     return reached
@@ -131,8 +131,7 @@ def test_two_workers_never_generate_the_same_request(
     wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
     rows = requests_of(runtime, job.id)
     assert [r.attempts for r in rows] == [1] * 16, "a request was claimed twice"
-    claimed = [set(map(int, m.split(", "))) for w in workers
-               for m in re.findall(r"claimed \d+ requests \(([\d, ]+)\)", w.log_path.read_text())]
+    claimed = [set(ids) for w in workers for ids, _ in claims(w.log_path.read_text())]
     all_ids = [rid for batch in claimed for rid in batch]
     assert sorted(all_ids) == sorted(r.id for r in rows), "every request generated exactly once"
 

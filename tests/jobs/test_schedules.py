@@ -4,7 +4,6 @@ The clock (jobs.clock.now) is the one thing mocked; jobs run on real workers, a 
 """
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -22,7 +21,8 @@ from jobs.runtime import Runtime
 from jobs.summaries.schedule_file import ScheduleError, load_schedules
 from jobs.summaries.firing import fire_due_schedules, fire_now
 from jobs.worker.sweep import sweep_store
-from jobs_support import job_status, requests_of, wait_for
+from jobs.worker.celery_app import FIRE_SCHEDULES
+from jobs_support import claims, job_status, requests_of, wait_for
 from modelprep import write_tiny_model
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess, cli_command
@@ -148,7 +148,7 @@ def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
     processes.append(start_local_worker(runtime.settings, log_dir=tmp_path))
     try:
         wait_for(lambda: len(jobs_of(runtime)) >= 1, 120, "a scheduled job")
-        ticks = lambda: sum(p.log_path.read_text().count("jobs.tasks.fire_schedules") for p in processes[:2])
+        ticks = lambda: sum(p.log_path.read_text().count(FIRE_SCHEDULES) for p in processes[:2])
         seen = ticks()
         wait_for(lambda: ticks() >= seen + 6, 60, "more ticks of both beats")
     finally:
@@ -246,8 +246,7 @@ def test_a_document_three_contexts_long_is_map_reduced_and_survives_kill_9_in_th
     assert len(stage0) == len(chunks) and all(r.status == "completed" for r in rows)
     # no chunk summarized twice: what was done at the kill stays as it was, and the second worker never claimed it
     done_at_kill = {rid for rid, (status, _, _) in at_kill.items() if status == "completed"}
-    claimed = {int(i) for m in re.findall(r"claimed \d+ requests \(([\d, ]+)\)", second.log_path.read_text())
-               for i in m.split(", ")}
+    claimed = {i for ids, _ in claims(second.log_path.read_text()) for i in ids}
     assert not done_at_kill & claimed
     assert all((r.status, r.completed_at, list(r.generated_ids)) == at_kill[r.id] for r in rows if r.id in done_at_kill)
     assert all(r.attempts <= 2 for r in rows)
