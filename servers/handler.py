@@ -29,6 +29,9 @@ from swarmclient import protocol
 from swarmclient.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
+# log lines that tests read (sessions open at once): session id prefix first
+SESSION_OPENED_LOG = "Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens"
+SESSION_CLOSED_LOG = "Session %s closed after %d tokens"
 
 
 @dataclass
@@ -204,14 +207,13 @@ class BlockHandler:
         self.budget.reserve(session_id, batch_size=batch_size, max_length=max_length, num_blocks=end - start)
         session = Session(session_id, start, end, batch_size, max_length, self.span.new_caches(start, end))
         self.sessions[session_id] = session
-        logger.info("Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens", session_id[:8],
-                    remote, start, end, batch_size, max_length)
+        logger.info(SESSION_OPENED_LOG, session_id[:8], remote, start, end, batch_size, max_length)
         return session
 
     def _close(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
         self.budget.release(session.session_id)
-        logger.info("Session %s closed after %d tokens", session.session_id[:8], session.length)
+        logger.info(SESSION_CLOSED_LOG, session.session_id[:8], session.length)
 
     async def _compute(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                        caches: list[Any] | None, start: int, end: int) -> torch.Tensor:

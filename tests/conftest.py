@@ -6,17 +6,25 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from collections.abc import Callable, Iterator, Sequence
+import shutil
 import socket
 import threading
 import time
-from typing import Any
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from modelprep import prepare_model, write_tiny_model
 from launch.local_swarm import LocalSwarm
+
+pytest_plugins = ["tiers", "pytester"]  # tiers: the swarm marker and its guard; pytester: tiers' own test
+pytest.register_assert_rewrite("tiers")  # a plugin, imported here first
+from tiers import process_fixture  # noqa: E402
 
 TINY_LAYERS = 6
 MODEL_CACHE = Path(os.environ.get("SWARMBATCH_TEST_MODEL_CACHE", Path.home() / ".cache/swarmbatch-test/models"))
@@ -46,7 +54,7 @@ def smollm2_model() -> Path:
 SwarmFactory = Callable[..., LocalSwarm]
 
 
-@pytest.fixture
+@process_fixture()
 def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
     """Start a DHT node and block servers (real processes); everything is stopped by PID at teardown."""
     started: list[LocalSwarm] = []
@@ -62,6 +70,27 @@ def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
         swarm.stop()
 
 
+@process_fixture(scope="session")
+def session_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    """The swarm behind shared_swarm, started by the first test that uses it and stopped at the session's end."""
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("shared-swarm")) as swarm:
+        yield swarm
+
+
+@process_fixture()
+def shared_swarm(session_swarm: LocalSwarm) -> Iterator[LocalSwarm]:
+    """A DHT node and two servers splitting the tiny model's 6 blocks at 3 (default options), one per session.
+
+    For tests that only use a swarm (clients, workers, CLI commands); a test that stops, kills, adds or
+    reconfigures servers starts its own with local_swarm. Checked after each test: still the same live processes.
+    """
+    processes = [session_swarm.dht, *session_swarm.servers]
+    yield session_swarm
+    dead = [p.name for p in processes if p is not None and p.proc.poll() is not None]
+    assert not dead and [session_swarm.dht, *session_swarm.servers] == processes, \
+        f"a test changed the shared swarm (stopped: {dead}); give it its own swarm with local_swarm"
+
+
 # ---- stores: real PostgreSQL and Redis (skip on a laptop without them, fail in CI) --------------------------------
 PG_ADMIN_URL = os.environ.get("SWARMBATCH_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("SWARMBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -74,25 +103,71 @@ def _service_missing(what: str, error: Exception) -> None:
     pytest.skip(message)
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database for this test (dropped afterwards)."""
-    import uuid
+# Alembic runs once per session: on a template PostgreSQL database that each test's database is created from
+# (CREATE DATABASE ... TEMPLATE copies it), and on a SQLite file that each embedded runtime gets a copy of
+MIGRATED_URLS: set[str] = set()  # databases created from the migrated template: make_runtime skips Alembic on them
 
+
+def _database_url(name: str) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+@contextmanager
+def _fresh_database(template: str | None) -> Iterator[str]:
+    """A new PostgreSQL database (a copy of `template`, or empty), dropped on exit; yields its name."""
     from sqlalchemy import create_engine, text
 
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = f"sbtest_{uuid.uuid4().hex[:12]}"
     try:
         with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
+            connection.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
     except Exception as e:  # noqa: BLE001 - any connection failure means the service is missing
         admin.dispose()
         _service_missing("PostgreSQL", e)
-    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        yield name
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_template() -> Iterator[str]:
+    """The name of a PostgreSQL database migrated to head, once per session (nobody connects to it after)."""
+    from jobs.migrate import upgrade
+
+    with _fresh_database(None) as name:
+        upgrade(_database_url(name))  # Alembic's engine has no pool: no connection stays open to block copies
+        yield name
+
+
+@pytest.fixture
+def postgres_url(postgres_template: str) -> Iterator[str]:
+    """A fresh PostgreSQL database for this test, migrated to head (dropped afterwards)."""
+    with _fresh_database(postgres_template) as name:
+        url = _database_url(name)
+        MIGRATED_URLS.add(url)
+        yield url
+        MIGRATED_URLS.discard(url)
+
+
+@pytest.fixture
+def empty_postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for this test (dropped afterwards): for tests of the migrations."""
+    with _fresh_database(None) as name:
+        yield _database_url(name)
+
+
+@pytest.fixture(scope="session")
+def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite store migrated to head, once per session; embedded runtimes start from a copy of it."""
+    from jobs.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("migrated") / "swarmbatch.sqlite"
+    upgrade(f"sqlite:///{path}")
+    return path
 
 
 @pytest.fixture
@@ -111,7 +186,7 @@ def redis_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def make_runtime(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+def make_runtime(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Callable[..., Any]]:
     """Build a migrated jobs Runtime: SQLite (embedded) or a given database URL, embedded or Redis broker."""
     from jobs.migrate import upgrade
     from jobs.runtime import Runtime, set_runtime
@@ -123,7 +198,10 @@ def make_runtime(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         home = tmp_path / f"home{len(built)}"
         config = Settings(home=home, database_url=database_url, broker_url=broker_url, **settings)
         home.mkdir(parents=True, exist_ok=True)
-        upgrade(config.resolved_database_url)
+        if database_url is None:
+            shutil.copyfile(migrated_sqlite, make_url(config.resolved_database_url).database or "")
+        elif database_url not in MIGRATED_URLS:
+            upgrade(database_url)
         runtime = Runtime(config)
         built.append(runtime)
         set_runtime(runtime)

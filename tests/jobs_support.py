@@ -1,6 +1,7 @@
-"""Waiting on and reading jobs in tests of real workers."""
+"""Waiting on and reading jobs in tests of real workers, and reading their logs."""
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -8,6 +9,7 @@ from sqlalchemy import select
 
 from jobs.models import Job, Request
 from jobs.runtime import Runtime
+from jobs.worker.batch_worker import CLAIMED_FOR_FREED_SLOTS_LOG, CLAIMED_LOG
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -27,3 +29,18 @@ def job_status(runtime: Runtime, job_id: str) -> str:
 def requests_of(runtime: Runtime, job_id: str) -> list[Request]:
     with runtime.session() as session:
         return list(session.scalars(select(Request).where(Request.job_id == job_id).order_by(Request.index)))
+
+
+def log_pattern(fmt: str) -> re.Pattern[str]:
+    """The lines a logger call with the %-format `fmt` wrote (its message ends the line); each %d, %s a group."""
+    return re.compile(re.escape(fmt).replace("%d", r"(\d+)").replace("%s", "(.*?)") + "$", re.M)
+
+
+def claims(log: str) -> list[tuple[list[int], bool]]:
+    """Each claim a worker logged, in order: the request ids, and whether they filled freed slots."""
+    plain, refill = log_pattern(CLAIMED_LOG), log_pattern(CLAIMED_FOR_FREED_SLOTS_LOG)
+    found = []
+    for line in log.splitlines():
+        if match := plain.search(line) or refill.search(line):
+            found.append(([int(i) for i in match.group(3).split(", ")], match.re is refill))
+    return found

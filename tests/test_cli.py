@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,13 +23,6 @@ from swarmclient.textgen import load_tokenizer
 runner = CliRunner()
 DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
 ANNOUNCE_PERIOD = 3.0
-
-
-@pytest.fixture(scope="module")
-def cli_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("cli-swarm"),
-                    server_args=["--announce-period", str(ANNOUNCE_PERIOD)]) as swarm:
-        yield swarm
 
 
 def invoke(*args: str) -> tuple[int, str, str]:
@@ -73,9 +65,9 @@ def test_an_error_of_ours_prints_its_traceback_only_with_verbose(tmp_path: Path)
     assert verbose.stderr.strip().splitlines()[-1] == plain.stderr.strip()
 
 
-def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
+def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
     code, out, err = invoke("generate", str(tiny_model), "Hello world", "The quick brown fox", "--max-new-tokens", "12",
-                            "--json", "--initial-peers", *cli_swarm.initial_peers)
+                            "--json", "--initial-peers", *shared_swarm.initial_peers)
     assert code == 0, err
     outputs = json.loads(out)["outputs"]
     assert [o["prompt"] for o in outputs] == ["Hello world", "The quick brown fox"]
@@ -89,6 +81,7 @@ def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, cli_swarm: L
         assert item["text"] == tokenizer.decode(item["token_ids"], skip_special_tokens=True)
 
 
+@pytest.mark.swarm  # its client starts a p2pd
 def test_generate_with_an_unreachable_dht_exits_4_with_one_line(tiny_model: Path) -> None:
     code, _, err = invoke("generate", str(tiny_model), "hi", "--initial-peers", DEAD_PEER)
     assert code == ExitCode.SWARM_UNAVAILABLE
@@ -100,8 +93,8 @@ def test_serve_rejects_a_malformed_block_range(tiny_model: Path) -> None:
     assert code == ExitCode.USAGE and "START:END" in err
 
 
-def test_serve_needs_exactly_one_span_option(tiny_model: Path, cli_swarm: LocalSwarm) -> None:
-    code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *cli_swarm.initial_peers)
+def test_serve_needs_exactly_one_span_option(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
+    code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *shared_swarm.initial_peers)
     assert code == ExitCode.USAGE and "--blocks" in err and "--num-blocks" in err
 
 
@@ -138,6 +131,7 @@ def test_swarm_status_shows_a_leaving_server_as_missing_within_one_announce_peri
     assert "Missing blocks 3:6" in text
 
 
+@pytest.mark.swarm
 def test_the_dht_exits_when_its_whole_process_group_gets_sigterm(tmp_path: Path) -> None:
     # Ctrl-C in a terminal and `kill -- -PGID` reach p2pd too; the node must not wait for the dead daemon
     dht = ManagedProcess(cli_command("dht", "--host", "127.0.0.1"), name="dht", log_dir=tmp_path)

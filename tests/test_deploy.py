@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from cli import app
 from jobs.settings import Settings
+from tiers import process_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE, ENV_EXAMPLE, DOCKERFILE = ROOT / "docker-compose.yml", ROOT / ".env.example", ROOT / "Dockerfile"
@@ -42,7 +43,7 @@ def services_for(env_file: Path) -> dict[str, Any]:
     return yaml.safe_load(proc.stdout)["services"]
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")  # runs docker-compose
 def config() -> dict[str, Any]:
     """The whole normalized compose file for .env.example."""
     proc = compose_config(ENV_EXAMPLE)
@@ -104,6 +105,7 @@ def server_command(services: dict[str, Any], name: str) -> str:
     return " ".join(services[name]["command"])
 
 
+@pytest.mark.swarm  # runs docker-compose
 def test_compose_refuses_to_run_without_a_postgres_password(tmp_path: Path) -> None:
     env_file = tmp_path / ".env"
     env_file.write_text("\n".join(line for line in ENV_EXAMPLE.read_text().splitlines()

@@ -15,6 +15,7 @@ from swarmclient.errors import DHTUnreachable, MissingBlocksError
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
+from tiers import process_fixture
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and then", "one two three"]
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -30,7 +31,7 @@ def reference_tokens(model_dir: Path, batch: dict, max_new_tokens: int) -> torch
     return out[:, batch["input_ids"].shape[1]:]
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def tiny_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     """Two servers splitting the tiny model's 6 blocks at 3."""
     with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("tiny-swarm"),
@@ -129,6 +130,7 @@ def test_missing_blocks_are_named_in_one_error(tiny_model: Path, local_swarm) ->
             model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)
 
 
+@pytest.mark.swarm  # its client starts a p2pd
 def test_an_unreachable_dht_is_one_clear_error(tiny_model: Path) -> None:
     dead_peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
     with pytest.raises(DHTUnreachable, match="swarmbatch dht"):

@@ -20,6 +20,9 @@ from jobs.worker.runner import BatchRunner, Checkpoint, Refill
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
 
 logger = logging.getLogger(__name__)
+# log lines that tests read (the request ids a worker claimed): job id, count, ids joined by ", "
+CLAIMED_LOG = "Job %s: claimed %d requests (%s)"
+CLAIMED_FOR_FREED_SLOTS_LOG = CLAIMED_LOG + " for freed slots"
 
 MIN_RETRY_DELAY, MAX_RETRY_DELAY = 2.0, 60.0
 
@@ -61,7 +64,7 @@ class JobWorker:
             if job.status == JobStatus.queued:
                 self.lifecycle.start(session, job)
                 session.commit()
-            logger.info("Job %s: claimed %d requests (%s)", job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
+            logger.info(CLAIMED_LOG, job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
             return self._generate(session, job, token, claimed)
 
     def _ready(self, session: Session, job: Job) -> bool:
@@ -121,8 +124,7 @@ class JobWorker:
                 for request in claimed:
                     session.expunge(request)  # read by the lane after this session closes
             if claimed:
-                logger.info("Job %s: claimed %d requests (%s) for freed slots", job_id, len(claimed),
-                            ", ".join(str(r.id) for r in claimed))
+                logger.info(CLAIMED_FOR_FREED_SLOTS_LOG, job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
             return claimed
         return refill
 

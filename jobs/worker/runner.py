@@ -20,6 +20,7 @@ from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+STEP_LOG = "step %d: %s"  # a debug line per decode step, read by tests: "ID=TOKENS" per row, space-separated
 
 Checkpoint = Callable[[dict[int, list[int]], dict[int, str]], set[int]]
 """Commit {request id: all generated ids} and their texts; returns the ids still leased to us.
@@ -164,7 +165,7 @@ class BatchRunner:
                 if row.finish_reason is None:
                     row.generated.append(int(column[b]))
                     stop[b] = self._check_finished(row, request)
-            logger.debug("step %d: %s", index, " ".join(f"{row.request_id}={len(row.generated)}" for row in rows))
+            logger.debug(STEP_LOG, index, " ".join(f"{row.request_id}={len(row.generated)}" for row in rows))
             if (index + 1) % self.checkpoint_every == 0:
                 self._commit(rows)
             if stop.any():

@@ -5,7 +5,6 @@ Real worker processes on a real swarm; the features must change how the work is 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,15 +13,17 @@ import pytest
 from launch.local_worker import start_local_worker
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs_support import job_status, requests_of, wait_for
+from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 from launch.local_swarm import LocalSwarm
+from servers.handler import SESSION_CLOSED_LOG, SESSION_OPENED_LOG
 from swarmclient.model_spec import ModelSpec
+from tiers import process_fixture
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
 FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}
 
 
-@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+@process_fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
 def throughput_swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[LocalSwarm]:
     """Two servers, halves of the tiny model or of SmolLM2."""
@@ -57,9 +58,10 @@ def run_job(runtime: Runtime, swarm: LocalSwarm, model: Path, log_dir: Path, nam
 
 def most_sessions_open_at_once(log: str) -> int:
     """From a server's log: the largest number of inference sessions open at the same time."""
+    opened, closed = log_pattern(SESSION_OPENED_LOG), log_pattern(SESSION_CLOSED_LOG)
     open_now = most = 0
-    for event in re.findall(r"Session \w+ (opened|closed)", log):
-        open_now += 1 if event == "opened" else -1
+    for line in log.splitlines():
+        open_now += 1 if opened.search(line) else -1 if closed.search(line) else 0
         most = max(most, open_now)
     return most
 
@@ -79,11 +81,11 @@ def test_pipelining_and_continuous_batching_change_the_schedule_but_not_the_text
     # continuous batching: requests were claimed into freed slots, and the first one started before the first
     # claimed batch had finished (it did not wait for the whole batch)
     log = on_log.read_text()
-    first = [int(i) for i in re.search(r"claimed \d+ requests \(([\d, ]+)\)\n", log).group(1).split(", ")]
-    refills = re.findall(r"claimed (\d+) requests \(([\d, ]+)\) for freed slots", log)
+    first = next(ids for ids, refill in claims(log) if not refill)
+    refills = [ids for ids, refill in claims(log) if refill]
     assert refills, "no request took a freed slot"
     rows = {r.id: r for r in requests_of(runtime, on_job)}
-    refilled = [int(i) for i in refills[0][1].split(", ")]
+    refilled = refills[0]
     assert min(rows[i].started_at for i in refilled) < max(rows[i].completed_at for i in first)
     assert all(r.attempts == 1 for r in rows.values())
     # and the greedy texts are the same as with every feature off

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,16 +18,11 @@ from jobs.submission import submit_batch
 from launch.local_worker import start_local_worker
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess
-from jobs_support import job_status, requests_of, wait_for
+from jobs.worker.runner import STEP_LOG
+from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 
 K = 4  # checkpoint every K tokens
 LEASE = 10.0  # seconds: the workers' lease
-
-
-@pytest.fixture(scope="module")
-def jobs_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("jobs-swarm")) as swarm:
-        yield swarm
 
 
 @pytest.fixture(params=["embedded", "redis+postgres"])
@@ -44,13 +38,13 @@ WorkerFactory = Callable[..., ManagedProcess]
 
 
 @pytest.fixture
-def start_worker(jobs_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFactory]:
+def start_worker(shared_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFactory]:
     """Start plain `swarmbatch worker` processes (no beat; own process groups) on a runtime's store and broker."""
     workers: list[ManagedProcess] = []
 
     def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = LEASE) -> ManagedProcess:
         settings = runtime.settings.model_copy(update={
-            "initial_peers": jobs_swarm.initial_peers, "worker_batch_size": batch_size,
+            "initial_peers": shared_swarm.initial_peers, "worker_batch_size": batch_size,
             "lease_seconds": lease_seconds, "sweep_interval": 2.0})
         workers.append(start_local_worker(settings, log_dir=tmp_path, name=f"worker{len(workers)}", verbose=True))
         return workers[-1]
@@ -87,8 +81,8 @@ def texts(runtime: Runtime, job_id: str) -> dict[str, str]:
 def steps_reached(log: Path) -> dict[int, int]:
     """Per request id, the most tokens a worker had generated (from its debug step lines)."""
     reached: dict[int, int] = {}
-    for match in re.finditer(r"step \d+: ((?:\d+=\d+ ?)+)", log.read_text()):
-        for pair in match.group(1).split():
+    for match in log_pattern(STEP_LOG).finditer(log.read_text()):
+        for pair in match.group(2).split():
             request_id, count = (int(x) for x in pair.split("="))
             reached[request_id] = max(reached.get(request_id, 0), count)
     return reached
@@ -144,8 +138,7 @@ def test_two_workers_never_generate_the_same_request(
     wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
     rows = requests_of(runtime, job.id)
     assert [r.attempts for r in rows] == [1] * 16, "a request was claimed twice"
-    claimed = [set(map(int, m.split(", "))) for w in workers
-               for m in re.findall(r"claimed \d+ requests \(([\d, ]+)\)", w.log_path.read_text())]
+    claimed = [set(ids) for w in workers for ids, _ in claims(w.log_path.read_text())]
     all_ids = [rid for batch in claimed for rid in batch]
     assert sorted(all_ids) == sorted(r.id for r in rows), "every request generated exactly once"
 
@@ -167,6 +160,7 @@ def test_cancelling_mid_job_keeps_finished_and_partial_outputs(
     assert {f"req-{rows.index(r)}" for r in partial} <= set(results)
 
 
+@pytest.mark.swarm
 def test_a_job_waits_for_missing_blocks_and_says_so(
         make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
     runtime = make_runtime(checkpoint_every=K)

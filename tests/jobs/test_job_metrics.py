@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -20,12 +20,6 @@ from launch.local_swarm import LocalSwarm
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
 
 
-@pytest.fixture(scope="module")
-def metrics_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("metrics-swarm")) as swarm:
-        yield swarm
-
-
 def scrape(url: str) -> dict[str, float]:
     """`name{labels}` -> value, parsed by Prometheus' own text parser."""
     response = httpx.get(f"{url}/metrics")
@@ -39,7 +33,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def test_metrics_report_a_real_jobs_counts_tokens_and_rate(
-        make_runtime: Callable[..., Runtime], serve: Callable[[Runtime], str], metrics_swarm: LocalSwarm,
+        make_runtime: Callable[..., Runtime], serve: Callable[[Runtime], str], shared_swarm: LocalSwarm,
         tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     now = [T0]
     monkeypatch.setattr(clock, "now", lambda: now[0])
@@ -50,7 +44,7 @@ def test_metrics_report_a_real_jobs_counts_tokens_and_rate(
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"prompt": f"Item {i} is", "max_tokens": 10 + i}}) for i in range(4)]
     job = submit_batch(runtime, ("\n".join(lines) + "\n").encode(), model=str(tiny_model))
-    worker = start_local_worker(runtime.settings.model_copy(update={"initial_peers": metrics_swarm.initial_peers}),
+    worker = start_local_worker(runtime.settings.model_copy(update={"initial_peers": shared_swarm.initial_peers}),
                                 log_dir=tmp_path)
     try:
         wait_for(lambda: job_status(runtime, job.id) == "completed", 120, "the job")

@@ -26,7 +26,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty database: a SQLite file, or a fresh PostgreSQL database."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'swarmbatch.sqlite'}"
-    return str(request.getfixturevalue("postgres_url"))
+    return str(request.getfixturevalue("empty_postgres_url"))
 
 
 @pytest.fixture

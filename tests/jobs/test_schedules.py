@@ -4,7 +4,6 @@ The clock (jobs.clock.now) is the one thing mocked; jobs run on real workers, a 
 """
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -26,10 +25,12 @@ from jobs.summaries.schedule_file import ScheduleError, load_schedules
 from jobs.summaries.firing import fire_due_schedules, fire_now
 from jobs.worker.batch_worker import JobWorker
 from jobs.worker.sweep import sweep_store
-from jobs_support import job_status, requests_of, wait_for
+from jobs.worker.celery_app import FIRE_SCHEDULES
+from jobs_support import claims, job_status, requests_of, wait_for
 from modelprep import write_tiny_model
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess, cli_command
+from tiers import process_fixture
 
 K = 4
 NIGHT_1 = datetime(2026, 12, 3, 1, 30, 20, tzinfo=timezone.utc)  # 02:30:20 in Berlin (UTC+1 in December)
@@ -150,6 +151,7 @@ def test_a_night_fires_once_with_two_beats_and_across_a_beat_restart(
     assert periods == ["2026-12-03T02:30:00+01:00", "2026-12-04T02:30:00+01:00"]
 
 
+@pytest.mark.swarm
 def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
         make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str, tiny_model: Path, docs: Path,
         tmp_path: Path) -> None:
@@ -162,7 +164,7 @@ def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
     processes.append(start_local_worker(runtime.settings, log_dir=tmp_path))
     try:
         wait_for(lambda: len(jobs_of(runtime)) >= 1, 120, "a scheduled job")
-        ticks = lambda: sum(p.log_path.read_text().count("jobs.tasks.fire_schedules") for p in processes[:2])
+        ticks = lambda: sum(p.log_path.read_text().count(FIRE_SCHEDULES) for p in processes[:2])
         seen = ticks()
         wait_for(lambda: ticks() >= seen + 6, 60, "more ticks of both beats")
     finally:
@@ -173,12 +175,6 @@ def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
 
 
 # ---- incremental nights, on a real swarm ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def schedule_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("schedule-swarm")) as swarm:
-        yield swarm
-
-
 def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, batch_size: int = 4,
                  lease_seconds: float = 6.0) -> ManagedProcess:
     settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "schedules": None,
@@ -188,10 +184,10 @@ def start_worker(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, name: str, 
 
 
 def test_the_second_night_summarizes_only_the_changed_document(
-        make_runtime: Callable[..., Runtime], schedule_swarm: LocalSwarm, tiny_model: Path, docs: Path,
+        make_runtime: Callable[..., Runtime], shared_swarm: LocalSwarm, tiny_model: Path, docs: Path,
         tmp_path: Path, fake_clock: list[datetime]) -> None:
     runtime = make_runtime(schedules=write_schedules(tmp_path / "schedules.toml", tiny_model), checkpoint_every=K)
-    worker = start_worker(runtime, schedule_swarm, tmp_path, "worker")
+    worker = start_worker(runtime, shared_swarm, tmp_path, "worker")
     try:
         (first,) = fire_due_schedules(runtime)
         assert (first.summarize, first.skipped) == (3, 0)
@@ -230,7 +226,7 @@ def short_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-256", layers=6, seed=3, context=SHORT_CONTEXT)
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def short_swarm(short_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     with LocalSwarm(short_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("short-swarm")) as swarm:
         yield swarm
@@ -267,8 +263,7 @@ def test_a_document_three_contexts_long_is_map_reduced_and_survives_kill_9_in_th
     assert len(stage0) == len(chunks) and all(r.status == "completed" for r in rows)
     # no chunk summarized twice: what was done at the kill stays as it was, and the second worker never claimed it
     done_at_kill = {rid for rid, (status, _, _) in at_kill.items() if status == "completed"}
-    claimed = {int(i) for m in re.findall(r"claimed \d+ requests \(([\d, ]+)\)", second.log_path.read_text())
-               for i in m.split(", ")}
+    claimed = {i for ids, _ in claims(second.log_path.read_text()) for i in ids}
     assert not done_at_kill & claimed
     assert all((r.status, r.completed_at, list(r.generated_ids)) == at_kill[r.id] for r in rows if r.id in done_at_kill)
     assert all(r.attempts <= 2 for r in rows)

@@ -20,6 +20,7 @@ from swarmclient.errors import InvalidRequest
 from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
+from tiers import process_fixture
 
 TOLERANCE = 1e-4
 
@@ -119,7 +120,7 @@ def test_the_batcher_merges_concurrent_steps_up_to_the_row_limit(span: BlockSpan
 
 
 # ---- through a real server process --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def server_and_client(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm]]:
     spec = ModelSpec.open(tiny_model)
     # a wide wait window: merging must not depend on this shared machine's timing

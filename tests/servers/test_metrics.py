@@ -22,13 +22,14 @@ from swarmclient.model_spec import ModelSpec
 from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
 from test_server_requests import forward, good_inputs, open_session, step
+from tiers import process_fixture
 
 CACHE_TOKENS = 256
 ANNOUNCE_PERIOD = 1.0  # short, so a test sees the DHT record follow the server's load
 Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def metered(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm, str]]:
     """One server holding all 6 blocks with /metrics on a free port, announcing every second, and a client."""
     spec = ModelSpec.open(tiny_model)

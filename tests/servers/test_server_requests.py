@@ -19,11 +19,12 @@ from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
+from tiers import process_fixture
 
 MAX_BATCH = 2
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def server_and_client(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm]]:
     spec = ModelSpec.open(tiny_model)
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("server")) as swarm:
