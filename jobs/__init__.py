@@ -8,7 +8,7 @@ The batch core (this package):
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel, expire, keys;
                  they never commit: the caller (route, worker step, CLI command) does
-    submission   submit_batch: validate against the model, store, enqueue
+    submission   submit_batch: validate against the model, store, enqueue (idempotency keys; a failed enqueue is swept)
     outputs      results / errors JSONL and the job object, in the OpenAI shapes
     runtime      Runtime: the collaborators of one process (settings, engine, Celery app, swarm clients)
     client       StoreClient / ApiClient: how the CLI reaches jobs

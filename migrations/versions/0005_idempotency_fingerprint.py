@@ -1,0 +1,26 @@
+"""API idempotency keys: the fingerprint of the batch first submitted under a key
+
+Revision ID: 0005_idempotency_fingerprint
+Revises: 0004_worker_maintenance
+Create Date: 2026-12-04 10:00:00
+"""
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+
+revision = '0005_idempotency_fingerprint'
+down_revision = '0004_worker_maintenance'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('jobs', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('idempotency_fingerprint', sa.String(length=64), nullable=True))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('jobs', schema=None) as batch_op:
+        batch_op.drop_column('idempotency_fingerprint')
