@@ -1,7 +1,8 @@
 """Submitting a batch file: validate every line against the model, create the job, enqueue its work.
 
-The job is committed before its work is enqueued. If the broker then fails, the job still exists and is returned:
-the workers' sweep dispatches a queued job with pending requests and no dispatch hold (jobs.worker.sweep). A
+The job is committed before its work is enqueued. If the broker then fails, `submit` (the REST API) returns the job
+all the same, since it exists: the workers' sweep dispatches a queued job with pending requests and no dispatch hold
+(jobs.worker.sweep); `submit_batch` (the CLI, the demo) raises, so the CLI still says the broker is down (exit 3). A
 submission under an idempotency key returns the job first stored under it instead of making another, so a client
 retrying after a lost answer gets its job once; the same key with a different batch is an IdempotencyConflict.
 """
@@ -61,15 +62,22 @@ class Submitted:
 def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None,
                  api_key_id: int | None = None, completion_window: str = "24h",
                  metadata: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Job:
-    """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if no line is usable."""
+    """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if no line is usable.
+
+    A broker error after the commit is raised (the stored job is dispatched by the next sweep all the same).
+    """
     return submit(runtime, data, model=model, filename=filename, api_key_id=api_key_id,
-                  completion_window=completion_window, metadata=metadata, idempotency_key=idempotency_key).job
+                  completion_window=completion_window, metadata=metadata, idempotency_key=idempotency_key,
+                  raise_enqueue_errors=True).job
 
 
 def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None, api_key_id: int | None = None,
            completion_window: str = "24h", metadata: dict[str, Any] | None = None,
-           idempotency_key: str | None = None) -> Submitted:
-    """submit_batch, saying whether the job is an earlier one returned again for its idempotency key."""
+           idempotency_key: str | None = None, raise_enqueue_errors: bool = False) -> Submitted:
+    """submit_batch, saying whether the job is an earlier one returned again for its idempotency key.
+
+    A broker error after the commit is logged and the job returned, unless `raise_enqueue_errors`.
+    """
     window = parse_window(completion_window)
     fingerprint = None
     if idempotency_key is not None:
@@ -92,7 +100,7 @@ def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = 
                     (earlier := _earlier_job(runtime, idempotency_key, fingerprint)) is None:
                 raise
             return Submitted(earlier, replayed=True)
-    _enqueue_committed(runtime, job, parsed)
+    _enqueue_committed(runtime, job, parsed, raise_errors=raise_enqueue_errors)
     return Submitted(job)
 
 
@@ -111,11 +119,13 @@ def _parse(runtime: Runtime, data: bytes, model: str) -> ParsedBatch:
         raise InvalidJob(str(e)) from e
 
 
-def _enqueue_committed(runtime: Runtime, job: Job, parsed: ParsedBatch) -> None:
-    """Enqueue a committed job's work; a broker failure is logged, not raised: the job exists and a sweep sends it."""
+def _enqueue_committed(runtime: Runtime, job: Job, parsed: ParsedBatch, *, raise_errors: bool) -> None:
+    """Enqueue a committed job's work; a broker failure is logged (or raised): the job exists and a sweep sends it."""
     try:
         enqueue_job(runtime, job.id, tasks=math.ceil(len(parsed.requests) / runtime.settings.worker_batch_size))
     except ENQUEUE_ERRORS as e:
+        if raise_errors:
+            raise
         logger.warning("Job %s is stored but its work could not be enqueued (%s); the workers' next sweep "
                        "dispatches it", job.id, " ".join(str(e).split()) or type(e).__name__)
 
