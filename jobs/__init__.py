@@ -11,7 +11,8 @@ The batch core (this package):
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
     lifecycle    Lifecycle: the one owner of job transitions (start, settle, finalize, cancel, expire), running
                  each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
-    submission   submit_batch: validate against the model (and the user's metadata), store, enqueue
+    submission   submit_batch: validate against the model (and the user's metadata), store, enqueue (idempotency
+                 keys; a failed enqueue is left to the sweep)
     outputs      results / errors JSONL and the job object, in the OpenAI shapes
     runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients)
     client       StoreClient / ApiClient: how the CLI reaches jobs

@@ -10,11 +10,17 @@ Defaults of omitted (or null) body parameters: max_tokens 256 (lowered to the ca
 context leaves after the prompt), temperature 0.0 (greedy decoding, unlike OpenAI's 1.0), top_p 1.0,
 seed 0, stop []. `max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
 Unknown body keys are ignored and kept in the stored body.
+
+A prompt too long for the context by its character count alone is refused (context_length_exceeded) before it is
+tokenized: tokenizing costs about 1 s and 160 MB of memory per million characters, so a 100 MB line would
+otherwise take minutes and gigabytes to refuse. See `max_chars_per_token` for why the bound refuses no prompt
+that would fit.
 """
 from __future__ import annotations
 
 import codecs
 import json
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -100,11 +106,12 @@ class _Context:
     tokenizer: Any
     model_name: str
     limits: InputLimits
+    chars_per_token: int | None  # max_chars_per_token(tokenizer)
 
 
 def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: InputLimits) -> ParsedBatch:
     """Check every line: good ones become requests, bad ones errors; raise BatchFileRejected to refuse the file."""
-    context = _Context(tokenizer, model_name, limits)
+    context = _Context(tokenizer, model_name, limits, max_chars_per_token(tokenizer))
     requests: list[ParsedRequest] = []
     errors: list[LineError] = []
     seen: dict[str, int] = {}
@@ -198,7 +205,9 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
     prompt = _messages(body) if url == CHAT_URL else _prompt(body)
     requested = _requested_max_tokens(body, context.limits.max_tokens_cap)
     sampling = (_temperature(body), _top_p(body), _seed(body), _stop(body))
-    prompt_ids = _prompt_ids(prompt, context.tokenizer)
+    text = _chat_text(prompt, context.tokenizer) if isinstance(prompt, list) else prompt
+    _refuse_beyond_context(len(text), requested, context)
+    prompt_ids = _prompt_ids(text, context.tokenizer, chat=isinstance(prompt, list))
     max_tokens = _fit_max_tokens(requested, len(prompt_ids), context.limits)
     return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling)
 
@@ -274,6 +283,20 @@ def _requested_max_tokens(body: dict[str, Any], cap: int) -> int | None:
     return int(value)
 
 
+def _refuse_beyond_context(chars: int, requested: int | None, context: _Context) -> None:
+    """context_length_exceeded, without tokenizing, for a prompt whose length in characters alone cannot fit."""
+    if context.chars_per_token is None:
+        return
+    least_prompt = -(-chars // context.chars_per_token)
+    least_output = requested if requested is not None else 1  # an omitted max_tokens is lowered, but to 1 at least
+    if least_prompt + least_output > context.limits.context_length:
+        output = f"max_tokens is {requested}" if requested is not None else "at least 1 token must be generated"
+        raise _LineProblem("context_length_exceeded",
+                           f"the prompt is {chars} characters, so at least {least_prompt} tokens (a token of this "
+                           f"model covers at most {context.chars_per_token} characters), and {output}, but the "
+                           f"model's context is {context.limits.context_length} tokens; shorten the prompt")
+
+
 def _fit_max_tokens(requested: int | None, prompt_tokens: int, limits: InputLimits) -> int:
     """The max_tokens to store: as asked, or the default lowered to fit; the total must fit the context."""
     room = limits.context_length - prompt_tokens
@@ -328,12 +351,11 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return list(stops)
 
 
-def _prompt_ids(prompt: str | list[dict[str, str]], tokenizer: Any) -> list[int]:
-    """The prompt's token ids: a completion prompt as the tokenizer encodes it, chat through the chat template."""
-    if isinstance(prompt, list):
-        text = _chat_text(prompt, tokenizer)
+def _prompt_ids(text: str, tokenizer: Any, *, chat: bool) -> list[int]:
+    """The prompt's token ids: a completion prompt as the tokenizer encodes it, a rendered chat template as it is."""
+    if chat:
         return [int(i) for i in tokenizer(text, add_special_tokens=False).input_ids]
-    ids = [int(i) for i in tokenizer(prompt).input_ids]
+    ids = [int(i) for i in tokenizer(text).input_ids]
     if not ids:
         raise _LineProblem("missing_prompt", "body.prompt encodes to no tokens")
     return ids
@@ -391,3 +413,70 @@ def _no_valid_request(errors: list[LineError]) -> str:
 def _main_endpoint(requests: list[ParsedRequest]) -> str:
     """The url most good lines use (on a tie, the first good line's)."""
     return Counter(r.url for r in requests).most_common(1)[0][0]
+
+
+# ---- the characters one token can cover -------------------------------------------------------------------------
+_CHARS_PER_TOKEN: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+# normalizers and pre-tokenizers that never shorten or drop text (a Replace is checked separately)
+_KEEPING_NORMALIZERS = {"Prepend", "Replace"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters of text one token can stand for, or None when the tokenizer guarantees no such bound.
+
+    Why a prompt of C characters then has at least ceil(C / bound) tokens: a BPE tokenizer cuts the (normalized)
+    text into pieces, each of them a vocabulary entry or an added token. A byte-level vocabulary spells a token one
+    character per byte (a text character is 1 to 4 bytes), a SentencePiece one spells it one character per text
+    character ("▁" for a space; a byte-fallback "<0xNN>" is longer than the one byte it stands for), and an added
+    token matched in the text is its own content: so a token covers at most as many characters of the text as its
+    entry has, and the longest entry bounds them all (13 for the tiny test model, 81 for SmolLM2). The bound holds
+    only while every character is covered and the normalized text is no shorter than the prompt, hence None (every
+    line is tokenized, as before) for: a model other than BPE (WordPiece and Unigram map a whole unknown word to
+    one token), unknown characters fused into one token, a normalizer that may shorten text (NFC/NFKC composing,
+    Strip, a Replace by something shorter), a pre-tokenizer that drops text (Whitespace, BertPreTokenizer, a Split
+    that removes), an added token that swallows the whitespace next to it (lstrip/rstrip), or no Rust backend.
+    tests/jobs/test_batch_input.py checks the bound against both tokenizers on adversarial text.
+    """
+    try:
+        return _CHARS_PER_TOKEN[tokenizer]
+    except (KeyError, TypeError):  # TypeError: not weakly referenceable; computed each time then
+        pass
+    bound = _chars_per_token_bound(tokenizer)
+    try:
+        _CHARS_PER_TOKEN[tokenizer] = bound
+    except TypeError:
+        pass
+    return bound
+
+
+def _chars_per_token_bound(tokenizer: Any) -> int | None:
+    """max_chars_per_token, computed from the tokenizer's serialized pipeline."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    fused_unknowns = model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback")
+    added = spec.get("added_tokens") or []
+    if model.get("type") != "BPE" or fused_unknowns or any(t.get("lstrip") or t.get("rstrip") for t in added) \
+            or not _keeps_text(spec.get("normalizer"), "normalizers", _KEEPING_NORMALIZERS) \
+            or not _keeps_text(spec.get("pre_tokenizer"), "pretokenizers", _KEEPING_PRE_TOKENIZERS):
+        return None
+    lengths = [len(entry) for entry in model.get("vocab") or {}] + [len(t.get("content", "")) for t in added]
+    return max(lengths, default=0) or None
+
+
+def _keeps_text(step: dict[str, Any] | None, members: str, keeping: set[str]) -> bool:
+    """Whether a normalizer or pre-tokenizer (a Sequence of them included) never shortens or drops text."""
+    if step is None:
+        return True
+    kind = step.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(member, members, keeping) for member in step.get(members) or [])
+    if kind not in keeping or str(step.get("behavior", "")).lower() == "removed":
+        return False
+    if kind == "Replace":
+        pattern = (step.get("pattern") or {}).get("String")
+        return isinstance(pattern, str) and len(str(step.get("content", ""))) >= len(pattern)
+    return True

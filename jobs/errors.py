@@ -3,6 +3,7 @@
     JobsError                 root
     ├── JobNotFound           no such job for this API key (HTTP 404)
     ├── InvalidJob            the submission is refused whole (HTTP 400); nothing was created
+    ├── IdempotencyConflict   an Idempotency-Key already names another batch of this API key (HTTP 409)
     ├── JobCancelled          raised inside a worker when its job is being cancelled; not retried
     ├── LeaseLost             a worker's claim expired and another worker took the request over
     ├── StoreUnavailable      the database or broker cannot be reached (exit code 3); retry later
@@ -25,6 +26,10 @@ class JobNotFound(JobsError):
 
 class InvalidJob(JobsError):
     """Raised when a submission is refused as a whole; the message says what to fix."""
+
+
+class IdempotencyConflict(JobsError):
+    """Raised when an idempotency key is reused for a different submission; the first job is kept."""
 
 
 class JobCancelled(JobsError):

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens a request may ask")
     max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1, description="largest accepted input file")
     max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")
+    max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process reads "
+                                                                         "and parses at once; more get 429")
     worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")
     sweep_interval: float = Field(default=10.0, gt=0, description="seconds between sweeps for lost work")
     schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")

@@ -1,20 +1,39 @@
-"""Submitting a batch file: validate every line against the model, create the job, enqueue its work."""
+"""Submitting a batch file: validate every line against the model, create the job, enqueue its work.
+
+The job is committed before its work is enqueued. If the broker then fails, `submit` (the REST API) returns the job
+all the same, since it exists: the workers' sweep dispatches a queued job with pending requests and no dispatch hold
+(jobs.worker.sweep); `submit_batch` (the CLI, the demo) raises, so the CLI still says the broker is down (exit 3). A
+submission under an idempotency key returns the job first stored under it instead of making another, so a client
+retrying after a lost answer gets its job once; the same key with a different batch is an IdempotencyConflict.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
 import re
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from jobs.batch_input import BatchFileRejected, InputLimits, parse_batch_file
-from jobs.errors import InvalidJob
-from jobs.models import Job
+from kombu.exceptions import KombuError
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+
+from jobs.batch_input import BatchFileRejected, InputLimits, ParsedBatch, parse_batch_file
+from jobs.errors import IdempotencyConflict, InvalidJob
+from jobs.models import Job, utcnow
 from jobs.runtime import Runtime
 from jobs.store import create_job
 from jobs.worker.celery_app import PROCESS_JOB
 from modelprep import ModelPrepError
 from swarmclient.errors import ModelDirError
 
+logger = logging.getLogger(__name__)
+
 MAX_PARALLEL_TASKS = 8  # tasks in flight per job at submission; each re-enqueues itself while work remains
+ENQUEUE_ERRORS = (KombuError, OSError)  # kombu wraps the broker's connection errors in OperationalError
 
 
 WINDOW = re.compile(r"(?P<amount>\d{1,7}(?:\.\d{1,6})?)(?P<unit>[hms]?)")
@@ -63,15 +82,65 @@ def _clip(value: object, length: int = 20) -> str:
     return text if len(text) <= length else text[:length] + "..."
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """The job of a submission, and whether an earlier submission under the same idempotency key made it."""
+
+    job: Job
+    replayed: bool = False
+
+
 def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None,
                  api_key_id: int | None = None, completion_window: str = "24h",
                  metadata: dict[str, Any] | None = None, idempotency_key: str | None = None) -> Job:
     """Parse and store a JSONL batch, then enqueue it; raises InvalidJob (nothing created) if anything is refused.
 
     Refused: a window or metadata out of bounds, an unusable model, a file without one usable line.
+    A broker error after the commit is raised (the stored job is dispatched by the next sweep all the same).
+    """
+    return submit(runtime, data, model=model, filename=filename, api_key_id=api_key_id,
+                  completion_window=completion_window, metadata=metadata, idempotency_key=idempotency_key,
+                  raise_enqueue_errors=True).job
+
+
+def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None, api_key_id: int | None = None,
+           completion_window: str = "24h", metadata: dict[str, Any] | None = None,
+           idempotency_key: str | None = None, raise_enqueue_errors: bool = False) -> Submitted:
+    """submit_batch, saying whether the job is an earlier one returned again for its idempotency key.
+
+    A broker error after the commit is logged and the job returned, unless `raise_enqueue_errors`.
     """
     window = parse_window(completion_window)
     metadata = check_metadata(metadata)
+    fingerprint = None
+    if idempotency_key is not None:
+        fingerprint = _fingerprint(data, model=model, filename=filename, completion_window=completion_window,
+                                   metadata=metadata)
+        if earlier := _earlier_job(runtime, idempotency_key, fingerprint):
+            return Submitted(earlier, replayed=True)
+    parsed = _parse(runtime, data, model)
+    with runtime.session() as session:
+        try:
+            job = create_job(session=session, parsed=parsed, model=model, api_key_id=api_key_id,
+                             completion_window_s=window, checkpoint_every=runtime.settings.checkpoint_every,
+                             input_filename=filename, metadata=metadata, idempotency_key=idempotency_key)
+            job.idempotency_fingerprint = fingerprint
+            # the tasks enqueued below are the job's chains: no sweep adds one while they claim (see hold_dispatch)
+            job.dispatch_after = utcnow() + timedelta(seconds=runtime.settings.lease_seconds)
+            session.commit()
+        except IntegrityError:
+            session.rollback()
+            # a concurrent submission under the same key committed first: its job is the one
+            if idempotency_key is None or fingerprint is None or \
+                    (earlier := _earlier_job(runtime, idempotency_key, fingerprint)) is None:
+                raise
+            return Submitted(earlier, replayed=True)
+    _enqueue_committed(runtime, job, parsed, raise_errors=raise_enqueue_errors)
+    return Submitted(job)
+
+
+def _parse(runtime: Runtime, data: bytes, model: str) -> ParsedBatch:
+    """The file's lines checked against the model; InvalidJob when the model or the file is refused."""
     try:
         tokenizer = runtime.tokenizer(model)
         context = runtime_context_length(runtime, model)
@@ -80,15 +149,40 @@ def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | N
     limits = InputLimits(max_file_bytes=runtime.settings.max_file_bytes, max_lines=runtime.settings.max_lines,
                          max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context)
     try:
-        parsed = parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits)
+        return parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits)
     except BatchFileRejected as e:
         raise InvalidJob(str(e)) from e
+
+
+def _enqueue_committed(runtime: Runtime, job: Job, parsed: ParsedBatch, *, raise_errors: bool) -> None:
+    """Enqueue a committed job's work; a broker failure is logged (or raised): the job exists and a sweep sends it."""
+    try:
+        enqueue_job(runtime, job.id, tasks=math.ceil(len(parsed.requests) / runtime.settings.worker_batch_size))
+    except ENQUEUE_ERRORS as e:
+        with runtime.session() as session:  # no chain was sent: the next sweep must dispatch the job at once
+            session.execute(update(Job).where(Job.id == job.id).values(dispatch_after=None))
+            session.commit()
+        if raise_errors:
+            raise
+        logger.warning("Job %s is stored but its work could not be enqueued (%s); the workers' next sweep "
+                       "dispatches it", job.id, " ".join(str(e).split()) or type(e).__name__)
+
+
+def _fingerprint(data: bytes, **fields: Any) -> str:
+    """sha256 of everything submitted: the same idempotency key must come with the same batch."""
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode())
+    digest.update(b"\n")
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def _earlier_job(runtime: Runtime, idempotency_key: str, fingerprint: str) -> Job | None:
+    """The job stored under the key, if any; IdempotencyConflict when it was made from another batch."""
     with runtime.session() as session:
-        job = create_job(session=session, parsed=parsed, model=model, api_key_id=api_key_id,
-                         completion_window_s=window, checkpoint_every=runtime.settings.checkpoint_every,
-                         input_filename=filename, metadata=metadata, idempotency_key=idempotency_key)
-        session.commit()
-    enqueue_job(runtime, job.id, tasks=math.ceil(len(parsed.requests) / runtime.settings.worker_batch_size))
+        job = session.scalar(select(Job).where(Job.idempotency_key == idempotency_key))
+    if job is not None and job.idempotency_fingerprint != fingerprint:
+        raise IdempotencyConflict(f"this Idempotency-Key was first used for another batch (job {job.id}); "
+                                  f"send a new key with a new batch")
     return job
 
 

@@ -2,6 +2,7 @@
 
 Both forms end as JSONL bytes for jobs.submission.submit_batch, so the two paths validate lines identically
 (a JSON body's request i is line i + 1). A malformed body raises InvalidJob (400) with a one-line message.
+Both read the body whole: jobs.api.limits.BodyLimit bounds it underneath (413), before and while it is read.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from jobs.api.limits import BODY_OVERHEAD_BYTES, ApiRefusal, BodyLimit, SubmissionSlots
 from jobs.api.metrics import make_registry
 from jobs.api.routes import batches, health
-from jobs.errors import InvalidJob, JobNotFound, JobsError, StoreUnavailable
+from jobs.errors import IdempotencyConflict, InvalidJob, JobNotFound, JobsError, StoreUnavailable
 from jobs.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -18,7 +19,8 @@ DESCRIPTION = """Batch generation on a private swarm, in the shapes of the OpenA
 Authenticate with `Authorization: Bearer KEY`; create a key with `swarmbatch keys create NAME`.
 A key sees only its own jobs."""
 
-STATUS_CODES: dict[type[JobsError], int] = {JobNotFound: 404, InvalidJob: 400, StoreUnavailable: 503}
+STATUS_CODES: dict[type[JobsError], int] = {JobNotFound: 404, InvalidJob: 400, IdempotencyConflict: 409,
+                                             StoreUnavailable: 503}
 
 
 def make_app(runtime: Runtime) -> FastAPI:
@@ -26,7 +28,10 @@ def make_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="swarmbatch", version="0.1.0", description=DESCRIPTION)
     app.state.runtime = runtime
     app.state.metrics_registry = make_registry(runtime)
+    app.state.submission_slots = SubmissionSlots(runtime.settings.max_concurrent_submissions)
+    app.add_middleware(BodyLimit, max_bytes=runtime.settings.max_file_bytes + BODY_OVERHEAD_BYTES)
     app.add_exception_handler(JobsError, jobs_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(ApiRefusal, refusal_response)  # type: ignore[arg-type]
     app.include_router(batches.router)
     app.include_router(health.router)
     return app
@@ -38,3 +43,8 @@ async def jobs_error_response(request: Request, exc: JobsError) -> JSONResponse:
     if status >= 500:
         logger.warning("%s %s -> %d %s: %s", request.method, request.url.path, status, type(exc).__name__, exc)
     return JSONResponse({"error": {"type": type(exc).__name__, "message": str(exc)}}, status_code=status)
+
+
+async def refusal_response(request: Request, exc: ApiRefusal) -> JSONResponse:
+    """An ApiRefusal (429 and the like) in the same error shape, with its headers."""
+    return exc.response()

@@ -6,8 +6,13 @@ the store's own claim/finish functions, as a worker would.
 from __future__ import annotations
 
 import json
+import logging
+import select
 import shutil
+import socket
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from conftest import free_port
 
 from jobs import clock, store
 from jobs.models import RequestStatus
@@ -451,3 +457,198 @@ def test_metrics_answer_503_when_the_database_is_not_migrated(tmp_path: Path, cl
     assert response.status_code == 503
     error = response.json()["error"]
     assert error["type"] == "StoreUnavailable" and "swarmbatch db upgrade" in error["message"]
+
+
+# ---- bounded inputs: body size, prompt length, concurrent submissions -------------------------------------------------
+def raw_request(api: httpx.Client, key: str, headers: dict[str, str]) -> socket.socket:
+    """A socket that has sent the head of POST /v1/batches (and nothing of its body)."""
+    sock = socket.create_connection((api.base_url.host, api.base_url.port), timeout=10)
+    lines = ["POST /v1/batches HTTP/1.1", f"Host: {api.base_url.host}", f"Authorization: Bearer {key}",
+             *(f"{name}: {value}" for name, value in headers.items())]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of a response the server ends by closing the connection."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:  # the server dropped a body it did not read: what it sent first is still here
+        pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (h.partition(":") for h in header_lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runtime, client: Client) -> None:
+    # Given a client that declares a 120 MB multipart upload (the limit is 100 MiB) and sends none of it
+    key = new_key(runtime)
+    api = client(runtime, key)
+    started = time.monotonic()
+    with raw_request(api, key, {"Content-Type": "multipart/form-data; boundary=b", "Content-Length": "120000000"}
+                     ) as sock:
+        # When it waits for an answer
+        status, headers, body = read_response(sock)
+    elapsed = time.monotonic() - started
+
+    # Then the 413 comes at once, without the body (the client never sent it), and closes the connection
+    assert status == 413 and elapsed < 1.0, (status, elapsed)
+    assert headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert error["type"] == "RequestTooLarge" and "120000000 bytes" in error["message"]
+    assert "SWARMBATCH_MAX_FILE_BYTES" in error["message"] and "\n" not in error["message"]
+    assert api.get("/v1/batches").json()["data"] == []
+
+
+def test_a_chunked_upload_is_refused_as_soon_as_it_passes_the_limit_and_no_more_is_read(
+        make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path) -> None:
+    # Given a server taking files up to 1000 bytes, one submission at a time, and a chunked multipart upload (no
+    # Content-Length) of 64 MB
+    runtime = make_runtime(broker_url=redis_url, max_file_bytes=1000, max_concurrent_submissions=1)
+    key = new_key(runtime)
+    api = client(runtime, key)
+    form = (f'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\n{tiny_model}\r\n--b\r\n'
+            'Content-Disposition: form-data; name="file"; filename="b.jsonl"\r\n\r\n').encode()
+    line = json.dumps(request_line("a")).encode() + b"\n"
+    chunk = line * (16384 // len(line))
+    total = 64 * 1024 * 1024
+    sent, answered = 0, False
+    with raw_request(api, key, {"Content-Type": "multipart/form-data; boundary=b",
+                                "Transfer-Encoding": "chunked"}) as sock:
+        # When it streams the chunks, and goes on after the server answers
+        with pytest.raises(OSError):  # Then the server stops reading: a closed connection refuses the next sends
+            for piece in [form, *[chunk] * (total // len(chunk))]:
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sent += len(piece)
+                answered = answered or bool(select.select([sock], [], [], 0)[0])
+                time.sleep(0.001 if answered else 0)  # let the reset come back before the kernel's buffers fill
+        # (a server draining the body would have taken all of it); and its answer, sent before it closed, is a 413
+        status, headers, body = read_response(sock)
+    assert status == 413, body
+    assert sent < total
+    assert json.loads(body)["error"]["type"] == "RequestTooLarge" and headers["connection"] == "close"
+    assert api.get("/v1/batches").json()["data"] == []
+    # and the refused upload gave its submission slot back
+    assert upload(api, tiny_model, [request_line("a")]).status_code == 200
+
+
+def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(runtime: Runtime, client: Client,
+                                                                                 tiny_model: Path) -> None:
+    # Given a file with a good line and a one-line 10 MB prompt (about 10 s and 1.6 GB to tokenize)
+    api = client(runtime, new_key(runtime))
+    huge = "The city council voted. " * 420_000
+
+    started = time.monotonic()
+    response = upload(api, tiny_model, [request_line("good"), request_line("huge", prompt=huge)])
+    elapsed = time.monotonic() - started
+
+    # Then the huge line is a context_length_exceeded line error counted in characters (so never tokenized)
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["request_counts"]["total"] == 1
+    [error] = job["errors"]["data"]
+    assert (error["line_number"], error["code"]) == (2, "context_length_exceeded")
+    assert f"the prompt is {len(huge)} characters" in error["message"]
+    print(f"10 MB prompt refused in {elapsed:.2f} s (upload, parse and store included)")
+
+
+def test_submissions_over_the_concurrency_bound_get_429_with_retry_after(
+        make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path) -> None:
+    # Given a server taking one submission at a time, busy with a client that has sent half its body
+    runtime = make_runtime(broker_url=redis_url, max_concurrent_submissions=1)
+    key = new_key(runtime)
+    api = client(runtime, key)
+    body = json.dumps({"model": str(tiny_model), "requests": [request_line("slow")]}).encode()
+    batch = {"model": str(tiny_model), "requests": [request_line("a")]}
+    with raw_request(api, key, {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                                "Connection": "close"}) as slow:
+        slow.sendall(body[:len(body) // 2])
+        deadline = time.monotonic() + 10
+        while api.post("/v1/batches", content=b"{", headers={"content-type": "application/json"}).status_code != 429:
+            assert time.monotonic() < deadline, "the slow submission never took the slot"  # (a free slot: 400)
+
+        # When another submission comes
+        refused = api.post("/v1/batches", json=batch)
+
+        # Then it is refused at once with when to retry
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "5"
+        error = refused.json()["error"]
+        assert error["type"] == "TooManySubmissions" and "SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS" in error["message"]
+        # and the busy one completes, giving its slot back
+        slow.sendall(body[len(body) // 2:])
+        status, _, slow_job = read_response(slow)
+        assert status == 200, slow_job
+    assert api.post("/v1/batches", json=batch).status_code == 200
+    assert len(api.get("/v1/batches").json()["data"]) == 2
+
+
+# ---- enqueue failures and idempotency keys ---------------------------------------------------------------------------
+def test_a_job_whose_enqueue_fails_after_commit_is_returned_once_and_the_sweep_dispatches_it(
+        make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given an API whose broker is down (nothing listens on its port)
+    down = make_runtime(broker_url=f"redis://127.0.0.1:{free_port()}/0")
+    api = client(down, new_key(down))
+
+    # When a batch is submitted
+    with caplog.at_level(logging.WARNING, logger="jobs.submission"):
+        response = upload(api, tiny_model, [request_line("a")])
+
+    # Then the stored job is returned, once, with one line saying why its work waits
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "queued" and [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
+    [record] = [r for r in caplog.records if job["id"] in r.getMessage()]
+    assert "sweep" in record.getMessage() and "\n" not in record.getMessage()
+    # and a worker's sweep, with a working broker, dispatches it
+    up = make_runtime(database_url=down.settings.resolved_database_url, broker_url=redis_url)
+    assert sweep_store(up) == [job["id"]]
+
+
+def test_the_same_idempotency_key_returns_the_first_job(any_store_runtime: Runtime, client: Client,
+                                                        tiny_model: Path) -> None:
+    owner = client(any_store_runtime, new_key(any_store_runtime, "owner"))
+    other = client(any_store_runtime, new_key(any_store_runtime, "other"))
+    lines = [request_line("a"), request_line("b")]
+
+    def submit(api: httpx.Client, key: str, batch: list[Any] = lines) -> httpx.Response:
+        return api.post("/v1/batches", files={"file": ("batch.jsonl", jsonl(batch), "application/jsonl")},
+                        data={"model": str(tiny_model)}, headers={"Idempotency-Key": key})
+
+    # Given a job submitted under a key
+    first = submit(owner, "nightly-1")
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+
+    # When the same batch is sent again under the same key, Then the first job comes back, and no other is made
+    again = submit(owner, "nightly-1")
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    assert again.headers["idempotent-replayed"] == "true"
+    # a new key makes a new job; another API key's same header is its own job
+    second = submit(owner, "nightly-2")
+    theirs = submit(other, "nightly-1")
+    assert len({first.json()["id"], second.json()["id"], theirs.json()["id"]}) == 3
+    # the same key with another batch is a conflict, and the first job stays
+    conflict = submit(owner, "nightly-1", [request_line("c")])
+    assert conflict.status_code == 409 and conflict.json()["error"]["type"] == "IdempotencyConflict"
+    assert first.json()["id"] in conflict.json()["error"]["message"]
+    assert {j["id"] for j in owner.get("/v1/batches").json()["data"]} == {first.json()["id"], second.json()["id"]}
+    assert [j["id"] for j in other.get("/v1/batches").json()["data"]] == [theirs.json()["id"]]
+    assert submit(owner, "k" * 256).status_code == 400
+
+
+def test_concurrent_submissions_under_one_idempotency_key_make_one_job(any_store_runtime: Runtime, client: Client,
+                                                                       tiny_model: Path) -> None:
+    api = client(any_store_runtime, new_key(any_store_runtime))
+    batch = {"model": str(tiny_model), "requests": [request_line(f"r{i}") for i in range(50)]}
+
+    with ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(lambda _: api.post("/v1/batches", json=batch, headers={"Idempotency-Key": "k"}),
+                                  range(2)))
+
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert len({r.json()["id"] for r in responses}) == 1
+    assert len(api.get("/v1/batches").json()["data"]) == 1

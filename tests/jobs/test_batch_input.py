@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from jobs.batch_input import (BatchFileRejected, InputLimits, LineError, ParsedBatch, parse_batch_file)
+from jobs.batch_input import BatchFileRejected, InputLimits, LineError, ParsedBatch, max_chars_per_token, parse_batch_file
 from swarmclient.textgen import load_tokenizer
 
 MODEL = "tiny-llama"
 LIMITS = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=512, context_length=2048)
+BIG_FILES = InputLimits(max_file_bytes=100 * 1024 * 1024, max_lines=100, max_tokens_cap=512, context_length=2048)
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the main idea?"}]
 
@@ -265,3 +266,80 @@ def test_a_completion_window_beyond_seven_days_or_not_a_duration_is_invalid(wind
 
     with pytest.raises(InvalidJob, match="completion window"):
         parse_window(window)
+
+
+# ---- a prompt too long by its characters is refused before it is tokenized -------------------------------------------
+def test_a_ten_megabyte_prompt_is_refused_by_its_character_count_without_tokenizing_it(tokenizer: Any) -> None:
+    huge = "The city council voted. " * 420_000  # 10 MB: ~10 s and 1.6 GB to tokenize
+
+    error = only_error(tokenizer, completion("huge", prompt=huge), BIG_FILES)
+
+    # the message counts characters, not tokens: only the cheap bound words it so, the tokenizer never ran
+    assert (error.code, error.custom_id) == ("context_length_exceeded", "huge")
+    assert f"the prompt is {len(huge)} characters" in error.message and "2048 tokens" in error.message
+
+
+def test_chat_messages_too_long_for_the_context_are_refused_by_their_rendered_length(tokenizer: Any) -> None:
+    messages = [{"role": "user", "content": "word " * 2_000_000}]
+
+    error = only_error(tokenizer, chat("huge", messages=messages, max_tokens=4), BIG_FILES)
+
+    assert error.code == "context_length_exceeded" and "characters" in error.message and "max_tokens is 4" in \
+        error.message
+
+
+def test_a_prompt_that_fits_by_its_characters_is_still_measured_in_tokens(tokenizer: Any) -> None:
+    # 10,000 characters are at least 770 tokens of the tiny model: within 2048, so the tokenizer decides
+    error = only_error(tokenizer, completion("long", prompt="word " * 2000, max_tokens=100))
+
+    assert error.code == "context_length_exceeded" and "tokens and max_tokens is 100" in error.message
+
+
+def adversarial_texts(tokenizer: Any) -> list[str]:
+    """Texts that pack the most characters into the fewest tokens: each long vocabulary entry over and over."""
+    vocab = tokenizer.get_vocab()
+    longest = sorted(vocab, key=len, reverse=True)[:300]
+    texts = [tokenizer.decode([vocab[entry]]) * 40 for entry in longest]
+    specials = "".join(tokenizer.all_special_tokens) + "".join(str(t) for t in tokenizer.added_tokens_decoder.values())
+    return texts + [specials * 40, "#" * 5000, "\n" + " " * 5000, "é" * 3000, "😀" * 2000, "日本語" * 1000,
+                    " ".join(tokenizer.decode([vocab[entry]]) for entry in longest)]
+
+
+def assert_bound_holds(tokenizer: Any) -> None:
+    bound = max_chars_per_token(tokenizer)
+    assert bound is not None
+    for text in adversarial_texts(tokenizer):
+        for ids in (tokenizer(text).input_ids, tokenizer(text, add_special_tokens=False).input_ids):
+            assert len(ids) * bound >= len(text), (text[:80], len(ids), len(text), bound)
+
+
+def test_no_text_has_fewer_tokens_than_its_characters_over_the_tiny_models_bound(tokenizer: Any) -> None:
+    assert max_chars_per_token(tokenizer) == 13
+    assert_bound_holds(tokenizer)
+
+
+@pytest.mark.slow
+def test_no_text_has_fewer_tokens_than_its_characters_over_smollm2s_bound(smollm2_model: Path) -> None:
+    smollm2 = load_tokenizer(smollm2_model)
+    assert max_chars_per_token(smollm2) == 81
+    assert_bound_holds(smollm2)
+
+
+@pytest.mark.parametrize("change", ["nfkc", "strip", "whitespace", "lstrip"])
+def test_a_tokenizer_that_may_shorten_or_drop_text_gets_no_character_bound(tiny_model: Path, change: str) -> None:
+    from tokenizers import AddedToken, normalizers, pre_tokenizers
+
+    altered = load_tokenizer(tiny_model)
+    backend = altered.backend_tokenizer
+    if change == "nfkc":  # composes "e" + U+0301 into one character
+        backend.normalizer = normalizers.NFKC()
+    elif change == "strip":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("_"), normalizers.Strip()])
+    elif change == "whitespace":  # drops every space
+        backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    else:  # "<mask>" would swallow the spaces before it
+        backend.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+
+    assert max_chars_per_token(altered) is None
+    # and so a long prompt is measured in tokens, as before
+    assert "tokens and max_tokens" in only_error(altered, completion("x", prompt="word " * 2000)).message

@@ -17,6 +17,7 @@ from jobs import liveness, store
 from jobs.models import Job, WorkerHeartbeat, utcnow
 from jobs.outputs import job_public
 from jobs.runtime import Runtime
+from jobs.submission import submit_batch
 from jobs.worker.celery_app import SWEEP
 from jobs.worker.maintenance import SWEEP_SLOT, tick
 from jobs.worker.sweep import sweep_store
@@ -123,6 +124,7 @@ def test_status_says_when_waiting_work_has_no_live_worker(runtime: Runtime) -> N
         assert job_public(session=session, job=store.get_job(session=session, job_id=job_id))["blocked_reason"] is None
 
 
+@pytest.mark.swarm
 def test_a_real_worker_process_heartbeats_and_sweeps_without_beat_and_leaves_cleanly(
         make_runtime: Callable[..., Runtime], tmp_path: Path) -> None:
     # Given a worker without --beat on the embedded store, ticking every second
@@ -141,3 +143,15 @@ def test_a_real_worker_process_heartbeats_and_sweeps_without_beat_and_leaves_cle
         worker.terminate()
     # And when it stops cleanly, it no longer counts as alive
     assert heartbeats() == []
+
+
+def test_a_submitted_job_gets_no_second_chain_from_a_sweep_while_its_own_tasks_claim(
+        make_runtime: Callable[..., Runtime], tiny_model: Path) -> None:
+    # Given a job just submitted: its process_job tasks are enqueued (memory broker; no worker runs)
+    runtime = make_runtime(broker_url="memory://")
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}\n'
+    job = submit_batch(runtime, line, model=str(tiny_model))
+    # Then sweeps leave it to those tasks for a lease period
+    assert sweep_store(runtime) == []
+    with runtime.session() as session:
+        assert store.get_job(session=session, job_id=job.id).dispatch_after is not None

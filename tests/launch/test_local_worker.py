@@ -16,6 +16,7 @@ from jobs.submission import submit_batch
 from launch.local_worker import require_running, start_local_worker
 
 
+@pytest.mark.swarm
 def test_following_a_job_whose_worker_was_killed_fails_with_one_line_instead_of_waiting_forever(
         make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
     # Given a job on the embedded store, and the worker process that would run it

@@ -1,15 +1,17 @@
 """`/v1/batches`: submit, list, inspect, read results and errors of, and cancel the caller's jobs."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from jobs import outputs, store
 from jobs.api.batch_request import REQUEST_BODY, SubmissionDep
 from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep, require_served_model
-from jobs.submission import submit_batch
+from jobs.api.limits import SubmissionSlotDep
+from jobs.errors import InvalidJob
+from jobs.submission import submit
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -18,20 +20,49 @@ Responses = dict[int | str, dict[str, Any]]
 ERRORS: Responses = {400: {"description": "InvalidJob: the batch is refused whole (a bad body, a model the operator "
                                           "does not serve, no good line); nothing was created."},
           401: {"description": "No API key, or an unknown one."}}
+SUBMIT_ERRORS: Responses = {
+    **ERRORS,
+    409: {"description": "IdempotencyConflict: the Idempotency-Key was first used with another batch."},
+    413: {"description": "RequestTooLarge: the body is over SWARMBATCH_MAX_FILE_BYTES (+64 KiB for the form); "
+                         "refused before it is read, or as soon as a streamed body passes the limit."},
+    429: {"description": "TooManySubmissions: SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS are in progress; "
+                         "retry after Retry-After seconds."}}
+MAX_IDEMPOTENCY_KEY_CHARS = 255  # stored as api:<key id>:<key> in jobs.idempotency_key, a String(300)
 NOT_FOUND: Responses = {404: {"description": "JobNotFound: no such job for this API key."}}
 STREAMED: Responses = {200: {"content": {JSONL: {}}, "description": "One JSON line per request, in input order."}}
 
 
-@router.post("", openapi_extra=REQUEST_BODY, responses=ERRORS)
-def create_batch(key: ApiKeyDep, submission: SubmissionDep, runtime: RuntimeDep, session: SessionDep
-                 ) -> dict[str, Any]:
-    """Submit a JSONL batch (multipart `file` + `model`) or inline requests (JSON); returns the queued job."""
-    # the key comes first among the parameters, so an anonymous caller is refused before its body is read
+def idempotency_key(key: ApiKeyDep, header: Annotated[str | None, Header(
+        alias="Idempotency-Key", description="Any string up to 255 characters: a retry with the same key and "
+                                             "the same batch returns the first job instead of making another."
+        )] = None) -> str | None:
+    """The header scoped to the caller's API key, so two keys' values can neither collide nor probe each other."""
+    if header is None:
+        return None
+    if not 0 < len(header) <= MAX_IDEMPOTENCY_KEY_CHARS:
+        raise InvalidJob(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters "
+                         f"(got {len(header)})")
+    return f"api:{key.id}:{header}"
+
+
+@router.post("", openapi_extra=REQUEST_BODY, responses=SUBMIT_ERRORS)
+def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idempotency_key)],
+                 _slot: SubmissionSlotDep, submission: SubmissionDep, runtime: RuntimeDep, session: SessionDep,
+                 response: Response) -> dict[str, Any]:
+    """Submit a JSONL batch (multipart `file` + `model`) or inline requests (JSON); returns the queued job.
+
+    With an `Idempotency-Key` header, a repeat of the same batch returns the first job (with the response header
+    `Idempotent-Replayed: true`); the same key with another batch is a 409.
+    """
+    # the key, then a submission slot, come first among the parameters: an anonymous caller is refused, and a
+    # caller over the concurrency bound gets its 429, before the body is read
     require_served_model(runtime.settings, submission.model)  # before any lookup of the model on this server
-    job = submit_batch(runtime, submission.data, model=submission.model, filename=submission.filename,
+    submitted = submit(runtime, submission.data, model=submission.model, filename=submission.filename,
                        api_key_id=key.id, completion_window=submission.completion_window,
-                       metadata=submission.metadata)
-    return outputs.job_public(session=session, job=store.get_job(session=session, job_id=job.id))
+                       metadata=submission.metadata, idempotency_key=scoped_key)
+    if submitted.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return outputs.job_public(session=session, job=store.get_job(session=session, job_id=submitted.job.id))
 
 
 @router.get("")
