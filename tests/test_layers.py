@@ -125,6 +125,7 @@ def loaded_after(code: str) -> list[str]:
     return modules
 
 
+@pytest.mark.swarm  # a fresh interpreter
 def test_the_wire_contract_imports_without_the_client_stack() -> None:
     loaded = loaded_after("import swarmclient.protocol, swarmclient.data_structures, swarmclient.errors")
     assert "swarmclient.protocol" in loaded and "swarmclient.data_structures" in loaded
@@ -132,6 +133,7 @@ def test_the_wire_contract_imports_without_the_client_stack() -> None:
     assert not leaked, f"importing the wire contract loaded {leaked}"
 
 
+@pytest.mark.swarm  # a fresh interpreter
 def test_the_package_still_exports_the_model_class() -> None:
     loaded = loaded_after("from swarmclient import DistributedModelForCausalLM\n"
                           "assert DistributedModelForCausalLM.__module__ == 'swarmclient.model'")

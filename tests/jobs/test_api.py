@@ -507,7 +507,8 @@ def test_a_chunked_upload_is_refused_as_soon_as_it_passes_the_limit_and_no_more_
         make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path) -> None:
     # Given a server taking files up to 1000 bytes, one submission at a time, and a chunked multipart upload (no
     # Content-Length) of 64 MB
-    runtime = make_runtime(broker_url=redis_url, max_file_bytes=1000, max_concurrent_submissions=1)
+    runtime = make_runtime(broker_url=redis_url, max_file_bytes=1000, max_concurrent_submissions=1,
+                           api_models=[str(tiny_model)])
     key = new_key(runtime)
     api = client(runtime, key)
     form = (f'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\n{tiny_model}\r\n--b\r\n'
@@ -558,7 +559,7 @@ def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(
 def test_submissions_over_the_concurrency_bound_get_429_with_retry_after(
         make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path) -> None:
     # Given a server taking one submission at a time, busy with a client that has sent half its body
-    runtime = make_runtime(broker_url=redis_url, max_concurrent_submissions=1)
+    runtime = make_runtime(broker_url=redis_url, max_concurrent_submissions=1, api_models=[str(tiny_model)])
     key = new_key(runtime)
     api = client(runtime, key)
     body = json.dumps({"model": str(tiny_model), "requests": [request_line("slow")]}).encode()
@@ -591,7 +592,7 @@ def test_a_job_whose_enqueue_fails_after_commit_is_returned_once_and_the_sweep_d
         make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     # Given an API whose broker is down (nothing listens on its port)
-    down = make_runtime(broker_url=f"redis://127.0.0.1:{free_port()}/0")
+    down = make_runtime(broker_url=f"redis://127.0.0.1:{free_port()}/0", api_models=[str(tiny_model)])
     api = client(down, new_key(down))
 
     # When a batch is submitted

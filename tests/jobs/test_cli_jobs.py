@@ -89,6 +89,7 @@ def test_an_unreachable_database_exits_3(embedded_home: Path, monkeypatch: pytes
     assert code == ExitCode.STORE_UNREACHABLE and err.startswith("Error: StoreUnavailable:")
 
 
+@pytest.mark.swarm  # real CLI processes
 @pytest.mark.parametrize("command", [["status", "batch_x"], ["keys", "create", "alice"], ["db", "upgrade"], ["beat"]],
                          ids=" ".join)
 def test_a_command_on_an_unreachable_database_exits_3_with_one_line_naming_it_without_its_password(

@@ -75,6 +75,7 @@ def child_pids() -> set[int]:
     return {int(pid) for path in Path("/proc/self/task").glob("*/children") for pid in path.read_text().split()}
 
 
+@pytest.mark.swarm  # a real DHT node (p2pd)
 def test_a_server_whose_start_failed_after_joining_stops_its_dht_node_and_metrics(tiny_model: Path) -> None:
     # Given: a server whose span is refused only after /metrics is up and it has joined the DHT
     port = free_port()
