@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from modelprep import prepare_model, write_tiny_model
 from launch.local_swarm import LocalSwarm
+from modelprep import prepare_model, write_tiny_model
 
 pytest_plugins = ["tiers", "pytester"]  # tiers: the swarm marker and its guard; pytester: tiers' own test
 pytest.register_assert_rewrite("tiers")  # a plugin, imported here first

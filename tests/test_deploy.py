@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import typer.main
 import yaml
+from tiers import process_fixture
 from typer.testing import CliRunner
 
 from cli import app
 from jobs.settings import Settings
-from tiers import process_fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE, ENV_EXAMPLE, DOCKERFILE = ROOT / "docker-compose.yml", ROOT / ".env.example", ROOT / "Dockerfile"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import process_fixture
 from transformers import AutoModelForCausalLM
 
 from launch.local_swarm import LocalSwarm
@@ -15,7 +16,6 @@ from swarmclient.errors import DHTUnreachable, MissingBlocksError
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
-from tiers import process_fixture
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and then", "one two three"]
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",

@@ -9,15 +9,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
+from tiers import process_fixture
 
-from launch.local_worker import start_local_worker
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 from launch.local_swarm import LocalSwarm
+from launch.local_worker import start_local_worker
 from servers.handler import SESSION_CLOSED_LOG, SESSION_OPENED_LOG
 from swarmclient.model_spec import ModelSpec
-from tiers import process_fixture
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
 FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}
@@ -89,5 +89,6 @@ def test_pipelining_and_continuous_batching_change_the_schedule_but_not_the_text
     assert min(rows[i].started_at for i in refilled) < max(rows[i].completed_at for i in first)
     assert all(r.attempts == 1 for r in rows.values())
     # and the greedy texts are the same as with every feature off
-    texts = lambda job_id: {r.custom_id: (r.generated_ids, r.output_text) for r in requests_of(runtime, job_id)}
+    def texts(job_id: str) -> dict[str, tuple[list[int], str | None]]:
+        return {r.custom_id: (r.generated_ids, r.output_text) for r in requests_of(runtime, job_id)}
     assert texts(on_job) == texts(off_job)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 from sqlalchemy import select
 
 from jobs import store
@@ -15,11 +16,10 @@ from jobs.models import Job
 from jobs.outputs import iter_errors, iter_results
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from launch.local_worker import start_local_worker
-from launch.local_swarm import LocalSwarm
-from launch.processes import ManagedProcess
 from jobs.worker.runner import STEP_LOG
-from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
+from launch.local_swarm import LocalSwarm
+from launch.local_worker import start_local_worker
+from launch.processes import ManagedProcess
 
 K = 4  # checkpoint every K tokens
 LEASE = 10.0  # seconds: the workers' lease

@@ -3,21 +3,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
+from jobs_support import job_status, requests_of, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobs import clock
-from launch.local_worker import start_local_worker
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs_support import job_status, requests_of, wait_for
 from launch.local_swarm import LocalSwarm
+from launch.local_worker import start_local_worker
 
-T0 = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
 
 def scrape(url: str) -> dict[str, float]:

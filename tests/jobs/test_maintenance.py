@@ -10,9 +10,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from factories import new_job
+from jobs_support import wait_for
 from sqlalchemy import select
 
-from factories import new_job
 from jobs import liveness, store
 from jobs.models import Job, WorkerHeartbeat, utcnow
 from jobs.outputs import job_public
@@ -22,7 +23,6 @@ from jobs.worker.celery_app import SWEEP
 from jobs.worker.maintenance import SWEEP_SLOT, tick
 from jobs.worker.sweep import sweep_store
 from launch.local_worker import start_local_worker
-from jobs_support import wait_for
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -6,34 +6,34 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from jobs_support import claims, job_status, requests_of, wait_for
 from sqlalchemy import select
+from tiers import process_fixture
 
 from jobs import clock, store
 from jobs.client import StoreClient
-from launch.local_worker import settings_env, start_local_worker
 from jobs.models import DocumentSummary, Job, RequestStatus, SummaryRun, utcnow
 from jobs.progress import describe_job
-from jobs.summaries.pages import MAX_PAGE_ATTEMPTS
 from jobs.runtime import Runtime
-from jobs.summaries.schedule_file import ScheduleError, load_schedules
 from jobs.summaries.firing import fire_due_schedules, fire_now
+from jobs.summaries.pages import MAX_PAGE_ATTEMPTS
+from jobs.summaries.schedule_file import ScheduleError, load_schedules
 from jobs.worker.batch_worker import JobWorker
-from jobs.worker.sweep import sweep_store
 from jobs.worker.celery_app import FIRE_SCHEDULES
-from jobs_support import claims, job_status, requests_of, wait_for
-from modelprep import write_tiny_model
+from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
+from launch.local_worker import settings_env, start_local_worker
 from launch.processes import ManagedProcess, cli_command
-from tiers import process_fixture
+from modelprep import write_tiny_model
 
 K = 4
-NIGHT_1 = datetime(2026, 12, 3, 1, 30, 20, tzinfo=timezone.utc)  # 02:30:20 in Berlin (UTC+1 in December)
+NIGHT_1 = datetime(2026, 12, 3, 1, 30, 20, tzinfo=UTC)  # 02:30:20 in Berlin (UTC+1 in December)
 
 DOCUMENTS = {
     "a.txt": "The council voted to expand the bike lanes by twelve miles over two years.",
@@ -164,7 +164,8 @@ def test_celery_beat_processes_fire_a_schedule_through_a_worker_once_per_period(
     processes.append(start_local_worker(runtime.settings, log_dir=tmp_path))
     try:
         wait_for(lambda: len(jobs_of(runtime)) >= 1, 120, "a scheduled job")
-        ticks = lambda: sum(p.log_path.read_text().count(FIRE_SCHEDULES) for p in processes[:2])
+        def ticks() -> int:
+            return sum(p.log_path.read_text().count(FIRE_SCHEDULES) for p in processes[:2])
         seen = ticks()
         wait_for(lambda: ticks() >= seen + 6, 60, "more ticks of both beats")
     finally:

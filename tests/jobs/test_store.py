@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from factories import new_job, parsed_batch, parsed_request
 from sqlalchemy import select, text, update
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
@@ -24,7 +25,6 @@ from jobs.lifecycle import JobHooks, Lifecycle
 from jobs.models import ApiKey, Job, JobKind, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
-from factories import new_job, parsed_batch, parsed_request
 
 LEASE = 60.0
 MAX_ATTEMPTS = 5

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import process_fixture
 from transformers import DynamicCache
 
+from launch.local_swarm import LocalSwarm
 from servers.batching import DecodeBatcher, DecodeStep, run_merged
 from servers.block_loading import load_span
-from launch.local_swarm import LocalSwarm
 from servers.span import BlockSpan
 from servers.stats import ServerStats
 from swarmclient.data_structures import RouteHop
@@ -20,7 +21,6 @@ from swarmclient.errors import InvalidRequest
 from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
-from tiers import process_fixture
 
 TOLERANCE = 1e-4
 
@@ -72,14 +72,14 @@ def test_merged_decode_steps_equal_each_session_run_alone(span: BlockSpan, shape
     # When K decode steps run merged, and the same steps run alone
     for _ in range(5):
         inputs = [session.decode() for session in sessions]
-        merged = run_merged(span, [DecodeStep(*step, caches) for step, caches in zip(inputs, merged_caches)], 0, 6)
-        alone = [session.run(*step) for session, step in zip(sessions, inputs)]
+        merged = run_merged(span, [DecodeStep(*step, caches) for step, caches in zip(inputs, merged_caches, strict=True)], 0, 6)
+        alone = [session.run(*step) for session, step in zip(sessions, inputs, strict=True)]
         # Then every session's output and its cache are those of its own run
-        for out, ref in zip(merged, alone):
+        for out, ref in zip(merged, alone, strict=True):
             assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOLERANCE
-    for session, caches in zip(sessions, merged_caches):
+    for session, caches in zip(sessions, merged_caches, strict=True):
         assert all(cache.get_seq_length() == session.mask.shape[1] for cache in caches)
-        for mine, ref in zip(caches, session.caches):
+        for mine, ref in zip(caches, session.caches, strict=True):
             assert (mine.layers[0].keys - ref.layers[0].keys).abs().max().item() <= TOLERANCE
 
 
@@ -147,8 +147,8 @@ def test_concurrent_sessions_on_a_server_are_merged_and_match_local_blocks(
         try:
             for step in range(6):
                 inputs = [local.prefill() if step == 0 else local.decode() for local in locals_]
-                outputs = await asyncio.gather(*(remote.step(*x) for remote, x in zip(remotes, inputs)))
-                for local, x, output in zip(locals_, inputs, outputs):
+                outputs = await asyncio.gather(*(remote.step(*x) for remote, x in zip(remotes, inputs, strict=True)))
+                for local, x, output in zip(locals_, inputs, outputs, strict=True):
                     assert (output - local.run(*x)).abs().max().item() <= TOLERANCE
                 merged_counts.append(max(remote.last_merged for remote in remotes))
         finally:

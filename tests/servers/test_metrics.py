@@ -10,9 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import free_port
+from prometheus_client.parser import text_string_to_metric_families
+from test_server_requests import forward, good_inputs, open_session, step
+from tiers import process_fixture
+
 from launch.local_swarm import LocalSwarm
 from launch.processes import cli_command
 from swarmclient import protocol
@@ -21,8 +23,6 @@ from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.model_spec import ModelSpec
 from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
-from test_server_requests import forward, good_inputs, open_session, step
-from tiers import process_fixture
 
 CACHE_TOKENS = 256
 ANNOUNCE_PERIOD = 1.0  # short, so a test sees the DHT record follow the server's load

@@ -10,16 +10,16 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
+from tiers import process_fixture
 
-from servers.block_loading import load_span
 from launch.local_swarm import LocalSwarm
+from servers.block_loading import load_span
 from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
-from tiers import process_fixture
 
 MAX_BATCH = 2
 

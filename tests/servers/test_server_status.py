@@ -6,8 +6,8 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port
+
 from servers.errors import ServerConfigError
 from servers.memory import CacheBudget
 from servers.server import BlockServer, ServerConfig

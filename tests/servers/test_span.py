@@ -21,7 +21,7 @@ PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy
 
 def local_chain(spans: list, caches: list) -> object:
     def step(hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        for span, cache in zip(spans, caches):
+        for span, cache in zip(spans, caches, strict=True):
             hidden = span(hidden, mask, positions, cache).float()
         return hidden
     return step
