@@ -123,6 +123,8 @@ class Job(Base):
     # no new process_job chain is dispatched by a sweep before this time: one is scheduled (a blocked job's
     # backoff) or was just sent; so a job has one pending chain, however many sweeps run
     dispatch_after: Mapped[datetime | None]
+    # why an ended summary job's Markdown pages could not be written (disk full, permissions); the sweep retries
+    outputs_error: Mapped[str | None] = mapped_column(Text)
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")

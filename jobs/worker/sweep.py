@@ -1,50 +1,93 @@
 """The sweep: lost leases back to pending, overdue jobs expired, finished ones settled, work re-enqueued."""
 from __future__ import annotations
 
-from datetime import timedelta
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import TypeVar
 
 from sqlalchemy import text
 
 from jobs import store
+from jobs.db import retry_store
+from jobs.errors import StoreUnavailable
 from jobs.models import Job, JobStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.worker.batch_worker import settle, write_outputs_once
+from jobs.summaries.pages import pages_due, write_pages
+from jobs.worker.batch_worker import settle
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def sweep_store(runtime: Runtime) -> list[str]:
     """Expire lost leases and overdue jobs, settle finished ones; returns the job ids to dispatch a worker to.
 
     Safe when many workers sweep at once: every step is a conditional update, and a job is returned only by the
-    sweep that wins its dispatch hold (store.hold_dispatch).
+    sweep that wins its dispatch hold (store.hold_dispatch). Each job is its own transaction, and its pages are
+    written after it: a job that fails is logged and the others go on. Only an unreachable store stops the sweep.
     """
     now = utcnow()
     needing: list[str] = []
-    with runtime.session() as session:
-        store.expire_leases(session=session, now=now)
-        session.commit()  # lost work is claimable again even if a later step fails
-        for job_id in store.active_job_ids(session=session):
-            job = session.get(Job, job_id)
-            assert job is not None
-            if now > job.expires_at:
-                store.expire_job(session=session, job=job, now=now)
-                continue
-            settle(runtime, session, job, now=now)
-            counts = store.job_counts(session=session, job_id=job_id)
-            waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and \
-                not counts.in_progress
-            # the hold covers the time the task takes to claim; a lost message is sent again after it
-            if waiting and store.hold_dispatch(session=session, job=job, seconds=runtime.settings.lease_seconds,
-                                               now=now):
-                needing.append(job_id)
-        # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here:
-        # its finished summaries still get their files
-        for job_id in store.recently_stopped_job_ids(session=session, since=now - timedelta(days=1)):
-            job = session.get(Job, job_id)
-            assert job is not None
-            write_outputs_once(session, job)
-        session.commit()
+    pages: list[str] = []
+    active = _store(runtime, "Sweep", lambda: _expire_leases(runtime, now))
+    for job_id in active:
+        try:
+            dispatch, due = _store(runtime, f"Sweep: job {job_id}",
+                                   lambda: _sweep_job(runtime, job_id, now))  # noqa: B023 - run in this iteration
+        except StoreUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - one bad job must not stop the sweep of the others
+            logger.exception("Sweep: job %s failed; the other jobs go on", job_id)
+            continue
+        needing += [job_id] if dispatch else []
+        pages += [job_id] if due else []
+    # jobs cancelled (the API and CLI end them at once) or expired without being settled here, and jobs whose
+    # pages failed before: their finished summaries still get their files
+    pages += _store(runtime, "Sweep", lambda: _pages_to_retry(runtime, now))
+    for job_id in dict.fromkeys(pages):
+        write_pages(runtime, job_id)
     purge_consumed_messages(runtime)
     return needing
+
+
+def _store(runtime: Runtime, what: str, unit: Callable[[], T]) -> T:
+    return retry_store(unit, what=what, within=runtime.settings.store_retry_seconds)
+
+
+def _expire_leases(runtime: Runtime, now: datetime) -> list[str]:
+    """Lost work is claimable again (committed before anything else); returns the active job ids."""
+    with runtime.session() as session:
+        store.expire_leases(session=session, now=now)
+        session.commit()
+        return store.active_job_ids(session=session)
+
+
+def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> tuple[bool, bool]:
+    """One job, one transaction: expire or settle it; (whether to dispatch a worker, whether its pages are due)."""
+    with runtime.session() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            return False, False
+        if now > job.expires_at:
+            store.expire_job(session=session, job=job, now=now)
+            session.commit()
+            return False, pages_due(job)
+        settle(runtime, session, job, now=now)
+        counts = store.job_counts(session=session, job_id=job_id)
+        waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and not counts.in_progress
+        # the hold covers the time the task takes to claim; a lost message is sent again after it
+        dispatch = bool(waiting) and store.hold_dispatch(session=session, job=job,
+                                                         seconds=runtime.settings.lease_seconds, now=now)
+        session.commit()
+        return dispatch, pages_due(job)
+
+
+def _pages_to_retry(runtime: Runtime, now: datetime) -> list[str]:
+    with runtime.session() as session:
+        stopped = store.recently_stopped_job_ids(session=session, since=now - timedelta(days=1))
+        due = [job_id for job_id in stopped if (job := session.get(Job, job_id)) is not None and pages_due(job)]
+        return due + store.outputs_failed_job_ids(session=session)
 
 
 def purge_consumed_messages(runtime: Runtime, *, older_than: timedelta = timedelta(hours=1)) -> None:
