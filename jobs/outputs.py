@@ -78,7 +78,7 @@ def blocked_reason(*, session: Session, job: Job, counts: JobCounts) -> str | No
 
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
-    """The job object of the REST API (OpenAI batch shape, plus tokens_generated and blocked_reason)."""
+    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason, outputs_error)."""
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {
@@ -86,6 +86,7 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
         "input_file_id": job.input_filename, "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
         "tokens_generated": counts.tokens, "blocked_reason": blocked_reason(session=session, job=job, counts=counts),
+        "outputs_error": job.outputs_error,  # a summary job's pages could not be written (the sweep retries)
         "errors": {"object": "list", "data": job.line_errors} if job.line_errors else None,
         "created_at": unix(job.created_at), "in_progress_at": unix(job.in_progress_at),
         "finalizing_at": unix(job.finalizing_at), "completed_at": unix(job.completed_at),

@@ -20,6 +20,8 @@ def describe_job(job: dict[str, Any]) -> str:
         line += f", {job['metadata']['skipped']} unchanged documents skipped"
     if job.get("blocked_reason") and job["status"] not in TERMINAL:
         line += f"; blocked: {job['blocked_reason']}"
+    if job.get("outputs_error"):
+        line += f"; summary pages not written: {job['outputs_error']}"
     return line
 
 

@@ -19,6 +19,8 @@ from sqlalchemy import select
 from jobs import store
 from jobs.db import retry_store
 from jobs.models import Job, RequestStatus
+from jobs.outputs import job_public
+from jobs.progress import describe_job
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs.summaries.firing import fire_now
@@ -214,6 +216,9 @@ def test_a_failing_output_folder_stops_neither_the_sweep_nor_another_job_and_und
     with runtime.session() as session:
         errors = dict(session.execute(select(Job.id, Job.outputs_error)).tuples().all())
     assert errors[second] is None and str(broken) in (errors[first] or "")
+    with runtime.session() as session:
+        shown = describe_job(job_public(session=session, job=store.get_job(session=session, job_id=first)))
+    assert f"summary pages not written: FileExistsError: [Errno 17] File exists: '{broken}'" in shown
     # And once the folder is fixed, the next sweep writes the first night's pages and clears the error
     broken.unlink()
     sweep_store(runtime)
