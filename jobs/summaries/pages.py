@@ -4,9 +4,8 @@ Files are written to a temporary name and renamed into place, so a crash never l
 job's metadata records `outputs_written` in the same transaction that records the summaries, and a crash
 between the two only means the (identical) files are written again by the next sweep.
 
-Pages are written in their own transaction, after the job's outcome is committed (`write_pages`): a failing
-output folder (disk full, permissions) is retried a few times, then recorded on the job (`outputs_error`) for
-the sweep to retry; it never undoes the job's results nor stops the caller.
+A failing output folder (disk full, permissions) is retried a few times, then recorded on the job
+(`outputs_error`) for the sweep to retry (`write_pages`); it never undoes the job's status nor stops the caller.
 """
 from __future__ import annotations
 
@@ -21,9 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from jobs.db import retry_store
 from jobs.models import DocumentSummary, Job, JobStatus, Request, RequestStatus, utcnow
-from jobs.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -36,44 +33,33 @@ def pages_due(job: Job) -> bool:
     return "summarize" in meta and job.status.terminal and not meta.get("outputs_written")
 
 
-def write_pages(runtime: Runtime, job_id: str) -> bool:
-    """Write an ended summary job's pages in their own transaction; returns whether they are written now.
+def write_pages(*, session: Session, job: Job) -> bool:
+    """Write an ended summary job's pages, if due, in the caller's transaction; returns whether it wrote them.
 
-    Call it after the job's own commit. An OSError is retried PAGE_ATTEMPTS times, then recorded on the job.
+    Under the job's row lock (one writer of the files and summaries per job), in a savepoint: an OSError of the
+    output folder is retried PAGE_ATTEMPTS times, then rolled back to the savepoint and recorded on the job
+    (`outputs_error`, which the sweep retries). It never raises OSError: the caller's other changes commit.
     """
-    within = runtime.settings.store_retry_seconds
+    if not pages_due(job):
+        job.outputs_error = None  # written meanwhile by someone else
+        return False
+    session.flush()
+    session.refresh(job, with_for_update=True)
+
+    def attempt() -> bool:
+        with session.begin_nested():
+            return write_outputs(session=session, job=job)
+
     retrying = Retrying(stop=stop_after_attempt(PAGE_ATTEMPTS), wait=wait_exponential(multiplier=0.2, max=2.0),
                         retry=retry_if_exception_type(OSError), reraise=True)
     try:
-        return retrying(lambda: retry_store(lambda: _write_pages_once(runtime, job_id), what=f"Job {job_id}: pages",
-                                            within=within))
+        written = retrying(attempt)
     except OSError as error:
-        reason = f"{type(error).__name__}: {error}"
-        logger.error("Job %s: could not write its pages (%s); the sweep tries again", job_id, reason)
-        retry_store(lambda: _record_error(runtime, job_id, reason), what=f"Job {job_id}: pages error", within=within)
+        job.outputs_error = f"{type(error).__name__}: {error}"
+        logger.error("Job %s: could not write its pages (%s); the sweep tries again", job.id, job.outputs_error)
         return False
-
-
-def _write_pages_once(runtime: Runtime, job_id: str) -> bool:
-    with runtime.session() as session:
-        job = session.get(Job, job_id)
-        if job is None:
-            return False
-        written = False
-        if pages_due(job):
-            session.refresh(job, with_for_update=True)  # one writer of the files and summaries per job
-            written = write_outputs(session=session, job=job)
-        job.outputs_error = None
-        session.commit()
-        return written
-
-
-def _record_error(runtime: Runtime, job_id: str, reason: str) -> None:
-    with runtime.session() as session:
-        job = session.get(Job, job_id)
-        if job is not None:
-            job.outputs_error = reason
-            session.commit()
+    job.outputs_error = None
+    return written
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -23,7 +23,7 @@ from jobs.errors import JobCancelled, LeaseLost, StoreUnavailable
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.summaries import mapreduce
-from jobs.summaries.pages import pages_due, write_pages
+from jobs.summaries.pages import write_pages
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
 
@@ -68,16 +68,15 @@ class JobWorker:
 
     def process(self, job_id: str, *, give_back: dict[str, Any] | None = None) -> Outcome:
         """Claim up to `worker_batch_size` requests of the job and generate them."""
+        token = secrets.token_hex(8)  # chosen once: a retried claim must find what a lost commit took under it
         try:
             if give_back:
                 self._store(f"Job {job_id}: give back", lambda: self._give_back(give_back))
-            claim, due = self._store(f"Job {job_id}: claim", lambda: self._claim(job_id, secrets.token_hex(8)))
+            claim = self._store(f"Job {job_id}: claim", lambda: self._claim(job_id, token))
         except StoreUnavailable as e:
             logger.warning("%s; retrying the task later", e)
             return Outcome(retry=True, give_back=give_back)
         if claim is None:
-            if due:
-                write_pages(self.runtime, job_id)
             return Outcome()
         logger.info("Job %s: claimed %d requests (%s)", job_id, len(claim.requests),
                     ", ".join(str(r.id) for r in claim.requests))
@@ -92,15 +91,13 @@ class JobWorker:
     def _store(self, what: str, unit: Callable[[], T]) -> T:
         return retry_store(unit, what=what, within=self.settings.store_retry_seconds)
 
-    def _claim(self, job_id: str, token: str) -> tuple[Claim | None, bool]:
-        """The job's readiness, then the claim: (the claim or None if nothing was claimed, whether pages are due)."""
+    def _claim(self, job_id: str, token: str) -> Claim | None:
+        """One transaction: the job's readiness, then the claim (None when there is nothing to claim)."""
         with self.runtime.session() as session:
             job = session.get(Job, job_id)
-            if job is None:
-                return None, False
-            if not self._ready(session, job):
+            if job is None or not self._ready(session, job):
                 session.commit()
-                return None, pages_due(job)
+                return None
             # a retry after a commit whose answer was lost finds its rows already leased under this token
             claimed = store.leased_requests(session=session, job_id=job_id, token=token)
             if not claimed:
@@ -112,11 +109,11 @@ class JobWorker:
             if not claimed:
                 settle(self.runtime, session, job)
                 session.commit()
-                return None, pages_due(job)
+                return None
             if job.status == JobStatus.queued:
                 store.set_job_status(job, JobStatus.in_progress)
                 session.commit()
-            return Claim(job, token, claimed), False
+            return Claim(job, token, claimed)
 
     def _ready(self, session: Session, job: Job) -> bool:
         """Whether the job can take work now; expires or settles it otherwise."""
@@ -185,18 +182,15 @@ class JobWorker:
             session.commit()
 
     def _settle(self, job_id: str) -> int:
-        """Settle the job in its own transaction, then write its pages if it ended; returns its pending requests."""
-        def unit() -> tuple[int, bool]:
+        """Settle the job (and write its pages if it ended) in its own transaction; returns its pending requests."""
+        def unit() -> int:
             with self.runtime.session() as session:
                 job = session.get(Job, job_id)
                 assert job is not None
                 settle(self.runtime, session, job)
                 session.commit()
-                return store.job_counts(session=session, job_id=job_id).pending, pages_due(job)
-        pending, due = self._store(f"Job {job_id}: settle", unit)
-        if due:
-            write_pages(self.runtime, job_id)
-        return pending
+                return store.job_counts(session=session, job_id=job_id).pending
+        return self._store(f"Job {job_id}: settle", unit)
 
     def _refill(self, job_id: str, token: str, claimed: list[Request]) -> Refill:
         handed = {request.id for request in claimed}  # every row the runner has, so a retried claim hands none twice
@@ -290,8 +284,12 @@ class JobWorker:
 
 
 def settle(runtime: Runtime, session: Session, job: Job, *, now: datetime | None = None) -> None:
-    """Move a job on: add its next map-reduce stages, settle its status. The caller commits, then writes pages."""
+    """Move a job on: add its next map-reduce stages, settle its status, write a finished summary job's files.
+
+    A failing output folder is recorded on the job (pages.write_pages), not raised: the status commits.
+    """
     summarizing = "summarize" in (job.metadata_json or {})
     if summarizing and job.status in (JobStatus.queued, JobStatus.in_progress):
         mapreduce.advance(session=session, job=job, planner=mapreduce.planner_for(runtime, job))
     store.settle_job(session=session, job=job, now=now)
+    write_pages(session=session, job=job)

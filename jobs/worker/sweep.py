@@ -13,7 +13,7 @@ from jobs.db import retry_store
 from jobs.errors import StoreUnavailable
 from jobs.models import Job, JobStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.summaries.pages import pages_due, write_pages
+from jobs.summaries.pages import write_pages
 from jobs.worker.batch_worker import settle
 
 logger = logging.getLogger(__name__)
@@ -24,35 +24,33 @@ def sweep_store(runtime: Runtime) -> list[str]:
     """Expire lost leases and overdue jobs, settle finished ones; returns the job ids to dispatch a worker to.
 
     Safe when many workers sweep at once: every step is a conditional update, and a job is returned only by the
-    sweep that wins its dispatch hold (store.hold_dispatch). Each job is its own transaction, and its pages are
-    written after it: a job that fails is logged and the others go on. Only an unreachable store stops the sweep.
+    sweep that wins its dispatch hold (store.hold_dispatch). Each job is its own transaction: a job that fails is
+    logged and the others go on. Only an unreachable store stops the sweep.
     """
     now = utcnow()
-    needing: list[str] = []
-    pages: list[str] = []
     active = _store(runtime, "Sweep", lambda: _expire_leases(runtime, now))
-    for job_id in active:
-        try:
-            dispatch, due = _store(runtime, f"Sweep: job {job_id}",
-                                   lambda: _sweep_job(runtime, job_id, now))  # noqa: B023 - run in this iteration
-        except StoreUnavailable:
-            raise
-        except Exception:  # noqa: BLE001 - one bad job must not stop the sweep of the others
-            logger.exception("Sweep: job %s failed; the other jobs go on", job_id)
-            continue
-        needing += [job_id] if dispatch else []
-        pages += [job_id] if due else []
-    # jobs cancelled (the API and CLI end them at once) or expired without being settled here, and jobs whose
-    # pages failed before: their finished summaries still get their files
-    pages += _store(runtime, "Sweep", lambda: _pages_to_retry(runtime, now))
-    for job_id in dict.fromkeys(pages):
-        write_pages(runtime, job_id)
+    needing = [job_id for job_id in active if _each(runtime, job_id, lambda job_id: _sweep_job(runtime, job_id, now))]
+    # a job cancelled with nothing running (the API and CLI end it at once) or expired has not been settled here,
+    # and a job's pages may have failed before: their finished summaries still get their files
+    for job_id in _store(runtime, "Sweep", lambda: _pages_to_write(runtime, now)):
+        _each(runtime, job_id, lambda job_id: _write_pages(runtime, job_id))
     purge_consumed_messages(runtime)
     return needing
 
 
 def _store(runtime: Runtime, what: str, unit: Callable[[], T]) -> T:
     return retry_store(unit, what=what, within=runtime.settings.store_retry_seconds)
+
+
+def _each(runtime: Runtime, job_id: str, step: Callable[[str], bool]) -> bool:
+    """One job's step as its own retried transaction; a failure other than the store's is logged, and is false."""
+    try:
+        return _store(runtime, f"Sweep: job {job_id}", lambda: step(job_id))
+    except StoreUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - one bad job must not stop the sweep of the others
+        logger.exception("Sweep: job %s failed; the other jobs go on", job_id)
+        return False
 
 
 def _expire_leases(runtime: Runtime, now: datetime) -> list[str]:
@@ -63,16 +61,16 @@ def _expire_leases(runtime: Runtime, now: datetime) -> list[str]:
         return store.active_job_ids(session=session)
 
 
-def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> tuple[bool, bool]:
-    """One job, one transaction: expire or settle it; (whether to dispatch a worker, whether its pages are due)."""
+def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> bool:
+    """Expire or settle one job; returns whether to dispatch a worker to it."""
     with runtime.session() as session:
         job = session.get(Job, job_id)
         if job is None:
-            return False, False
+            return False
         if now > job.expires_at:
             store.expire_job(session=session, job=job, now=now)
             session.commit()
-            return False, pages_due(job)
+            return False
         settle(runtime, session, job, now=now)
         counts = store.job_counts(session=session, job_id=job_id)
         waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and not counts.in_progress
@@ -80,14 +78,21 @@ def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> tuple[bool, bool
         dispatch = bool(waiting) and store.hold_dispatch(session=session, job=job,
                                                          seconds=runtime.settings.lease_seconds, now=now)
         session.commit()
-        return dispatch, pages_due(job)
+        return dispatch
 
 
-def _pages_to_retry(runtime: Runtime, now: datetime) -> list[str]:
+def _pages_to_write(runtime: Runtime, now: datetime) -> list[str]:
     with runtime.session() as session:
         stopped = store.recently_stopped_job_ids(session=session, since=now - timedelta(days=1))
-        due = [job_id for job_id in stopped if (job := session.get(Job, job_id)) is not None and pages_due(job)]
-        return due + store.outputs_failed_job_ids(session=session)
+        return list(dict.fromkeys(stopped + store.outputs_failed_job_ids(session=session)))
+
+
+def _write_pages(runtime: Runtime, job_id: str) -> bool:
+    with runtime.session() as session:
+        job = session.get(Job, job_id)
+        written = job is not None and write_pages(session=session, job=job)
+        session.commit()
+        return written
 
 
 def purge_consumed_messages(runtime: Runtime, *, older_than: timedelta = timedelta(hours=1)) -> None:

@@ -122,6 +122,19 @@ def test_a_database_blip_during_a_checkpoint_is_retried_and_costs_no_attempt(
     assert outputs(runtime, job.id) == outputs(runtime, reference.id)
 
 
+def test_a_blip_right_after_a_claim_committed_claims_nothing_twice(
+        runtime: Runtime, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    # Given a job whose claim commits, and whose next statement in the same step (queued -> in_progress) fails once
+    job = submit_batch(runtime, batch(4, max_tokens=8), model=str(tiny_model))
+    blip = Blip(runtime, monkeypatch, r"^UPDATE jobs SET status=", disconnect(runtime))
+    blip.once()
+    # When a worker processes it, then its retried step finds the rows it had leased, and generates them at once
+    assert JobWorker(runtime).process(job.id) == Outcome()
+    assert blip.raised == 1
+    assert job_status(runtime, job.id) == "completed"
+    assert [(r.status, r.attempts) for r in requests_of(runtime, job.id)] == [(RequestStatus.completed, 1)] * 4
+
+
 def test_an_outage_longer_than_the_bound_stops_the_batch_and_its_retry_gives_it_back_uncounted(
         runtime: Runtime, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
     runtime.settings.store_retry_seconds = 1.0
