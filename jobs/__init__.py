@@ -4,7 +4,7 @@ The batch core (this package):
     settings     Settings (SWARMBATCH_* environment) and get_settings()
     models       SQLAlchemy models: Job (with its kind), Request (generated token ids = the checkpoint), ApiKey,
                  SummaryRun, DocumentSummary, WorkerHeartbeat, MaintenanceSlot
-    db, migrate  engines and sessions; Alembic from code
+    db, migrate  engines and sessions, the store's retry policy (retry_store); Alembic from code
     errors       the JobsError tree
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire

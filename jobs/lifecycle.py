@@ -99,17 +99,17 @@ class Lifecycle:
         store.expire_open_requests(session=session, job_id=job.id, now=now)
         self._end(session, job, JobStatus.expired, now)
 
-    def retry_ended(self, session: Session, *, now: datetime | None = None) -> list[str]:
-        """Run again every on_ended hook that failed and is due (the sweep calls this); returns those jobs' ids."""
-        now = now or utcnow()
-        retried = []
-        for hooks in self.hooks.values():
-            for job_id in hooks.due_retries(session, now):
-                job = session.get(Job, job_id)
-                if job is not None and job.status.terminal:
-                    hooks.on_ended(session, job, now)
-                    retried.append(job_id)
-        return retried
+    def ended_due(self, session: Session, now: datetime) -> list[str]:
+        """Ended jobs whose on_ended hook failed before and is due again (the sweep retries each: retry_ended)."""
+        return [job_id for hooks in self.hooks.values() for job_id in hooks.due_retries(session, now)]
+
+    def retry_ended(self, session: Session, job_id: str, *, now: datetime | None = None) -> bool:
+        """Run a failed on_ended hook of an ended job again; returns whether it ran."""
+        job = session.get(Job, job_id)
+        if job is None or not job.status.terminal:
+            return False
+        self.hooks[job.kind].on_ended(session, job, now or utcnow())
+        return True
 
     def _finalize(self, session: Session, job: Job, *, failed_all: bool, now: datetime) -> None:
         move(job, JobStatus.finalizing, now=now)

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
                                                                  "their slots")
     lease_seconds: float = Field(default=60.0, gt=0, description="a claim expires unless renewed this often")
     max_attempts: int = Field(default=5, ge=1, description="claims of one request before it fails")
+    store_retry_seconds: float = Field(default=60.0, gt=0, description="how long a worker retries an unreachable "
+                                                                       "database before it stops a batch")
     max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens a request may ask")
     max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1, description="largest accepted input file")
     max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")

@@ -259,6 +259,26 @@ def release_requests(*, session: Session, token: str, error: str, count_attempt:
         logger.info("Job %s request %s: in_progress -> pending (%s)", row.job_id, row.id, error)
 
 
+def leased_requests(*, session: Session, job_id: str, token: str) -> list[Request]:
+    """The job's requests in progress under the lease `token` (a retried claim finds what it already took)."""
+    return list(session.scalars(select(Request).where(Request.job_id == job_id, Request.status == RequestStatus.in_progress,
+                                                      Request.lease_token == token).order_by(Request.index)))
+
+
+def give_back_uncounted(*, session: Session, token: str, attempts: Mapping[int, int], error: str) -> None:
+    """After a store outage stopped a batch: its requests go back to pending, and the claim is not counted.
+
+    `attempts` is each request's attempt count as claimed. Those still leased under `token` are released;
+    those whose lease lapsed during the outage, that the sweep returned and nobody claimed since (attempts
+    unchanged), get the attempt back as well.
+    """
+    release_requests(session=session, token=token, error=error, count_attempt=False)
+    for request_id, claimed in attempts.items():
+        session.execute(update(Request).where(Request.id == request_id, Request.status == RequestStatus.pending,
+                                              Request.lease_token.is_(None), Request.attempts == claimed)
+                        .values(attempts=claimed - 1, last_error=error))
+
+
 def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]:
     """Return requests whose lease expired to pending; returns the ids of the jobs affected."""
     now = now or utcnow()

@@ -1,30 +1,37 @@
 """What a worker does with a job id: claim a batch under a lease, generate it, record the outcome.
 
 Every step is idempotent: a redelivered or duplicated task finds the rows already claimed or finished and
-does nothing twice.
+does nothing twice. Every step that touches the store is one transaction run through the store's retry
+policy (jobs.db.retry_store), so a database blip costs a short wait, not an attempt; an outage longer than
+`store_retry_seconds` stops the batch, and its requests are given back uncounted once the store answers.
 """
 from __future__ import annotations
 
 import logging
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs import store
-from jobs.errors import JobCancelled, LeaseLost
+from jobs.db import retry_store
+from jobs.errors import JobCancelled, LeaseLost, StoreUnavailable
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
-from jobs.worker.runner import BatchRunner, Checkpoint, Refill
+from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
 
 logger = logging.getLogger(__name__)
-# log lines that tests read (the request ids a worker claimed): job id, count, ids joined by ", "
-CLAIMED_LOG = "Job %s: claimed %d requests (%s)"
-CLAIMED_FOR_FREED_SLOTS_LOG = CLAIMED_LOG + " for freed slots"
+T = TypeVar("T")
 
 MIN_RETRY_DELAY, MAX_RETRY_DELAY = 2.0, 60.0
+CLAIMED_LOG = "Job %s: claimed %d requests (%s)"
+CLAIMED_FOR_FREED_SLOTS_LOG = CLAIMED_LOG + " for freed slots"
+OUTAGE = "the store was unavailable"
 
 
 def retry_delay(retries: int) -> float:
@@ -37,7 +44,19 @@ class Outcome:
     """What the task should do next."""
 
     more: bool = False   # pending work remains: enqueue again now
-    retry: bool = False  # the swarm is unavailable: retry with backoff
+    retry: bool = False  # the swarm or the store is unavailable: retry with backoff
+    # a batch stopped by a store outage: {"token": ..., "attempts": [[request id, attempts as claimed], ...]}, for
+    # the retry to give its requests back without counting the claim
+    give_back: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed batch: the job (detached) and its requests, leased under `token`."""
+
+    job: Job
+    token: str
+    requests: list[Request]
 
 
 class JobWorker:
@@ -45,27 +64,55 @@ class JobWorker:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime, self.settings, self.lifecycle = runtime, runtime.settings, runtime.lifecycle
+        self.runner: BatchRunner | None = None  # the batch being generated, once built
 
-    def process(self, job_id: str) -> Outcome:
+    def process(self, job_id: str, *, give_back: dict[str, Any] | None = None) -> Outcome:
         """Claim up to `worker_batch_size` requests of the job and generate them."""
+        token = secrets.token_hex(8)  # chosen once: a retried claim must find what a lost commit took under it
+        try:
+            if give_back:
+                self._store(f"Job {job_id}: give back", lambda: self._give_back(give_back))
+            claim = self._store(f"Job {job_id}: claim", lambda: self._claim(job_id, token))
+        except StoreUnavailable as e:
+            logger.warning("%s; retrying the task later", e)
+            return Outcome(retry=True, give_back=give_back)
+        if claim is None:
+            return Outcome()
+        logger.info(CLAIMED_LOG, job_id, len(claim.requests), ", ".join(str(r.id) for r in claim.requests))
+        try:
+            return self._generate(claim)
+        except StoreUnavailable as e:
+            requests = self.runner.requests if self.runner else claim.requests
+            logger.warning("%s; stopping the batch: its requests go back when the store answers", e)
+            return Outcome(retry=True, give_back={"token": claim.token,
+                                                  "attempts": [[r.id, r.attempts] for r in requests]})
+
+    def _store(self, what: str, unit: Callable[[], T]) -> T:
+        return retry_store(unit, what=what, within=self.settings.store_retry_seconds)
+
+    def _claim(self, job_id: str, token: str) -> Claim | None:
+        """One transaction: the job's readiness, then the claim (None when there is nothing to claim)."""
         with self.runtime.session() as session:
             job = session.get(Job, job_id)
             if job is None or not self._ready(session, job):
                 session.commit()
-                return Outcome()
-            token, claimed = store.claim_requests(
-                session=session, job_id=job_id, worker=self.runtime.worker_name, limit=self.settings.worker_batch_size,
-                lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+                return None
+            # a retry after a commit whose answer was lost finds its rows already leased under this token
+            claimed = store.leased_requests(session=session, job_id=job_id, token=token)
+            if not claimed:
+                _, claimed = store.claim_requests(
+                    session=session, job_id=job_id, worker=self.runtime.worker_name, token=token,
+                    limit=self.settings.worker_batch_size, lease_seconds=self.settings.lease_seconds,
+                    max_attempts=self.settings.max_attempts)
             session.commit()  # the leases are durable, and the rows unlocked, before anything slow
             if not claimed:
                 self.lifecycle.settle(session, job)
                 session.commit()
-                return Outcome()
+                return None
             if job.status == JobStatus.queued:
                 self.lifecycle.start(session, job)
                 session.commit()
-            logger.info(CLAIMED_LOG, job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
-            return self._generate(session, job, token, claimed)
+            return Claim(job, token, claimed)
 
     def _ready(self, session: Session, job: Job) -> bool:
         """Whether the job can take work now; expires or settles it otherwise."""
@@ -79,100 +126,157 @@ class JobWorker:
             return False
         return True
 
-    def _generate(self, session: Session, job: Job, token: str, claimed: list[Request]) -> Outcome:
+    def _give_back(self, give_back: dict[str, Any]) -> None:
+        with self.runtime.session() as session:
+            store.give_back_uncounted(session=session, token=give_back["token"], error=OUTAGE,
+                                      attempts={int(rid): int(n) for rid, n in give_back["attempts"]})
+            session.commit()
+
+    def _generate(self, claim: Claim) -> Outcome:
+        job, token, claimed = claim.job, claim.token, claim.requests
         runner = None
         try:
             model = self.runtime.swarm_model(job.model)
             # joining the swarm may take a while on a new worker: the lease must not lapse before the first checkpoint
-            store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
-            session.commit()
+            self._store(f"Job {job.id}: renew leases", lambda: self._renew(token))
             runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
                                  checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token),
                                  lanes=self.settings.pipeline_lanes, continuous=self.settings.continuous_batching,
-                                 refill=self._refill(job.id, token) if self.settings.continuous_batching else None,
-                                 capacity=self.settings.worker_batch_size)
+                                 refill=self._refill(job.id, token, claimed) if self.settings.continuous_batching
+                                 else None, capacity=self.settings.worker_batch_size)
+            self.runner = runner
             results = runner.run()
         except JobCancelled:
-            self._finish_cancelled(session, job, token, runner)
+            self._finish_cancelled(job, token, runner)
             return Outcome()
         except LeaseLost as e:
             logger.warning("Job %s: %s; leaving the batch to it", job.id, e)
             return Outcome(more=True)
         except InvalidRequest as e:
-            self._fail_all(session, job, token, runner.requests if runner else claimed, str(e))
+            self._fail_all(job, token, runner.requests if runner else claimed, str(e))
             return Outcome(more=True)
         except (MissingBlocksError, SwarmError) as e:
-            return self._blocked(session, job, token, e)
-        for request in runner.requests:
-            result = results[request.id]
-            store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.completed,
-                                 generated=result.generated, finish_reason=result.finish_reason,
-                                 output_text=result.text)
-        job.blocked_reason = None
-        self.lifecycle.settle(session, job)
-        session.commit()
+            return self._blocked(job, token, e)
+        # the completions are committed first, on their own: nothing that follows (the next map-reduce stage,
+        # the pages) can undo them
+        self._store(f"Job {job.id}: finish", lambda: self._complete(job.id, token, runner.requests, results))
         logger.info("Job %s: finished %d requests", job.id, len(runner.requests))
-        return Outcome(more=store.job_counts(session=session, job_id=job.id).pending > 0)
+        return Outcome(more=self._settle(job.id) > 0)
 
-    def _refill(self, job_id: str, token: str) -> Refill:
-        def refill(limit: int) -> list[Request]:
+    def _renew(self, token: str) -> None:
+        with self.runtime.session() as session:
+            store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
+            session.commit()
+
+    def _complete(self, job_id: str, token: str, requests: list[Request], results: dict[int, RowResult]) -> None:
+        with self.runtime.session() as session:
+            for request in requests:
+                result = results[request.id]
+                store.finish_request(session=session, request_id=request.id, token=token,
+                                     status=RequestStatus.completed, generated=result.generated,
+                                     finish_reason=result.finish_reason, output_text=result.text)
+            job = session.get(Job, job_id)
+            assert job is not None
+            job.blocked_reason = None
+            session.commit()
+
+    def _settle(self, job_id: str) -> int:
+        """Settle the job (and write its pages if it ended) in its own transaction; returns its pending requests."""
+        def unit() -> int:
             with self.runtime.session() as session:
-                _, claimed = store.claim_requests(
-                    session=session, job_id=job_id, worker=self.runtime.worker_name, limit=limit, token=token,
-                    lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+                job = session.get(Job, job_id)
+                assert job is not None
+                self.lifecycle.settle(session, job)
                 session.commit()
-                for request in claimed:
+                return store.job_counts(session=session, job_id=job_id).pending
+        return self._store(f"Job {job_id}: settle", unit)
+
+    def _refill(self, job_id: str, token: str, claimed: list[Request]) -> Refill:
+        handed = {request.id for request in claimed}  # every row the runner has, so a retried claim hands none twice
+
+        def claim_more(limit: int) -> list[Request]:
+            with self.runtime.session() as session:
+                # a retry after a commit whose answer was lost finds those rows leased under our token already
+                rows = [r for r in store.leased_requests(session=session, job_id=job_id, token=token)
+                        if r.id not in handed]
+                if not rows:
+                    _, rows = store.claim_requests(
+                        session=session, job_id=job_id, worker=self.runtime.worker_name, limit=limit, token=token,
+                        lease_seconds=self.settings.lease_seconds, max_attempts=self.settings.max_attempts)
+                session.commit()
+                for request in rows:
                     session.expunge(request)  # read by the lane after this session closes
-            if claimed:
-                logger.info(CLAIMED_FOR_FREED_SLOTS_LOG, job_id, len(claimed), ", ".join(str(r.id) for r in claimed))
-            return claimed
+            return rows
+
+        def refill(limit: int) -> list[Request]:
+            rows = self._store(f"Job {job_id}: refill", lambda: claim_more(limit))
+            handed.update(r.id for r in rows)
+            if rows:
+                logger.info(CLAIMED_FOR_FREED_SLOTS_LOG, job_id, len(rows), ", ".join(str(r.id) for r in rows))
+            return rows
         return refill
 
     def _checkpoint(self, job_id: str, token: str) -> Checkpoint:
-        def checkpoint(progress: dict[int, list[int]], texts: dict[int, str]) -> set[int]:
+        def commit(progress: dict[int, list[int]], texts: dict[int, str]) -> tuple[set[int], JobStatus | None]:
+            # the same ids and texts again after a lost answer: writing them twice is harmless, and fenced by token
             with self.runtime.session() as session:
                 owned = store.checkpoint(session=session, token=token, progress=progress, texts=texts,
                                          lease_seconds=self.settings.lease_seconds)
                 session.commit()
-                status = session.scalar(select(Job.status).where(Job.id == job_id))
+                return owned, session.scalar(select(Job.status).where(Job.id == job_id))
+
+        def checkpoint(progress: dict[int, list[int]], texts: dict[int, str]) -> set[int]:
+            owned, status = self._store(f"Job {job_id}: checkpoint", lambda: commit(progress, texts))
             if status == JobStatus.cancelling:
                 raise JobCancelled(job_id)
             return owned
         return checkpoint
 
-    def _finish_cancelled(self, session: Session, job: Job, token: str, runner: BatchRunner | None) -> None:
+    def _finish_cancelled(self, job: Job, token: str, runner: BatchRunner | None) -> None:
         """Keep the committed partial output of each claimed request and settle the job to cancelled."""
         tokenizer = self.runtime.tokenizer(job.model)
-        for row in runner.rows if runner else []:
-            generated = row.generated[: row.committed]
-            store.finish_request(session=session, request_id=row.request_id, token=token,
-                                 status=RequestStatus.cancelled, generated=generated, finish_reason="cancelled",
-                                 output_text=tokenizer.decode(generated, skip_special_tokens=True))
-        session.commit()
-        session.refresh(job)
-        self.lifecycle.settle(session, job)
-        session.commit()
 
-    def _fail_all(self, session: Session, job: Job, token: str, claimed: list[Request], reason: str) -> None:
-        for request in claimed:
-            store.finish_request(session=session, request_id=request.id, token=token, status=RequestStatus.failed,
-                                 error=reason)
-        self.lifecycle.settle(session, job)
-        session.commit()
+        def unit() -> None:
+            with self.runtime.session() as session:
+                for row in runner.rows if runner else []:
+                    generated = row.generated[: row.committed]
+                    store.finish_request(session=session, request_id=row.request_id, token=token,
+                                         status=RequestStatus.cancelled, generated=generated,
+                                         finish_reason="cancelled",
+                                         output_text=tokenizer.decode(generated, skip_special_tokens=True))
+                session.commit()
+        self._store(f"Job {job.id}: cancel", unit)
+        self._settle(job.id)
 
-    def _blocked(self, session: Session, job: Job, token: str, error: Exception) -> Outcome:
+    def _fail_all(self, job: Job, token: str, claimed: list[Request], reason: str) -> None:
+        def unit() -> None:
+            with self.runtime.session() as session:
+                for request in claimed:
+                    store.finish_request(session=session, request_id=request.id, token=token,
+                                         status=RequestStatus.failed, error=reason)
+                session.commit()
+        self._store(f"Job {job.id}: fail", unit)
+        self._settle(job.id)
+
+    def _blocked(self, job: Job, token: str, error: Exception) -> Outcome:
         """The swarm cannot serve now: give the requests back, say why on the job, retry later.
 
         Missing blocks cost no attempt (the job waits for servers until its deadline); other swarm failures
         count, so a request that keeps failing ends as failed with its reason.
         """
         reason = f"{type(error).__name__}: {error}"
-        store.release_requests(session=session, token=token, error=reason,
-                               count_attempt=not isinstance(error, MissingBlocksError))
-        job.blocked_reason = reason
-        # this task's retry chain comes back within MAX_RETRY_DELAY: sweeps add no other chain until it is overdue
-        job.dispatch_after = utcnow() + timedelta(seconds=MAX_RETRY_DELAY + self.settings.lease_seconds)
-        session.commit()
+
+        def unit() -> None:
+            with self.runtime.session() as session:
+                store.release_requests(session=session, token=token, error=reason,
+                                       count_attempt=not isinstance(error, MissingBlocksError))
+                row = session.get(Job, job.id)
+                assert row is not None
+                row.blocked_reason = reason
+                # this task's retry chain comes back within MAX_RETRY_DELAY: sweeps add no other chain until then
+                row.dispatch_after = utcnow() + timedelta(seconds=MAX_RETRY_DELAY + self.settings.lease_seconds)
+                session.commit()
+        self._store(f"Job {job.id}: release", unit)
         logger.warning("Job %s blocked: %s", job.id, reason)
         return Outcome(retry=True)
 

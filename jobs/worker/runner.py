@@ -131,7 +131,12 @@ class BatchRunner:
                     wait(lanes)
                     raise lane.exception()  # type: ignore[misc]
             if not self._exhausted and not self._stop.is_set():
-                new = self._refill()
+                try:
+                    new = self._refill()
+                except BaseException:  # the store stayed away: the lanes stop too, at their next token
+                    self._stop.set()
+                    wait(lanes)
+                    raise
                 if new:
                     lanes.add(pool.submit(self._lane, new))
 

@@ -2,48 +2,94 @@
 work re-enqueued."""
 from __future__ import annotations
 
-from datetime import timedelta
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import TypeVar
 
 from sqlalchemy import text
 
 from jobs import store
+from jobs.db import retry_store
+from jobs.errors import StoreUnavailable
 from jobs.models import Job, JobStatus, utcnow
 from jobs.runtime import Runtime
 
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
 
 def sweep_store(runtime: Runtime) -> list[str]:
-    """Expire lost leases and overdue jobs, settle the others, retry failed end hooks; returns the jobs to dispatch.
+    """Expire lost leases and overdue jobs, settle finished ones; returns the job ids to dispatch a worker to.
 
-    The end hooks retried are those that failed where the job ended (a summary job's page write, bounded).
-
-    Safe when many workers sweep at once: every step is a conditional update, and a job is returned only by the
-    sweep that wins its dispatch hold (store.hold_dispatch).
+    The end hooks retried are those that failed where the job ended (a summary job's page write, bounded). Safe
+    when many workers sweep at once: every step is a conditional update, and a job is returned only by the sweep
+    that wins its dispatch hold (store.hold_dispatch). Each job is its own transaction: a job that fails is
+    logged and the others go on. Only an unreachable store stops the sweep.
     """
     now = utcnow()
-    needing: list[str] = []
-    lifecycle = runtime.lifecycle
-    with runtime.session() as session:
-        store.expire_leases(session=session, now=now)
-        session.commit()  # lost work is claimable again even if a later step fails
-        for job_id in store.active_job_ids(session=session):
-            job = session.get(Job, job_id)
-            assert job is not None
-            if now > job.expires_at:
-                lifecycle.expire(session, job, now=now)
-                continue
-            lifecycle.settle(session, job, now=now)
-            counts = store.job_counts(session=session, job_id=job_id)
-            waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and \
-                not counts.in_progress
-            # the hold covers the time the task takes to claim; a lost message is sent again after it
-            if waiting and store.hold_dispatch(session=session, job=job, seconds=runtime.settings.lease_seconds,
-                                               now=now):
-                needing.append(job_id)
-        # whoever ended a job ran its end hooks then; only those that failed (a page write) come back here
-        lifecycle.retry_ended(session, now=now)
-        session.commit()
+    active = _store(runtime, "Sweep", lambda: _expire_leases(runtime, now))
+    needing = [job_id for job_id in active if _each(runtime, job_id, lambda job_id: _sweep_job(runtime, job_id, now))]
+    # whoever ended a job ran its end hooks then; only those that failed (a page write) come back here
+    for job_id in _store(runtime, "Sweep", lambda: _ended_due(runtime, now)):
+        _each(runtime, job_id, lambda job_id: _retry_ended(runtime, job_id, now))
     purge_consumed_messages(runtime)
     return needing
+
+
+def _store(runtime: Runtime, what: str, unit: Callable[[], T]) -> T:
+    return retry_store(unit, what=what, within=runtime.settings.store_retry_seconds)
+
+
+def _each(runtime: Runtime, job_id: str, step: Callable[[str], bool]) -> bool:
+    """One job's step as its own retried transaction; a failure other than the store's is logged, and is false."""
+    try:
+        return _store(runtime, f"Sweep: job {job_id}", lambda: step(job_id))
+    except StoreUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - one bad job must not stop the sweep of the others
+        logger.exception("Sweep: job %s failed; the other jobs go on", job_id)
+        return False
+
+
+def _expire_leases(runtime: Runtime, now: datetime) -> list[str]:
+    """Lost work is claimable again (committed before anything else); returns the active job ids."""
+    with runtime.session() as session:
+        store.expire_leases(session=session, now=now)
+        session.commit()
+        return store.active_job_ids(session=session)
+
+
+def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> bool:
+    """Expire or settle one job; returns whether to dispatch a worker to it."""
+    with runtime.session() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            return False
+        if now > job.expires_at:
+            runtime.lifecycle.expire(session, job, now=now)
+            session.commit()
+            return False
+        runtime.lifecycle.settle(session, job, now=now)
+        counts = store.job_counts(session=session, job_id=job_id)
+        waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and not counts.in_progress
+        # the hold covers the time the task takes to claim; a lost message is sent again after it
+        dispatch = bool(waiting) and store.hold_dispatch(session=session, job=job,
+                                                         seconds=runtime.settings.lease_seconds, now=now)
+        session.commit()
+        return dispatch
+
+
+def _ended_due(runtime: Runtime, now: datetime) -> list[str]:
+    with runtime.session() as session:
+        return runtime.lifecycle.ended_due(session, now)
+
+
+def _retry_ended(runtime: Runtime, job_id: str, now: datetime) -> bool:
+    with runtime.session() as session:
+        ran = runtime.lifecycle.retry_ended(session, job_id, now=now)
+        session.commit()
+        return ran
 
 
 def purge_consumed_messages(runtime: Runtime, *, older_than: timedelta = timedelta(hours=1)) -> None:

@@ -31,12 +31,16 @@ def _sweep_on_start(sender: Any = None, **_: Any) -> None:
 
 
 @shared_task(name=PROCESS_JOB, bind=True, max_retries=None)
-def process_job(self: Any, job_id: str) -> None:
-    """Generate one batch of a job's pending requests; re-enqueue while work remains."""
+def process_job(self: Any, job_id: str, give_back: dict[str, Any] | None = None) -> None:
+    """Generate one batch of a job's pending requests; re-enqueue while work remains.
+
+    `give_back`: a batch of this task that a store outage stopped, to give back uncounted first.
+    """
     runtime = get_runtime()
-    outcome = JobWorker(runtime).process(job_id)
+    outcome = JobWorker(runtime).process(job_id, give_back=give_back)
     if outcome.retry:
-        raise self.retry(countdown=retry_delay(self.request.retries))
+        raise self.retry(args=[job_id], kwargs={"give_back": outcome.give_back} if outcome.give_back else {},
+                         countdown=retry_delay(self.request.retries))
     if outcome.more:
         runtime.celery.send_task(PROCESS_JOB, args=[job_id])
 
