@@ -7,7 +7,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -215,16 +214,10 @@ def make_runtime(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Callable[...
 
 # ---- the REST API under a real uvicorn ------------------------------------------------------------------------------
 import uvicorn  # noqa: E402
+from ports import free_port  # noqa: E402
 
 from jobs.api.main import make_app  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

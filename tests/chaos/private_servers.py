@@ -10,7 +10,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,13 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from ports import free_port
 
 
 def missing(what: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import free_port
+from ports import free_port
 
 from jobs import clock, store
 from jobs.models import RequestStatus

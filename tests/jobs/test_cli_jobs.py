@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
+from ports import free_port
 from typer.testing import CliRunner
 
 import cli

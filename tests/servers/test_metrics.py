@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import free_port
+from ports import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_requests import forward, good_inputs, open_session, step
 from tiers import process_fixture

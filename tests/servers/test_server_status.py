@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from ports import free_port
 
 from servers.errors import ServerConfigError
 from servers.memory import CacheBudget
