@@ -212,6 +212,10 @@ def make_runtime(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Callable[...
     set_runtime(None)
 
 
+# croniter's first import runs `file` on the interpreter (platform.architecture): a child process. Import it here,
+# at collection, so that no fast-tier test that first reaches the schedules code is taken for one that starts a process
+import croniter  # noqa: E402, F401, I001
+
 # ---- the REST API under a real uvicorn ------------------------------------------------------------------------------
 import uvicorn  # noqa: E402
 from ports import free_port  # noqa: E402

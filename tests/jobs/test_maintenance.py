@@ -13,6 +13,7 @@ import pytest
 from factories import new_job
 from jobs_support import wait_for
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from jobs import liveness, store
 from jobs.models import Job, WorkerHeartbeat, utcnow
@@ -33,22 +34,31 @@ def runtime(request: pytest.FixtureRequest, make_runtime: Callable[..., Runtime]
     return make_runtime(database_url=request.getfixturevalue("postgres_url"), broker_url="memory://")
 
 
-def test_of_many_workers_ticking_at_once_exactly_one_takes_the_sweep_slot_per_interval(runtime: Runtime) -> None:
-    # Given 8 workers whose ticks fall at the same moment, the very first ticks of this store
-    now = utcnow()
-    won: list[bool] = []
-    barrier = threading.Barrier(8)
+def at_once(runtime: Runtime, count: int, step: Callable[[Session], bool]) -> list[bool]:
+    """Run `step` in `count` threads, each in its own session, released together at a barrier; commit each."""
+    results: list[bool] = []
+    barrier = threading.Barrier(count)
 
-    def take() -> None:
+    def run() -> None:
         with runtime.session() as session:
             barrier.wait()
-            won.append(liveness.take_slot(session=session, name=SWEEP_SLOT, interval=10, now=now))
+            results.append(step(session))
             session.commit()
-    threads = [threading.Thread(target=take) for _ in range(8)]
+    threads = [threading.Thread(target=run) for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    return results
+
+
+def test_of_many_workers_ticking_at_once_exactly_one_takes_the_sweep_slot_per_interval(runtime: Runtime) -> None:
+    # Given 8 workers whose ticks fall at the same moment, the very first ticks of this store
+    now = utcnow()
+
+    def take(session: Session) -> bool:
+        return liveness.take_slot(session=session, name=SWEEP_SLOT, interval=10, now=now)
+    won = at_once(runtime, 8, take)
     # Then one of them sweeps; within the interval nobody else does, and after it the next tick does
     assert sorted(won) == [False] * 7 + [True]
     with runtime.session() as session:
@@ -95,21 +105,12 @@ def test_a_blocked_job_keeps_one_dispatch_however_many_sweeps_run(runtime: Runti
 def test_of_concurrent_sweeps_exactly_one_wins_a_jobs_dispatch(runtime: Runtime) -> None:
     job_id = new_job(runtime, 1)
     now = utcnow()
-    won: list[bool] = []
-    barrier = threading.Barrier(6)
 
-    def hold() -> None:
-        with runtime.session() as session:
-            job = session.get(Job, job_id)
-            assert job is not None
-            barrier.wait()
-            won.append(store.hold_dispatch(session=session, job=job, seconds=60, now=now))
-            session.commit()
-    threads = [threading.Thread(target=hold) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    def hold(session: Session) -> bool:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return store.hold_dispatch(session=session, job=job, seconds=60, now=now)
+    won = at_once(runtime, 6, hold)
     assert sorted(won) == [False] * 5 + [True]
 
 

@@ -89,14 +89,19 @@ def test_an_unmigrated_database_differs_from_the_models(database_url: str, engin
     assert added == TABLES
 
 
-def test_dropping_request_resumes_keeps_the_rows_both_ways(database_url: str, engine: Engine) -> None:
-    # Given a database at head holding a job with two requests
-    upgrade(database_url)
+def job_with_two_requests(engine: Engine) -> str:
+    """A committed job of two requests, written by the store at the current head; returns its id."""
     with Session(engine) as session:
         job = create_job(session=session, parsed=ParsedBatch([parsed_line(1), parsed_line(2)], [], COMPLETIONS_URL),
                          model="tiny")
         session.commit()
-        job_id = job.id
+        return job.id
+
+
+def test_dropping_request_resumes_keeps_the_rows_both_ways(database_url: str, engine: Engine) -> None:
+    # Given a database at head holding a job with two requests
+    upgrade(database_url)
+    job_id = job_with_two_requests(engine)
     # When it is downgraded to before 0003, the column comes back, 0 on the rows that exist
     downgrade(database_url, "0002_summaries")
     with engine.connect() as connection:
@@ -114,11 +119,7 @@ def test_dropping_request_resumes_keeps_the_rows_both_ways(database_url: str, en
 def test_the_generated_count_is_filled_from_the_stored_token_ids(database_url: str, engine: Engine) -> None:
     # Given requests with generated tokens, at the revision before 0006 (which has no generated_count)
     upgrade(database_url)
-    with Session(engine) as session:
-        job = create_job(session=session, parsed=ParsedBatch([parsed_line(1), parsed_line(2)], [], COMPLETIONS_URL),
-                         model="tiny")
-        session.commit()
-        job_id = job.id
+    job_id = job_with_two_requests(engine)
     downgrade(database_url, "0005_api_key_revocation")
     assert "generated_count" not in {c["name"] for c in inspect(engine).get_columns("requests")}
     with engine.begin() as connection:
