@@ -1,9 +1,7 @@
 """The `swarmbatch` command line: one typer app composed from the command modules of `commands/`.
 
-Exit codes (defined once, in commands.errors.ExitCode): 0 ok, 1 job failed, 2 usage (bad flags, unusable model
-dir, unknown job or revision), 3 Redis/DB unreachable, 4 swarm unavailable (DHT unreachable, missing blocks,
-servers failing). An error of ours prints one line, `Error: <Type>: <message>`, on stderr; --verbose adds its
-traceback.
+Exit codes: see commands.errors.ExitCode, where they are defined and explained once. An error of ours prints one
+line, `Error: <Type>: <message>`, on stderr; --verbose adds its traceback.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ BROKER_ERROR = "kombu.exceptions.OperationalError"  # the broker refused connect
 EXIT_CODES: dict[str, ExitCode] = {
     "jobs.errors.InvalidJob": ExitCode.USAGE,
     "jobs.errors.JobNotFound": ExitCode.USAGE,
+    "jobs.errors.IdempotencyConflict": ExitCode.USAGE,
     "jobs.errors.ApiKeyNotFound": ExitCode.USAGE,
     "jobs.errors.StoreUnavailable": ExitCode.STORE_UNREACHABLE,
     "jobs.errors.JobsError": ExitCode.JOB_FAILED,

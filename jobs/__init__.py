@@ -9,6 +9,7 @@ The batch core (this package):
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
+    liveness     worker heartbeats and the maintenance slot (one sweep per interval across all workers)
     lifecycle    Lifecycle: the one owner of job transitions (start, settle, finalize, cancel, expire), running
                  each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
     submission   submit_batch: validate against the model (and the user's metadata), store, enqueue (idempotency
@@ -20,7 +21,7 @@ The batch core (this package):
     clock        now(): the scheduler's clock (the one thing tests fake)
 
 Sub-packages:
-    worker/      the Celery side: the app, the tasks, the batch worker, its runner, the sweep
+    worker/      the Celery side: the app, the tasks, the batch worker, its runner, the sweep, the maintenance tick
     summaries/   the nightly summaries feature: schedule file, firing, documents, map-reduce, Markdown pages
     api/         the FastAPI app (REST)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs import store
-from jobs.errors import InvalidJob, JobNotFound, StoreUnavailable
+from jobs.errors import IdempotencyConflict, InvalidJob, JobNotFound, StoreUnavailable
 from jobs.outputs import iter_errors, iter_results, job_public
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
@@ -71,8 +71,7 @@ class ApiClient:
         if response.status_code >= 400:
             message = response.json().get("error", {}).get("message") if response.headers.get(
                 "content-type", "").startswith("application/json") else response.text
-            error = InvalidJob if response.status_code in (400, 401, 422) else StoreUnavailable
-            raise error(f"API answered {response.status_code}: {message}")
+            raise api_error(response.status_code, message)
         return response
 
     def submit(self, path: Path, *, model: str, completion_window: str) -> dict[str, Any]:
@@ -95,3 +94,14 @@ class ApiClient:
 
     def errors(self, job_id: str) -> Iterator[str]:
         yield from self._call("GET", f"/v1/batches/{job_id}/errors").text.splitlines(keepends=True)
+
+
+def api_error(status: int, message: str) -> Exception:
+    """The error of ours that an API error answer means (so the CLI exits with the code the README lists)."""
+    if status == 409:
+        return IdempotencyConflict(f"API answered 409: {message}")
+    if status == 429:
+        return StoreUnavailable(f"API answered 429: {message}; the API is busy with other submissions: retry shortly")
+    if status in (400, 401, 413, 422):  # the request itself is refused: fix it (413: the file is too large)
+        return InvalidJob(f"API answered {status}: {message}")
+    return StoreUnavailable(f"API answered {status}: {message}")

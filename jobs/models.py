@@ -119,10 +119,10 @@ class Job(Base):
     checkpoint_every: Mapped[int] = mapped_column(Integer, default=8)
     completion_window_s: Mapped[int] = mapped_column(Integer, default=24 * 3600)
     idempotency_key: Mapped[str | None] = mapped_column(String(300), unique=True)
-    # the user's metadata (OpenAI's shape: at most 16 string pairs), shown back and never read by the service,
-    # which keeps its own state in columns (`kind`, the summary run)
     # sha256 of what was submitted under an API Idempotency-Key: the same key with another batch is a conflict
     idempotency_fingerprint: Mapped[str | None] = mapped_column(String(64))
+    # the user's metadata (OpenAI's shape: at most 16 string pairs), shown back and never read by the service,
+    # which keeps its own state in columns (`kind`, the summary run)
     metadata_json: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime]

@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process reads "
                                                                          "and parses at once; more get 429")
     worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")
-    sweep_interval: float = Field(default=10.0, gt=0, description="seconds between sweeps for lost work")
+    sweep_interval: float = Field(default=10.0, gt=0, description="seconds between a worker's maintenance ticks "
+                                  "(heartbeat; one sweep per interval across all workers)")
     schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")
     schedule_tick: float = Field(default=30.0, gt=0, description="seconds between beat's checks for due schedules")
 

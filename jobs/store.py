@@ -147,7 +147,8 @@ def hold_dispatch(*, session: Session, job: Job, seconds: float, now: datetime |
     """Whether the caller may dispatch a process_job chain for `job` now; if so, no one else may for `seconds`.
 
     A conditional UPDATE, so of many sweeps running at once exactly one wins; a job thus has one pending chain
-    from sweeps, not one more per sweep.
+    from sweeps, not one more per sweep. (A sweep step retried after a commit whose answer was lost finds the job
+    held and leaves it: it is dispatched a hold period later, at the cost of time, never of a second chain.)
     """
     now = now or utcnow()
     held = session.execute(update(Job).where(Job.id == job.id, or_(Job.dispatch_after.is_(None),
@@ -156,6 +157,11 @@ def hold_dispatch(*, session: Session, job: Job, seconds: float, now: datetime |
     if held.rowcount:  # type: ignore[attr-defined]
         session.refresh(job, ["dispatch_after"])
     return bool(held.rowcount)  # type: ignore[attr-defined]
+
+
+def refresh_dispatch_hold(*, session: Session, job: Job, seconds: float) -> None:
+    """A chain that claims work is alive: no sweep dispatches another for `seconds` (it re-enqueues itself)."""
+    job.dispatch_after = utcnow() + timedelta(seconds=seconds)
 
 
 # ---- claims and checkpoints ----------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ class JobWorker:
                     session=session, job_id=job_id, worker=self.runtime.worker_name, token=token,
                     limit=self.settings.worker_batch_size, lease_seconds=self.settings.lease_seconds,
                     max_attempts=self.settings.max_attempts)
+            if claimed:  # this chain is alive and re-enqueues itself: sweeps send no other for a lease period
+                store.refresh_dispatch_hold(session=session, job=job, seconds=self.settings.lease_seconds)
             session.commit()  # the leases are durable, and the rows unlocked, before anything slow
             if not claimed:
                 self.lifecycle.settle(session, job)

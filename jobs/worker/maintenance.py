@@ -23,22 +23,25 @@ SWEEP_SLOT = "sweep"
 TICKS_ALIVE = 3  # a worker counts as alive for this many ticks after its last one
 
 
-def tick(runtime: Runtime) -> bool:
-    """Write this worker's heartbeat; send the sweep if this tick won its slot. Returns whether it did."""
+def tick(runtime: Runtime, *, starting: bool = False) -> bool:
+    """Write this worker's heartbeat; send the sweep if this tick won its slot. Returns whether it did.
+
+    A starting worker sweeps whatever the slot says: it looks at once for work a dead worker left behind.
+    """
     interval = runtime.settings.sweep_interval
     with runtime.session() as session:
         liveness.record_heartbeat(session=session, worker=runtime.worker_name, alive_for=TICKS_ALIVE * interval)
-        due = liveness.take_slot(session=session, name=SWEEP_SLOT, interval=interval)
+        due = liveness.take_slot(session=session, name=SWEEP_SLOT, interval=interval) or starting
         session.commit()
     if due:
         runtime.celery.send_task(SWEEP)
     return due
 
 
-def safe_tick(runtime: Runtime) -> None:
+def safe_tick(runtime: Runtime, *, starting: bool = False) -> None:
     """A tick that never raises: a database or broker blip is logged and the next tick tries again."""
     try:
-        tick(runtime)
+        tick(runtime, starting=starting)
     except Exception as error:  # noqa: BLE001 - the timer must keep ticking through any outage
         logger.warning("Maintenance tick failed (%s: %s); retrying in %.0f s", type(error).__name__,
                        str(error).splitlines()[0] if str(error) else "", runtime.settings.sweep_interval)
@@ -65,7 +68,7 @@ class Maintenance(bootsteps.StartStopStep):
 
     def start(self, worker: Any) -> None:
         runtime = get_runtime()
-        safe_tick(runtime)
+        safe_tick(runtime, starting=True)
         self.timer_entry = worker.timer.call_repeatedly(runtime.settings.sweep_interval, safe_tick, (runtime,),
                                                         priority=10)
 

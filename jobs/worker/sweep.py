@@ -29,11 +29,21 @@ def sweep_store(runtime: Runtime) -> list[str]:
     """
     now = utcnow()
     active = _store(runtime, "Sweep", lambda: _expire_leases(runtime, now))
-    needing = [job_id for job_id in active if _each(runtime, job_id, lambda job_id: _sweep_job(runtime, job_id, now))]
-    # whoever ended a job ran its end hooks then; only those that failed (a page write) come back here
-    for job_id in _store(runtime, "Sweep", lambda: _ended_due(runtime, now)):
-        _each(runtime, job_id, lambda job_id: _retry_ended(runtime, job_id, now))
-    purge_consumed_messages(runtime)
+    needing: list[str] = []
+    try:
+        for job_id in active:
+            if _each(runtime, job_id, lambda job_id: _sweep_job(runtime, job_id, now)):
+                needing.append(job_id)
+        # whoever ended a job ran its end hooks then; only those that failed (a page write) come back here
+        for job_id in _store(runtime, "Sweep", lambda: _ended_due(runtime, now)):
+            _each(runtime, job_id, lambda job_id: _retry_ended(runtime, job_id, now))
+    except StoreUnavailable as e:  # the jobs whose dispatch this sweep already holds are still sent
+        logger.warning("Sweep stopped: %s", e)
+        return needing
+    try:
+        purge_consumed_messages(runtime)
+    except Exception as e:  # noqa: BLE001 - pruning the embedded broker is housekeeping; the dispatches matter
+        logger.warning("Sweep: could not prune the embedded broker (%s); next sweep tries again", e)
     return needing
 
 

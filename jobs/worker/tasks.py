@@ -5,7 +5,7 @@ import logging
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import worker_process_init
 
 from jobs.runtime import get_runtime
 from jobs.worker.batch_worker import JobWorker, retry_delay
@@ -22,12 +22,6 @@ def _init_worker_process(**_: Any) -> None:
 
     torch.set_num_threads(get_runtime().settings.worker_threads)
     get_runtime().engine.dispose(close=False)
-
-
-@worker_ready.connect
-def _sweep_on_start(sender: Any = None, **_: Any) -> None:
-    """A new worker looks for work a dead one left behind, without waiting for beat."""
-    get_runtime().celery.send_task(SWEEP)
 
 
 @shared_task(name=PROCESS_JOB, bind=True, max_retries=None)

@@ -16,10 +16,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs import liveness, store
-from jobs.models import Job, WorkerHeartbeat, utcnow
+from jobs.models import Job, RequestStatus, WorkerHeartbeat, utcnow
 from jobs.outputs import job_public
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
+from jobs.worker.batch_worker import JobWorker
 from jobs.worker.celery_app import SWEEP
 from jobs.worker.maintenance import SWEEP_SLOT, tick
 from jobs.worker.sweep import sweep_store
@@ -156,3 +157,17 @@ def test_a_submitted_job_gets_no_second_chain_from_a_sweep_while_its_own_tasks_c
     assert sweep_store(runtime) == []
     with runtime.session() as session:
         assert store.get_job(session=session, job_id=job.id).dispatch_after is not None
+
+
+def test_a_chain_that_claims_holds_its_job_so_sweeps_add_none_between_its_batches(runtime: Runtime) -> None:
+    # Given a job of two requests, and a chain that claimed one (batch size 1) and finished it
+    job_id = new_job(runtime, 2)
+    worker = JobWorker(runtime.__class__(runtime.settings.model_copy(update={"worker_batch_size": 1})))
+    claim = worker._claim(job_id, "token-1")
+    assert claim is not None and len(claim.requests) == 1
+    with runtime.session() as session:
+        store.finish_request(session=session, request_id=claim.requests[0].id, token="token-1",
+                             status=RequestStatus.completed, generated=[5], finish_reason="stop", output_text="x")
+        session.commit()
+    # When a sweep runs before the chain's next task claims the other request, then it sends no second chain
+    assert sweep_store(runtime) == []
