@@ -22,7 +22,7 @@ from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, ParsedBatch
 from jobs.models import DocumentSummary, Job, JobKind, SummaryRun
 from jobs.runtime import Runtime
 from jobs.store import create_job
-from jobs.submission import enqueue_job, runtime_context_length
+from jobs.submission import ENQUEUE_ERRORS, enqueue_job, runtime_context_length
 from jobs.summaries.documents import Document, collect_documents
 from jobs.summaries.mapreduce import PlannedRequest, Planner, SummaryShape
 from jobs.summaries.schedule_file import Schedule, ScheduleError, load_schedules
@@ -93,7 +93,11 @@ def fire(runtime: Runtime, schedule: Schedule, period: str) -> Firing:
     logger.info("Schedule %s fired for %s: job %s, %d documents to summarize, %d unchanged skipped",
                 schedule.name, period, job_id, len(fresh), len(skipped))
     if planned:
-        enqueue_job(runtime, job_id, tasks=math.ceil(len(planned) / runtime.settings.worker_batch_size))
+        try:
+            enqueue_job(runtime, job_id, tasks=math.ceil(len(planned) / runtime.settings.worker_batch_size))
+        except ENQUEUE_ERRORS as e:  # the job is stored, with no dispatch hold: the workers' next sweep sends it
+            logger.warning("Schedule %s: job %s is stored but its work could not be enqueued (%s); the workers' next "
+                           "sweep dispatches it", schedule.name, job_id, " ".join(str(e).split()) or type(e).__name__)
     return Firing(schedule.name, period, job_id, len(fresh), len(skipped))
 
 

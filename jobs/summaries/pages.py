@@ -55,6 +55,8 @@ def write_pages_once(*, session: Session, job: Job, now: datetime) -> bool:
     run = _locked_run(session, job)
     if run is None or run.pages_written_at is not None or run.pages_attempts >= MAX_PAGE_ATTEMPTS:
         return False
+    if run.pages_retry_at is not None and run.pages_retry_at > now:  # an overlapping sweep just tried: not due
+        return False
     run.pages_attempts += 1
     session.flush()  # the attempt counts whatever happens; and on SQLite the savepoint below is then not outermost
     try:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from jobs_support import job_status, requests_of
+from ports import free_port
 from sqlalchemy import select, update
 from tiers import process_fixture
 
@@ -258,3 +259,36 @@ def test_a_worker_whose_output_folder_fails_still_commits_its_completions(
     with runtime.session() as session:
         error = session.scalar(select(SummaryRun.pages_error).where(SummaryRun.job_id == firing.job_id))
     assert str(tmp_path / "out") in (error or "")
+
+
+def test_overlapping_sweeps_retry_a_failed_page_write_once_per_backoff(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
+    # Given a finished night whose folder failed once, and whose retry is due now
+    (schedule,) = load_schedules(schedules_file(tmp_path, tiny_model, {"night": broken_folder(tmp_path / "out")}))
+    runtime = make_runtime(broker_url="memory://")
+    firing = fire_now(runtime, schedule)
+    assert firing.job_id is not None
+    finish_all(runtime, firing.job_id)
+    sweep_store(runtime)
+    with runtime.session() as session:
+        session.execute(update(SummaryRun).values(pages_retry_at=utcnow()))
+        session.commit()
+    # When two sweeps reach it back to back (the second after the first recorded its failed retry)
+    for _ in range(2):
+        with runtime.session() as session:
+            runtime.lifecycle.retry_ended(session, firing.job_id)
+            session.commit()
+    # Then only the first tried again: the second found the next try not yet due
+    with runtime.session() as session:
+        assert session.scalar(select(SummaryRun.pages_attempts)) == 2
+
+
+def test_a_night_whose_enqueue_fails_is_stored_and_dispatched_by_the_next_sweep(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
+    # Given a broker that does not answer
+    (schedule,) = load_schedules(schedules_file(tmp_path, tiny_model, {"night": tmp_path / "out"}))
+    runtime = make_runtime(broker_url=f"redis://127.0.0.1:{free_port()}/0")
+    # When the night fires, then it returns its job (no error), and the workers' next sweep dispatches it
+    firing = fire_now(runtime, schedule)
+    assert firing.job_id is not None and job_status(runtime, firing.job_id) == "queued"
+    assert sweep_store(runtime) == [firing.job_id]
