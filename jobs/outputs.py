@@ -9,10 +9,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs import liveness
-from jobs.models import Job, JobKind, JobStatus, Request, RequestStatus
+from jobs.batch_input import CHAT_URL
+from jobs.models import Job, JobKind, Request, RequestStatus
 from jobs.store import JobCounts, job_counts
 
-CHAT_URL = "/v1/chat/completions"
 OUTPUT_STATUSES = (RequestStatus.completed, RequestStatus.cancelled, RequestStatus.expired)
 
 
@@ -69,8 +69,7 @@ def unix(value: Any) -> int | None:
 
 def blocked_reason(*, session: Session, job: Job, counts: JobCounts) -> str | None:
     """What keeps the job from moving: no live worker for waiting work, else what the workers recorded."""
-    waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and not counts.in_progress
-    if waiting and liveness.live_workers(session=session) == 0:
+    if counts.waiting_for_a_worker(job) and liveness.live_workers(session=session) == 0:
         seen = liveness.last_heartbeat(session=session)
         since = f"the last one was seen {seen:%Y-%m-%d %H:%M:%S} UTC" if seen else "none has run"
         return f"no worker is running ({since}); start one with 'swarmbatch worker'"

@@ -108,6 +108,10 @@ class JobCounts:
     in_progress: int
     tokens: int
 
+    def waiting_for_a_worker(self, job: Job) -> bool:
+        """Whether the live job has pending work that no worker holds."""
+        return job.status in (JobStatus.queued, JobStatus.in_progress) and bool(self.pending) and not self.in_progress
+
 
 def job_counts(*, session: Session, job_id: str) -> JobCounts:
     """Counts by request status, and generated tokens so far."""
@@ -160,8 +164,13 @@ def hold_dispatch(*, session: Session, job: Job, seconds: float, now: datetime |
 
 
 def refresh_dispatch_hold(*, session: Session, job: Job, seconds: float) -> None:
-    """A chain that claims work is alive: no sweep dispatches another for `seconds` (it re-enqueues itself)."""
+    """A chain of the job is alive (enqueued, claiming, or blocked and retrying): no sweep sends another for `seconds`."""
     job.dispatch_after = utcnow() + timedelta(seconds=seconds)
+
+
+def release_dispatch_hold(*, session: Session, job_id: str) -> None:
+    """No chain of the job is alive (its enqueue failed): the next sweep dispatches it at once."""
+    session.execute(update(Job).where(Job.id == job_id).values(dispatch_after=None))
 
 
 # ---- claims and checkpoints ----------------------------------------------------------------------------------

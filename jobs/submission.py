@@ -14,16 +14,16 @@ import logging
 import math
 import re
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from kombu.exceptions import KombuError
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from jobs import store
 from jobs.batch_input import BatchFileRejected, InputLimits, ParsedBatch, parse_batch_file
 from jobs.errors import IdempotencyConflict, InvalidJob
-from jobs.models import Job, utcnow
+from jobs.models import Job
 from jobs.runtime import Runtime
 from jobs.store import create_job
 from jobs.worker.celery_app import PROCESS_JOB
@@ -126,7 +126,7 @@ def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = 
                              input_filename=filename, metadata=metadata, idempotency_key=idempotency_key)
             job.idempotency_fingerprint = fingerprint
             # the tasks enqueued below are the job's chains: no sweep adds one while they claim (see hold_dispatch)
-            job.dispatch_after = utcnow() + timedelta(seconds=runtime.settings.lease_seconds)
+            store.refresh_dispatch_hold(session=session, job=job, seconds=runtime.settings.lease_seconds)
             session.commit()
         except IntegrityError:
             session.rollback()
@@ -160,7 +160,7 @@ def _enqueue_committed(runtime: Runtime, job: Job, parsed: ParsedBatch, *, raise
         enqueue_job(runtime, job.id, tasks=math.ceil(len(parsed.requests) / runtime.settings.worker_batch_size))
     except ENQUEUE_ERRORS as e:
         with runtime.session() as session:  # no chain was sent: the next sweep must dispatch the job at once
-            session.execute(update(Job).where(Job.id == job.id).values(dispatch_after=None))
+            store.release_dispatch_hold(session=session, job_id=job.id)
             session.commit()
         if raise_errors:
             raise

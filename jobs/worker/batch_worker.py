@@ -11,7 +11,6 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import select
@@ -276,7 +275,8 @@ class JobWorker:
                 assert row is not None
                 row.blocked_reason = reason
                 # this task's retry chain comes back within MAX_RETRY_DELAY: sweeps add no other chain until then
-                row.dispatch_after = utcnow() + timedelta(seconds=MAX_RETRY_DELAY + self.settings.lease_seconds)
+                store.refresh_dispatch_hold(session=session, job=row,
+                                            seconds=MAX_RETRY_DELAY + self.settings.lease_seconds)
                 session.commit()
         self._store(f"Job {job.id}: release", unit)
         logger.warning("Job %s blocked: %s", job.id, reason)

@@ -12,7 +12,7 @@ from sqlalchemy import text
 from jobs import store
 from jobs.db import retry_store
 from jobs.errors import StoreUnavailable
-from jobs.models import Job, JobStatus, utcnow
+from jobs.models import Job, utcnow
 from jobs.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -82,9 +82,8 @@ def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> bool:
             return False
         runtime.lifecycle.settle(session, job, now=now)
         counts = store.job_counts(session=session, job_id=job_id)
-        waiting = job.status in (JobStatus.queued, JobStatus.in_progress) and counts.pending and not counts.in_progress
         # the hold covers the time the task takes to claim; a lost message is sent again after it
-        dispatch = bool(waiting) and store.hold_dispatch(session=session, job=job,
+        dispatch = counts.waiting_for_a_worker(job) and store.hold_dispatch(session=session, job=job,
                                                          seconds=runtime.settings.lease_seconds, now=now)
         session.commit()
         return dispatch
