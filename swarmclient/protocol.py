@@ -41,6 +41,7 @@ class ErrorCode(str, Enum):
     INVALID = "invalid_request"      # malformed: a client bug, never retried
     CACHE_FULL = "cache_full"        # no room for the session now: route around this server
     BUSY = "busy"                    # too many sessions: route around
+    UNAUTHORIZED = "unauthorized"    # the caller is not a member of this server's swarm: route around
     UNKNOWN_SESSION = "unknown_session"  # a step for a session this stream did not open
     INTERNAL = "internal"            # the server failed: route around
 
