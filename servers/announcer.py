@@ -9,7 +9,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from servers.status import ServerStatus
-from swarmclient.data_structures import block_uid
+from swarmclient.data_structures import MAX_RECORD_TTL, block_uid
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +19,14 @@ class Announcer:
 
     def __init__(self, node: DHTNode, *, status: Callable[[], ServerStatus], update_period: float) -> None:
         self.node, self.status, self.update_period = node, status, update_period
+        if self.expiration > MAX_RECORD_TTL:
+            raise ValueError(f"records of a {update_period:g} s period would live {self.expiration:g} s; "
+                             f"peers refuse more than {MAX_RECORD_TTL:g} s")
         self._task: asyncio.Task[None] | None = None
 
     @property
     def expiration(self) -> float:
-        """Records live two periods, so one lost refresh does not make the server vanish."""
+        """Records live two periods, so one lost refresh does not make the server vanish (at most MAX_RECORD_TTL)."""
         return max(2 * self.update_period, 10.0)
 
     async def announce(self) -> bool:

@@ -24,7 +24,7 @@ from servers.stats import ServerStats
 from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
 from servers.validation import Limits
-from swarmclient.data_structures import PROTOCOL_VERSION, ServerState
+from swarmclient.data_structures import ANNOUNCE_PERIOD_LIMIT, PROTOCOL_VERSION, ServerState
 from swarmclient.discovery import get_remote_module_infos
 from swarmclient.model_spec import ModelSpec
 from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
@@ -59,6 +59,10 @@ class ServerConfig:
             raise ServerConfigError("pass exactly one of --blocks A:B and --num-blocks N")
         if self.attn_cache_tokens < 1 or self.max_batch_size < 1 or self.announce_period <= 0:
             raise ServerConfigError("--attn-cache-tokens, --max-batch-size and --announce-period must be positive")
+        if self.announce_period > ANNOUNCE_PERIOD_LIMIT:
+            raise ServerConfigError(f"--announce-period {self.announce_period:g} is above the swarm's limit of "
+                                    f"{ANNOUNCE_PERIOD_LIMIT:g} s (peers refuse records living longer than two "
+                                    f"periods); pass {ANNOUNCE_PERIOD_LIMIT:g} or less")
         if self.batch_wait_ms < 0:
             raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
 

@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 PROTOCOL_VERSION = "swarmbatch/2"  # /2: raw-frame inference streams (swarmclient/protocol.py)
 
+# How long a DHT record may live, swarm-wide. A server re-announces every period (at most ANNOUNCE_PERIOD_LIMIT)
+# and its records expire after two; every node refuses a record expiring later than MAX_RECORD_TTL from its own
+# clock (swarmclient/records.py), so a record can never outlive its writer by much. The slack absorbs clock skew.
+ANNOUNCE_PERIOD_LIMIT = 30.0
+RECORD_TTL_SLACK = 10.0
+MAX_RECORD_TTL = 2 * ANNOUNCE_PERIOD_LIMIT + RECORD_TTL_SLACK
+
 
 class ServerState(str, Enum):
     """Lifecycle of a block server as seen on the DHT."""

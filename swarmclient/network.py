@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import tempfile
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import uvloop
@@ -19,6 +22,8 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
 from swarmclient.errors import DHTUnreachable
+from swarmclient.identity import Identity
+from swarmclient.records import GuardedDHTNode, SignedRecordValidator, reader_validator
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -30,7 +35,7 @@ class NetworkOptions:
 
     host: str = "127.0.0.1"          # listen address; 0.0.0.0 to accept peers from other machines
     port: int = 0                    # 0 = any free port
-    identity_path: str | None = None  # a private key file: keeps the peer id across restarts
+    identity_path: str | None = None  # a private key file: keeps the peer id across restarts (created if missing)
     announce_host: str | None = None  # the address other machines should dial, if not `host`
 
     def p2p_kwargs(self) -> dict[str, Any]:
@@ -48,23 +53,59 @@ class NetworkOptions:
 async def start_dht_node(
     initial_peers: Sequence[str], options: NetworkOptions, *, client_mode: bool
 ) -> tuple[P2P, DHTNode]:
-    """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers."""
+    """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers.
+
+    Every node is a GuardedDHTNode checking records with a SignedRecordValidator (swarmclient/records.py). A full
+    node (server, bootstrap) also signs its own records, with the key its libp2p peer id is made of:
+    `options.identity_path`, or an ephemeral key (`node_key`). A client-mode node stores nothing for others; it
+    only checks what it reads.
+    """
+    if client_mode:
+        p2p = await _start_p2p(initial_peers, options.p2p_kwargs())
+        validator = reader_validator()
+    else:
+        with node_key(options.identity_path) as (identity, existed):
+            # a key created just now cannot be in use: skip hivemind's check, which dials the swarm first
+            p2p = await _start_p2p(initial_peers, {**options.p2p_kwargs(), "identity_path": str(identity.path),
+                                                   "check_if_identity_free": existed})
+        validator = SignedRecordValidator(identity)
+        if p2p.peer_id.to_base58() != identity.peer_id:
+            await p2p.shutdown()
+            raise RuntimeError(f"p2pd runs as {p2p.peer_id} but records would be signed as {identity.peer_id}")
     try:
-        with _children_ignore_sigint():
-            p2p = await P2P.create(initial_peers=list(initial_peers), **options.p2p_kwargs())
-    except P2PDaemonError as e:
-        raise DHTUnreachable(f"cannot start P2P or reach {list(initial_peers)}: {e}. "
-                             "Check that 'swarmbatch dht' runs and the multiaddr is right") from e
-    try:
-        node = await DHTNode.create(
+        node = await GuardedDHTNode.create(
             p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
-            ensure_bootstrap_success=bool(initial_peers), wait_timeout=3,
+            ensure_bootstrap_success=bool(initial_peers), wait_timeout=3, record_validator=validator,
         )
     except Exception as e:  # hivemind raises RuntimeError/P2P errors when bootstrap fails
         await p2p.shutdown()
         raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
                              "Start 'swarmbatch dht' or fix --initial-peers") from e
     return p2p, node
+
+
+async def _start_p2p(initial_peers: Sequence[str], p2p_kwargs: dict[str, Any]) -> P2P:
+    try:
+        with _children_ignore_sigint():
+            return await P2P.create(initial_peers=list(initial_peers), **p2p_kwargs)
+    except P2PDaemonError as e:
+        raise DHTUnreachable(f"cannot start P2P or reach {list(initial_peers)}: {e}. "
+                             "Check that 'swarmbatch dht' runs and the multiaddr is right") from e
+
+
+@contextlib.contextmanager
+def node_key(identity_path: str | None) -> Iterator[tuple[Identity, bool]]:
+    """The key a full node runs p2pd with and signs its records with, and whether its file existed before.
+
+    With `identity_path`, that key file (created if missing). Without, an ephemeral key in a private temporary
+    directory (mode 0700, the file 0400), deleted when the block exits: p2pd reads it once, at start-up.
+    """
+    if identity_path is not None:
+        existed = os.path.isfile(identity_path)
+        yield Identity.load_or_create(identity_path), existed
+        return
+    with tempfile.TemporaryDirectory(prefix="swarmbatch-key-") as directory:
+        yield Identity.create(Path(directory) / "identity.key"), False
 
 
 async def stop_dht_node(p2p: P2P, node: DHTNode, timeout: float = 5.0) -> None:

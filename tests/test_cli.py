@@ -93,6 +93,20 @@ def test_serve_rejects_a_malformed_block_range(tiny_model: Path) -> None:
     assert code == ExitCode.USAGE and "START:END" in err
 
 
+def test_serve_refuses_an_announce_period_above_the_swarm_limit(tiny_model: Path) -> None:
+    code, _, err = invoke("serve", str(tiny_model), "--blocks", "0:3", "--announce-period", "31",
+                          "--initial-peers", DEAD_PEER)
+    assert code == ExitCode.USAGE and len(err.strip().splitlines()) == 1
+    assert err.startswith("Error: ServerConfigError: --announce-period 31 is above the swarm's limit of 30 s")
+
+
+def test_a_node_with_a_key_file_that_is_not_a_key_exits_2_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "junk.key").write_bytes(b"not a key")
+    code, _, err = invoke("dht", "--identity", str(tmp_path / "junk.key"))
+    assert code == ExitCode.USAGE and len(err.strip().splitlines()) == 1
+    assert err.startswith("Error: IdentityError: ") and "junk.key is not a swarmbatch/libp2p key file" in err
+
+
 def test_serve_needs_exactly_one_span_option(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
     code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *shared_swarm.initial_peers)
     assert code == ExitCode.USAGE and "--blocks" in err and "--num-blocks" in err
