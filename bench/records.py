@@ -2,8 +2,9 @@
 
 Starts a `swarmbatch dht` process on 127.0.0.1, then, in this process, full DHT nodes (as a server joins) and one
 client node. It times, as medians over `--reps`:
-  * start-up of a full node: `start_dht_node` without a key file, and with an existing `--identity` key file
-    (hivemind then dials the swarm to check that no peer already uses the key);
+  * start-up of a full node, interleaved: plain hivemind (p2pd makes up its key, as start_dht_node did before),
+    `start_dht_node` without a key file, and with an existing `--identity` key file (hivemind then dials the
+    swarm to check that no peer already uses the key);
   * one announcement of a 30-block server: `store_many` of 30 block keys with a ServerInfo under its peer id,
     as `Announcer.announce` does;
   * one client read of those 30 keys (`get_remote_module_infos`);
@@ -21,8 +22,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
@@ -50,13 +53,27 @@ def _quantile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def time_startup(peers: list[str], options: NetworkOptions, reps: int) -> list[float]:
-    samples = []
+async def plain_hivemind_node(peers: list[str]) -> tuple[P2P, DHTNode]:
+    """A full node as start_dht_node made it before records were signed: p2pd makes up its own key."""
+    p2p = await P2P.create(initial_peers=peers, **NetworkOptions().p2p_kwargs())
+    return p2p, await DHTNode.create(p2p=p2p, initial_peers=peers, wait_timeout=3)
+
+
+async def time_startups(peers: list[str], key: Path, reps: int) -> dict[str, list[float]]:
+    """Start-up times of full nodes, the kinds interleaved so that the machine's load drifts evenly over them."""
+    kinds: dict[str, Callable[[], Awaitable[tuple[P2P, DHTNode]]]] = {
+        "plain hivemind (p2pd's own key)": lambda: plain_hivemind_node(peers),
+        "start_dht_node, no --identity": lambda: start_dht_node(peers, NetworkOptions(), client_mode=False),
+        "start_dht_node, existing key file": lambda: start_dht_node(
+            peers, NetworkOptions(identity_path=str(key)), client_mode=False),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in kinds}
     for _ in range(reps):
-        began = time.perf_counter()
-        p2p, node = await start_dht_node(peers, options, client_mode=False)
-        samples.append(time.perf_counter() - began)
-        await stop_dht_node(p2p, node)
+        for name, start in kinds.items():
+            began = time.perf_counter()
+            p2p, node = await start()
+            samples[name].append(time.perf_counter() - began)
+            await stop_dht_node(p2p, node)
     return samples
 
 
@@ -82,7 +99,7 @@ async def time_announce_and_read(peers: list[str], blocks: int, reps: int) -> tu
     return stores, reads
 
 
-def micro(reps: int = 2000) -> None:
+def micro(reps: int = 200) -> None:
     try:
         from hivemind.dht.validation import DHTRecord
         from hivemind.utils import MSGPackSerializer
@@ -95,19 +112,18 @@ def micro(reps: int = 2000) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         identity = Identity.create(Path(tmp) / "k.key")
     signer, reader = SignedRecordValidator(identity), SignedRecordValidator()
-    record = DHTRecord(b"k" * 20, MSGPackSerializer.dumps(identity.peer_id), MSGPackSerializer.dumps(info(30).to_wire()),
-                       get_dht_time() + 30)
+    value, subkey = MSGPackSerializer.dumps(info(30).to_wire()), MSGPackSerializer.dumps(identity.peer_id)
+    records = [DHTRecord(i.to_bytes(20, "big"), subkey, value, get_dht_time() + 30) for i in range(reps)]
     began = time.perf_counter()
-    for _ in range(reps // 10):
-        signed = signer.sign_value(record)
-    sign_us = 1e6 * (time.perf_counter() - began) / (reps // 10)
-    signed_record = DHTRecord(record.key, record.subkey, signed, record.expiration_time)
-    began = time.perf_counter()
-    for _ in range(reps):
-        assert reader.validate(signed_record)
-    validate_us = 1e6 * (time.perf_counter() - began) / reps
-    print(f"sign_value: {sign_us:.0f} µs/record; validate: {validate_us:.0f} µs/record "
-          f"(record {len(record.value)} B, signed {len(signed)} B)")
+    signed = [DHTRecord(r.key, r.subkey, signer.sign_value(r), r.expiration_time) for r in records]
+    sign_us = 1e6 * (time.perf_counter() - began) / reps
+    timings = []
+    for _ in range(2):  # first: every record verified; then: each found in the cache of verified records
+        began = time.perf_counter()
+        assert all(reader.validate(r) for r in signed)
+        timings.append(1e6 * (time.perf_counter() - began) / reps)
+    print(f"sign_value: {sign_us:.0f} µs/record; validate: {timings[0]:.0f} µs/record first seen, "
+          f"{timings[1]:.1f} µs/record seen again (record {len(value)} B, signed {len(signed[0].value)} B)")
 
 
 async def main(reps: int, blocks: int) -> None:
@@ -117,10 +133,8 @@ async def main(reps: int, blocks: int) -> None:
             peers = [dht.wait_for_line("/ip4/", timeout=60)]
             key = Path(tmp) / "server.key"
             P2P.generate_identity(str(key))
-            plain = await time_startup(peers, NetworkOptions(), reps)
-            print(f"full node start-up, no key file:       {median_ms(plain)}")
-            keyed = await time_startup(peers, NetworkOptions(identity_path=str(key)), reps)
-            print(f"full node start-up, existing key file: {median_ms(keyed)}")
+            for name, samples in (await time_startups(peers, key, reps)).items():
+                print(f"full node start-up, {name}: {median_ms(samples)}")
             stores, reads = await time_announce_and_read(peers, blocks, reps)
             print(f"announce {blocks} blocks (store_many): {median_ms(stores)}")
             print(f"client read of {blocks} blocks:         {median_ms(reads)}")

@@ -22,7 +22,7 @@ class ExitCode(IntEnum):
 
     OK = 0  # the command did what it was asked
     JOB_FAILED = 1  # `submit --wait`: the job ended other than completed (or another job error reached the top)
-    USAGE = 2  # fix the command: bad flags (click's own code), an unusable model dir, an unknown job, key or revision
+    USAGE = 2  # fix the command: bad flags (click's own code), an unusable model dir or key file, an unknown job, key or revision
     STORE_UNREACHABLE = 3  # the database or the broker (Redis) does not answer, or is not migrated: start it
     SWARM_UNAVAILABLE = 4  # the DHT is unreachable, blocks are missing or servers fail: start or check the swarm
 

@@ -25,6 +25,7 @@ answer's expiration time is the latest of its records' (one claiming "never" wou
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -71,6 +72,24 @@ def subkey_peer_id(subkey: bytes) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
+@functools.lru_cache(maxsize=4096)
+def owner_signature_refusal(record: DHTRecord, peer_id: str) -> str | None:
+    """Why the record is not signed by `peer_id`'s key, or None when it is.
+
+    Cached: the answer depends on the record's bytes only, and a reader gets the same records from every node that
+    stores them (and again at every read), so each is verified once.
+    """
+    envelope = open_envelope(record.value)
+    if envelope is None:
+        return f"unsigned record under {peer_id}"
+    value, public_key, signature = envelope
+    if peer_id_of_public_key(public_key) != peer_id:
+        return f"record under {peer_id} signed by another key"
+    if not verify(public_key, record_payload(record, value), signature):
+        return f"bad signature under {peer_id}"
+    return None
+
+
 class SignedRecordValidator(RecordValidatorBase):
     """Signs this node's own records (subkey = its peer id) and refuses every record its subkey's owner did not sign.
 
@@ -103,15 +122,7 @@ class SignedRecordValidator(RecordValidatorBase):
             return "no peer id subkey"
         if record.expiration_time > get_dht_time() + self.max_ttl:
             return f"expires {record.expiration_time - get_dht_time():.0f} s from now (limit {self.max_ttl:.0f} s)"
-        envelope = open_envelope(record.value)
-        if envelope is None:
-            return f"unsigned record under {peer_id}"
-        value, public_key, signature = envelope
-        if peer_id_of_public_key(public_key) != peer_id:
-            return f"record under {peer_id} signed by another key"
-        if not verify(public_key, record_payload(record, value), signature):
-            return f"bad signature under {peer_id}"
-        return None
+        return owner_signature_refusal(record, peer_id)
 
     def strip_value(self, record: DHTRecord) -> bytes:
         """The value inside the envelope (called only on records that passed `validate`)."""

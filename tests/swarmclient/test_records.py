@@ -13,7 +13,14 @@ from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
 from swarmclient.data_structures import ANNOUNCE_PERIOD_LIMIT, MAX_RECORD_TTL, RECORD_TTL_SLACK
 from swarmclient.identity import Identity
-from swarmclient.records import NoCache, SignedRecordValidator, expiring_when_its_records_do, reader_validator, record_payload
+from swarmclient.records import (
+    NoCache,
+    SignedRecordValidator,
+    expiring_when_its_records_do,
+    owner_signature_refusal,
+    reader_validator,
+    record_payload,
+)
 
 KEY = b"\x01" * 20  # a DHTID's bytes; the validator treats keys as opaque
 VALUE = MSGPackSerializer.dumps({"state": "online", "start": 0, "end": 3})
@@ -132,3 +139,12 @@ def test_the_cache_keeps_nothing() -> None:
     assert not cache.store(key, b"v", get_dht_time() + 30)
     assert not cache.store_subkey(key, "peer", b"v", get_dht_time() + 30)
     assert cache.get(key) is None and key not in cache
+
+
+def test_a_record_is_verified_once_however_often_it_is_read(keys: tuple[Identity, Identity]) -> None:
+    server, _ = keys
+    mine = signed(SignedRecordValidator(server), record(server.peer_id))
+    before = owner_signature_refusal.cache_info()
+    assert all(SignedRecordValidator().validate(mine) for _ in range(5))
+    after = owner_signature_refusal.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 4)
