@@ -18,7 +18,8 @@ import uvloop
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
-from swarmclient.errors import DHTUnreachable
+from swarmclient.addresses import AddressPlan, host_maddr, listen_ip
+from swarmclient.errors import DHTUnreachable, NetworkConfigError
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -26,22 +27,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NetworkOptions:
-    """Where a P2P node listens and how it identifies itself."""
+    """Where a P2P node listens and how it identifies itself (what it announces: `swarmclient.addresses`)."""
 
-    host: str = "127.0.0.1"          # listen address; 0.0.0.0 to accept peers from other machines
+    host: str = "127.0.0.1"          # listen address (an IP); 0.0.0.0 or :: to accept peers from other machines
     port: int = 0                    # 0 = any free port
     identity_path: str | None = None  # a private key file: keeps the peer id across restarts
-    announce_host: str | None = None  # the address other machines should dial, if not `host`
+    announce_host: str | None = None  # the address (IPv4, IPv6 or DNS name) other machines dial, if not `host`
 
-    def p2p_kwargs(self) -> dict[str, Any]:
+    def __post_init__(self) -> None:
+        """Refuse addresses that cannot work before anything starts (NetworkConfigError)."""
+        listen_ip(self.host)
+        if self.announce_host:
+            host_maddr(self.announce_host, 1)
+        if not 0 <= self.port <= 65535:
+            raise NetworkConfigError(f"--port {self.port} is not a TCP port (1-65535, or 0 for any free port)")
+
+    def plan(self) -> AddressPlan:
+        """The listen and announce multiaddrs; reads the interfaces, and picks a free port if an announcement needs one."""
+        return AddressPlan.make(self.host, self.port, self.announce_host or None)
+
+    def p2p_kwargs(self, plan: AddressPlan | None = None) -> dict[str, Any]:
         """Keyword arguments for `P2P.create`. NAT port mapping, AutoNAT and relays stay off: no LAN probing."""
+        plan = plan or self.plan()
         kwargs: dict[str, Any] = dict(
-            host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
+            host_maddrs=plan.listen,
             nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
             identity_path=self.identity_path,
         )
-        if self.announce_host:
-            kwargs["announce_maddrs"] = [f"/ip4/{self.announce_host}/tcp/{self.port}"]
+        if plan.announce is not None:
+            kwargs["announce_maddrs"] = plan.announce
         return kwargs
 
 
@@ -49,12 +63,17 @@ async def start_dht_node(
     initial_peers: Sequence[str], options: NetworkOptions, *, client_mode: bool
 ) -> tuple[P2P, DHTNode]:
     """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers."""
+    plan = options.plan()
+    for level, note in plan.notes(options.host):
+        logger.log(level, "%s", note)
     try:
         with _children_ignore_sigint():
-            p2p = await P2P.create(initial_peers=list(initial_peers), **options.p2p_kwargs())
+            p2p = await P2P.create(initial_peers=list(initial_peers), **options.p2p_kwargs(plan))
     except P2PDaemonError as e:
         raise DHTUnreachable(f"cannot start P2P or reach {list(initial_peers)}: {e}. "
                              "Check that 'swarmbatch dht' runs and the multiaddr is right") from e
+    if not client_mode:
+        logger.info("Listening on %s; announcing %s", " ".join(plan.listen), " ".join(await visible_maddrs(p2p)))
     try:
         node = await DHTNode.create(
             p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
