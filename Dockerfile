@@ -22,7 +22,15 @@ COPY modelprep ./modelprep
 COPY migrations ./migrations
 COPY launch ./launch
 COPY samples ./samples
-RUN pip install . && mkdir -p /data/models /dht
+RUN pip install .
+
+# Every process runs as this unprivileged user. The mount points of the named volumes exist here and belong to it,
+# so Docker creates each new volume owned by it: /data (swarmbatch-home), /data/models (models), /dht
+# (dht-address) and /keys (the DHT node's or a server's own key volume). /schedules is a bind mount: the host folder
+# must be writable by uid 10001.
+RUN useradd --system --uid 10001 --user-group --home-dir /data --no-create-home --shell /usr/sbin/nologin swarmbatch
+RUN mkdir -p /data/models /dht /keys /schedules && chown swarmbatch:swarmbatch /data /data/models /dht /keys /schedules
+USER swarmbatch:swarmbatch
 
 ENTRYPOINT ["swarmbatch"]
 CMD ["--help"]

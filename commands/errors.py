@@ -39,6 +39,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "jobs.errors.JobsError": ExitCode.JOB_FAILED,
     "swarmclient.errors.ModelDirError": ExitCode.USAGE,
     "swarmclient.errors.InvalidRequest": ExitCode.USAGE,
+    "swarmclient.errors.NetworkConfigError": ExitCode.USAGE,
     "swarmclient.errors.SwarmError": ExitCode.SWARM_UNAVAILABLE,
     "servers.errors.ServerConfigError": ExitCode.USAGE,
     "swarmclient.identity.IdentityError": ExitCode.USAGE,  # a --identity file that is not a key

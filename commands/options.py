@@ -7,6 +7,16 @@ import typer
 
 PeersOption = Annotated[list[str], typer.Option("--initial-peers", envvar="SWARMBATCH_INITIAL_PEERS",
                                                 help="DHT multiaddrs to join (from 'swarmbatch dht').")]
+# where a DHT node or block server listens and what it announces (swarmclient.addresses)
+HostOption = Annotated[str, typer.Option(
+    "--host", envvar="SWARMBATCH_HOST",
+    help="Listen address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every IPv4 / IPv6 interface; their addresses "
+         "are announced, loopback excluded), ::1.")]
+PortOption = Annotated[int, typer.Option("--port", envvar="SWARMBATCH_PORT", min=0, max=65535,
+                                         help="TCP port; 0 = any free port.")]
+AnnounceHostOption = Annotated[str | None, typer.Option(
+    "--announce-host", envvar="SWARMBATCH_ANNOUNCE_HOST",
+    help="The address other machines dial, announced instead of --host's: an IPv4 or IPv6 address or a DNS name.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logs and tracebacks.")]
 VERBOSE = "verbose"  # the root callback's parameter name for VerboseOption

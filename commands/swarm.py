@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from commands.options import JsonOption, PeersOption
+from commands.options import AnnounceHostOption, HostOption, JsonOption, PeersOption, PortOption
 from commands.ready import serving_line
 
 app = typer.Typer()  # top-level verbs: dht, serve, generate, demo
@@ -30,7 +30,7 @@ def network_options(host: str, port: int, identity: Path | None, announce_host: 
     from swarmclient.network import NetworkOptions
 
     return NetworkOptions(host=host, port=port, identity_path=str(identity) if identity else None,
-                          announce_host=announce_host)
+                          announce_host=announce_host or None)
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -56,10 +56,9 @@ def model_tiny(out: Annotated[Path, typer.Argument(help="Directory to write.")],
 
 # ---- swarm processes ------------------------------------------------------------------------------------------
 @app.command("dht")
-def dht(host: Annotated[str, typer.Option(help="Listen address (0.0.0.0 for other machines).")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="TCP port; 0 = any free port.")] = 0,
+def dht(host: HostOption = "127.0.0.1", port: PortOption = 0,
         identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id across restarts.")] = None,
-        announce_host: Annotated[str | None, typer.Option(help="Address other machines dial.")] = None,
+        announce_host: AnnounceHostOption = None,
         initial_peers: PeersOption = []) -> None:  # noqa: B006 - typer reads the default; nothing mutates it
     """Run a DHT bootstrap node; prints its full multiaddr on one stdout line when ready."""
     from servers.bootstrap import run_bootstrap_node
@@ -89,9 +88,7 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
           initial_peers: PeersOption,
           blocks: Annotated[str | None, typer.Option(help="Serve blocks START:END.")] = None,
           num_blocks: Annotated[int | None, typer.Option(min=1, help="Serve N blocks where coverage is weakest.")] = None,
-          host: Annotated[str, typer.Option(help="Listen address.")] = "127.0.0.1",
-          port: Annotated[int, typer.Option(help="TCP port; 0 = any free port.")] = 0,
-          announce_host: Annotated[str | None, typer.Option(help="Address other machines dial.")] = None,
+          host: HostOption = "127.0.0.1", port: PortOption = 0, announce_host: AnnounceHostOption = None,
           identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id.")] = None,
           dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
           quant: Annotated[str, typer.Option(help="none, int8 or nf4 (bitsandbytes).")] = "none",
@@ -120,9 +117,10 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
         dtype_choice, quant_choice = DType(dtype), Quant(quant)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--dtype/--quant") from None
+    network = network_options(host, port, identity, announce_host)  # a bad address fails before the model loads
     config = ServerConfig(
         model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
-        num_blocks=num_blocks, network=network_options(host, port, identity, announce_host), dtype=dtype_choice,
+        num_blocks=num_blocks, network=network, dtype=dtype_choice,
         quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
         announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
         batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens,

@@ -1,6 +1,7 @@
 """Measuring a span's decode speed at start-up, so clients can route by estimated time."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -21,4 +22,15 @@ def measure_throughput(span: BlockSpan, *, steps: int = 4, context: int = 32) ->
         mask = torch.ones(1, context + step + 1, dtype=torch.long)
         span(torch.zeros(1, 1, hidden_size), mask, torch.tensor([[context + step]]), caches)
     seconds = (time.perf_counter() - began) / steps
-    return (span.end - span.start) / max(seconds, 1e-6)
+    return (span.end - span.start) / max(seconds, 1e-6) * overstatement()
+
+
+# TEST ONLY: a server that lies about its speed. Its record and its `info` answer then overstate its throughput by
+# this factor, so tests can check that clients route by what they measure (README "How the swarm works").
+# Never set it in a deployment.
+TEST_OVERSTATE_ENV = "SWARMBATCH_TEST_OVERSTATE_THROUGHPUT"
+
+
+def overstatement() -> float:
+    """The factor of TEST_OVERSTATE_ENV (1 when unset)."""
+    return float(os.environ.get(TEST_OVERSTATE_ENV) or 1.0)

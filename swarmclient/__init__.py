@@ -5,10 +5,12 @@ Modules, from the wire up:
     protocol         RPC names, the one frame codec (tensors + msgpack metadata), stream framing, error codes
     model_spec       a local model directory: config, family classes, weight files, revision, model id
     identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
+    addresses        what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
+                     for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
     records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
     network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
-    routing          pure functions: spans, round trips and bans -> a chain of hops
+    routing          pure functions: spans, round trips, trusted throughputs, free cache and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
     swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes)
     session          ServerSession (one stream), InferenceSession (a chain that fails over by replaying its StepRecords)

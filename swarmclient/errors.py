@@ -2,6 +2,7 @@
 
     SwarmError                      root: anything that went wrong talking to the swarm
     ├── ModelDirError               the local model directory is unusable (not retryable: fix the path)
+    ├── NetworkConfigError          a listen or announce address that cannot work (fix --host / --announce-host)
     ├── DHTUnreachable              no initial peer answered (retry after starting `swarmbatch dht`)
     ├── MissingBlocksError          no online server holds some blocks (retry later, or start a server)
     ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
@@ -17,6 +18,10 @@ class SwarmError(Exception):
 
 class ModelDirError(SwarmError):
     """Raised when a model directory is missing, incomplete or of an unsupported family; retrying cannot help."""
+
+
+class NetworkConfigError(SwarmError, ValueError):
+    """Raised before a P2P node starts, for a listen or announce address that cannot work; the message says which."""
 
 
 class DHTUnreachable(SwarmError):

@@ -21,7 +21,8 @@ import uvloop
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
-from swarmclient.errors import DHTUnreachable
+from swarmclient.addresses import AddressPlan, host_maddr, listen_ip
+from swarmclient.errors import DHTUnreachable, NetworkConfigError
 from swarmclient.identity import Identity
 from swarmclient.records import GuardedDHTNode, SignedRecordValidator, reader_validator
 
@@ -31,22 +32,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NetworkOptions:
-    """Where a P2P node listens and how it identifies itself."""
+    """Where a P2P node listens and how it identifies itself (what it announces: `swarmclient.addresses`)."""
 
-    host: str = "127.0.0.1"          # listen address; 0.0.0.0 to accept peers from other machines
+    host: str = "127.0.0.1"          # listen address (an IP); 0.0.0.0 or :: to accept peers from other machines
     port: int = 0                    # 0 = any free port
     identity_path: str | None = None  # a private key file: keeps the peer id across restarts (created if missing)
-    announce_host: str | None = None  # the address other machines should dial, if not `host`
+    announce_host: str | None = None  # the address (IPv4, IPv6 or DNS name) other machines dial, if not `host`
 
-    def p2p_kwargs(self) -> dict[str, Any]:
+    def __post_init__(self) -> None:
+        """Refuse addresses that cannot work before anything starts (NetworkConfigError)."""
+        listen_ip(self.host)
+        if self.announce_host:
+            host_maddr(self.announce_host, 1)
+        if not 0 <= self.port <= 65535:
+            raise NetworkConfigError(f"--port {self.port} is not a TCP port (1-65535, or 0 for any free port)")
+
+    def plan(self) -> AddressPlan:
+        """The listen and announce multiaddrs; reads the interfaces, and picks a free port if an announcement needs one."""
+        return AddressPlan.make(self.host, self.port, self.announce_host or None)
+
+    def p2p_kwargs(self, plan: AddressPlan | None = None) -> dict[str, Any]:
         """Keyword arguments for `P2P.create`. NAT port mapping, AutoNAT and relays stay off: no LAN probing."""
+        plan = plan or self.plan()
         kwargs: dict[str, Any] = dict(
-            host_maddrs=[f"/ip4/{self.host}/tcp/{self.port}"],
+            host_maddrs=plan.listen,
             nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
             identity_path=self.identity_path,
         )
-        if self.announce_host:
-            kwargs["announce_maddrs"] = [f"/ip4/{self.announce_host}/tcp/{self.port}"]
+        if plan.announce is not None:
+            kwargs["announce_maddrs"] = plan.announce
         return kwargs
 
 
@@ -60,18 +74,22 @@ async def start_dht_node(
     `options.identity_path`, or an ephemeral key (`node_key`). A client-mode node stores nothing for others; it
     only checks what it reads.
     """
+    plan = options.plan()
+    for level, note in plan.notes(options.host):
+        logger.log(level, "%s", note)
     if client_mode:
-        p2p = await _start_p2p(initial_peers, options.p2p_kwargs())
+        p2p = await _start_p2p(initial_peers, options.p2p_kwargs(plan))
         validator = reader_validator()
     else:
         with node_key(options.identity_path) as (identity, existed):
             # a key created just now cannot be in use: skip hivemind's check, which dials the swarm first
-            p2p = await _start_p2p(initial_peers, {**options.p2p_kwargs(), "identity_path": str(identity.path),
+            p2p = await _start_p2p(initial_peers, {**options.p2p_kwargs(plan), "identity_path": str(identity.path),
                                                    "check_if_identity_free": existed})
         validator = SignedRecordValidator(identity)
         if p2p.peer_id.to_base58() != identity.peer_id:
             await p2p.shutdown()
             raise RuntimeError(f"p2pd runs as {p2p.peer_id} but records would be signed as {identity.peer_id}")
+        logger.info("Listening on %s; announcing %s", " ".join(plan.listen), " ".join(await visible_maddrs(p2p)))
     try:
         node = await GuardedDHTNode.create(
             p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,

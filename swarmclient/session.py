@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -73,9 +74,11 @@ class ServerSession:
             meta["keep_rows"] = list(keep_rows)
         config = self.swarm.config
         tokens = hidden.shape[0] * hidden.shape[1]
-        frame = await self._exchange(protocol.encode([hidden, attention_mask, position_ids], meta),
-                                     config.step_timeout + config.step_timeout_per_token * tokens,
+        request = protocol.encode([hidden, attention_mask, position_ids], meta)
+        began = time.perf_counter()
+        frame = await self._exchange(request, config.step_timeout + config.step_timeout_per_token * tokens,
                                      max_bytes=tokens * hidden.shape[2] * 4 + (1 << 16))
+        seconds = time.perf_counter() - began
         try:
             tensors, meta = protocol.decode(frame)
         except ValueError as e:
@@ -89,6 +92,8 @@ class ServerSession:
         if len(tensors) != 1 or tensors[0].shape != hidden.shape:
             raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a {tuple(hidden.shape)} step")
         self.steps += 1
+        if hidden.shape[1] == 1:  # a decode step: what routing holds the server's announced throughput to
+            self.swarm.observe_step(self.hop.peer_id, self.hop.end - self.hop.start, seconds)
         self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
@@ -323,7 +328,7 @@ class InferenceSession:
         task.add_done_callback(self._closing.discard)
 
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
-        hops = await self.swarm.route(start, end)
+        hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)
         sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length)
                     for hop in hops]
         opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)

@@ -17,7 +17,7 @@ from swarmclient.discovery import BlockServers, get_remote_module_infos, online_
 from swarmclient.errors import MissingBlocksError, PeerFailed
 from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
 from swarmclient.retry import BanList
-from swarmclient.routing import min_latency_route, missing_ranges
+from swarmclient.routing import has_room, min_latency_route, missing_ranges, trusted_throughput
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ class Swarm:
         self.model_id, self.num_blocks, self.config = model_id, num_blocks, config
         self.bans = BanList(config.ban_timeout, config.max_ban_timeout)
         self.rtts: dict[str, float] = {}
+        self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
+        self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
 
@@ -63,19 +65,44 @@ class Swarm:
             self._read_at = time.monotonic()
         return self._block_infos
 
-    async def route(self, start: int, end: int) -> list[RouteHop]:
-        """A route over blocks [start, end) avoiding banned peers; raises MissingBlocksError if uncovered."""
+    async def route(self, start: int, end: int, *, session_tokens: int = 0) -> list[RouteHop]:
+        """A route over blocks [start, end) avoiding banned peers; raises MissingBlocksError if uncovered.
+
+        session_tokens: batch x max_length of the session the route is for. Servers whose records announce too
+        little free cache for it are neither dialled nor used, unless no route exists without them (a record
+        lags the server by up to one announce period; one that is really full refuses, and is banned).
+        """
         for refresh in (False, True):
             spans = [s for s in online_spans(await self.block_infos(refresh=refresh))
                      if not self.bans.is_banned(s.peer_id)]
-            await self._ping_unknown(spans, start, end)
-            route = min_latency_route(spans, start, end, rtts=self.rtts, banned=self.bans.banned())
+            route = await self._cheapest_route(spans, start, end, session_tokens)
+            if route is None and session_tokens:
+                route = await self._cheapest_route(spans, start, end, 0)
             if route is not None:
                 logger.info("Route %d:%d via %s", start, end,
                             ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in route))
                 return route
         usable = [s for s in online_spans(await self.block_infos()) if not self.bans.is_banned(s.peer_id)]
         raise MissingBlocksError(self.model_id, missing_ranges(usable, start, end))
+
+    async def _cheapest_route(self, spans: list[RemoteSpanInfo], start: int, end: int, session_tokens: int
+                              ) -> list[RouteHop] | None:
+        """Ping the servers with room for the session that we have not pinged yet, then route through them."""
+        roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
+        await self._ping_unknown(roomy, start, end)
+        return min_latency_route(roomy, start, end, rtts=self.rtts, banned=self.bans.banned(),
+                                 throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens)
+
+    def trusted_throughputs(self, spans: list[RemoteSpanInfo]) -> dict[str, float]:
+        """Per server, the throughput routing believes: its record's, clamped to its info answer and our steps."""
+        return {s.peer_id: trusted_throughput(s.info.throughput, self.claimed.get(s.peer_id),
+                                              self.observed.get(s.peer_id)) for s in spans}
+
+    def observe_step(self, peer_id: str, num_blocks: int, seconds: float) -> None:
+        """Record a decode step through `num_blocks` blocks of a server that took `seconds` (network included)."""
+        rate = num_blocks / max(seconds, 1e-6)
+        if rate > self.observed.get(peer_id, 0.0):
+            self.observed[peer_id] = rate
 
     async def _ping_unknown(self, spans: list[RemoteSpanInfo], start: int, end: int) -> None:
         """Measure round trips to servers on [start, end) that we have not pinged yet; ban the silent ones."""
@@ -87,11 +114,14 @@ class Swarm:
                 self.bans.ban(peer)
 
     async def ping(self, peer_id: str) -> float:
-        """Round-trip seconds of an `info` call to a server; raises PeerFailed."""
+        """Round-trip seconds of an `info` call to a server; keeps the throughput it claims. Raises PeerFailed."""
         began = time.perf_counter()
-        await self.call_info(peer_id)
+        answer = await self.call_info(peer_id)
         rtt = time.perf_counter() - began
         self.rtts[peer_id] = rtt
+        claimed = answer.get("throughput")
+        if isinstance(claimed, int | float) and not isinstance(claimed, bool):
+            self.claimed[peer_id] = float(claimed)
         return rtt
 
     async def call_info(self, peer_id: str) -> dict[str, object]:

@@ -10,9 +10,9 @@ from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, Server
 
 
 def server_info(start: int, end: int, *, throughput: float = 100.0, state: ServerState = ServerState.ONLINE,
-                version: str = PROTOCOL_VERSION) -> ServerInfo:
+                version: str = PROTOCOL_VERSION, cache_tokens_left: int = 1000) -> ServerInfo:
     """A valid announcement for blocks [start, end)."""
-    return ServerInfo(state=state, start=start, end=end, throughput=throughput, cache_tokens_left=1000,
+    return ServerInfo(state=state, start=start, end=end, throughput=throughput, cache_tokens_left=cache_tokens_left,
                       dtype="float32", quant="none", version=version, revision="r" * 64,
                       max_batch_size=8, max_length=128)
 

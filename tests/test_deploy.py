@@ -78,16 +78,93 @@ def test_services_wait_for_healthy_dependencies_and_finished_one_shots(config: d
     assert got == expected
 
 
-def test_named_volumes_keep_postgres_data_models_the_dht_identity_and_the_home(config: dict[str, Any]) -> None:
-    assert {"postgres-data", "models", "dht-identity", "swarmbatch-home"} <= set(config["volumes"])
+def test_named_volumes_keep_postgres_data_models_the_keys_the_dht_address_and_the_home(config: dict[str, Any]) -> None:
+    assert {"postgres-data", "models", "swarmbatch-home", "dht-address", *KEY_VOLUMES} <= set(config["volumes"])
 
     def mounts(name: str) -> set[str]:
         return {entry.rsplit(":", 1)[0] for entry in config["services"][name]["volumes"]}
 
     assert "postgres-data:/var/lib/postgresql/data" in mounts("postgres")
-    assert "dht-identity:/dht" in mounts("dht")
+    assert {"dht-identity:/keys", "dht-address:/dht"} <= mounts("dht")
     for name in ("server1", "server2", "worker", "api", "model"):
-        assert {"models:/data/models", "swarmbatch-home:/data"} <= mounts(name), name
+        assert {"models:/data/models", "swarmbatch-home:/data", "dht-address:/dht"} <= mounts(name), name
+
+
+# ---- deployment defaults: bind address, a non-root user, keys mounted into their owners alone, no example password ---
+
+KEY_VOLUMES = {"dht-identity": "dht", "server1-identity": "server1", "server2-identity": "server2"}  # volume -> owner
+
+
+def named_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """A service's named volumes (not bind mounts): volume -> its path in the container."""
+    found = {}
+    for entry in service.get("volumes", []):
+        source, target = entry.split(":")[:2]
+        if not source.startswith(("/", ".")):
+            found[source] = target
+    return found
+
+
+def test_every_port_is_published_on_bind_addr_which_defaults_to_this_host_only(config: dict[str, Any],
+                                                                              tmp_path: Path) -> None:
+    published = {name: service["ports"] for name, service in config["services"].items() if service.get("ports")}
+    assert set(published) == {"dht", "server1", "server2", "api"}  # never Redis or PostgreSQL
+    assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports), published
+    env_file = tmp_path / ".env"
+    env_file.write_text(ENV_EXAMPLE.read_text() + "BIND_ADDR=192.0.2.10\n")  # the last one wins
+    ports = [port for service in services_for(env_file).values() for port in service.get("ports", [])]
+    assert len(ports) == 6 and all(port.startswith("192.0.2.10:") for port in ports), ports
+
+
+def test_each_private_key_is_mounted_into_the_service_that_owns_it_alone(config: dict[str, Any]) -> None:
+    services, invocations = config["services"], swarmbatch_invocations(config["services"])
+    for volume, owner in KEY_VOLUMES.items():
+        assert {name for name, service in services.items() if volume in named_mounts(service)} == {owner}, volume
+        args = invocations[owner]
+        identity = args[args.index("--identity") + 1]
+        assert identity.startswith(named_mounts(services[owner])[volume] + "/"), (owner, identity)
+    for name in ("api", "worker", "beat", "migrate", "model"):  # nothing holding a key: not even a shared volume
+        assert not set(named_mounts(services[name])) & set(KEY_VOLUMES), name
+        assert "--identity" not in invocations[name], name
+
+
+def dockerfile_lines() -> list[str]:
+    return [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+
+
+def test_the_image_runs_as_a_non_root_user_who_owns_every_volume_mount_point(config: dict[str, Any]) -> None:
+    lines = dockerfile_lines()
+    user_at = max(i for i, line in enumerate(lines) if line.startswith("USER "))
+    user = lines[user_at].split()[1].split(":")[0]
+    assert user not in {"root", "0"} and any("useradd" in line and line.endswith(f" {user}") for line in lines)
+    chown_at, chowned = next((i, line.split("chown ", 1)[1].split()) for i, line in enumerate(lines) if "chown " in line)
+    assert chowned[0].split(":")[0] == user and chown_at < user_at
+    swarmbatch = [s for s in config["services"].values() if s.get("image", "").startswith("swarmbatch")]
+    targets = {target for service in swarmbatch for target in named_mounts(service).values()}
+    assert targets <= set(chowned[1:]), f"mount points not owned by {user} in the image: {targets - set(chowned[1:])}"
+    assert all(service.get("user") in (None, user) for service in swarmbatch)  # no service switches back to root
+
+
+@pytest.mark.swarm  # runs sh
+def test_the_example_password_stops_the_stack_at_migrate_in_one_line(config: dict[str, Any]) -> None:
+    example = re.search(r"^POSTGRES_PASSWORD=(.+)$", ENV_EXAMPLE.read_text(), flags=re.M)
+    assert example is not None
+    migrate = config["services"]["migrate"]
+    assert migrate["environment"]["POSTGRES_PASSWORD"] == example.group(1)
+    # the shell check before `exec swarmbatch db upgrade`, as the container's sh gets it ($$ is compose's escape)
+    check = " ".join(migrate["command"]).replace("$$", "$").split("&& exec swarmbatch")[0]
+
+    def run(password: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", "-c", check], capture_output=True, text=True, timeout=30,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "POSTGRES_PASSWORD": password})
+
+    refused = run(example.group(1))
+    assert refused.returncode == 2 and refused.stderr.startswith("Error: POSTGRES_PASSWORD is the example")
+    assert len(refused.stderr.splitlines()) == 1
+    assert run("a-long-random-password-of-our-own").returncode == 0
+    # and nothing that uses the database starts unless migrate succeeded (its dependencies are tested above)
+    for name in ("worker", "beat", "api"):
+        assert config["services"][name]["depends_on"]["migrate"]["condition"] == COMPLETED
 
 
 def test_the_servers_block_ranges_come_from_the_env_file(config: dict[str, Any], tmp_path: Path) -> None:

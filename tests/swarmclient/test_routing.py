@@ -5,7 +5,7 @@ from factories import block_infos, span
 
 from swarmclient.data_structures import RouteHop, ServerState
 from swarmclient.discovery import online_spans
-from swarmclient.routing import min_latency_route, missing_ranges
+from swarmclient.routing import has_room, min_latency_route, missing_ranges, trusted_throughput
 
 
 def test_a_single_server_holding_everything_is_one_hop() -> None:
@@ -71,3 +71,44 @@ def test_a_server_speaking_another_protocol_version_is_never_routed_to() -> None
     infos = block_infos(8, span("new", 0, 8), span("old", 0, 8, version="swarmbatch/1"))
     assert [s.peer_id for s in online_spans(infos)] == ["new"]
     assert missing_ranges(online_spans(block_infos(8, span("old", 0, 8, version="swarmbatch/1"))), 0, 8) == [(0, 8)]
+
+
+# ---- what routing trusts: measurements over records, and the free cache servers announce -----------------------------
+
+def test_the_trusted_throughput_is_the_lowest_figure_known() -> None:
+    assert trusted_throughput(1000.0) == 1000.0
+    assert trusted_throughput(1000.0, None, None) == 1000.0
+    assert trusted_throughput(1000.0, 800.0, None) == 800.0      # the server's own info answer
+    assert trusted_throughput(1000.0, None, 30.0) == 30.0        # what our steps through it took
+    assert trusted_throughput(1000.0, 800.0, 30.0) == 30.0
+    assert trusted_throughput(50.0, 800.0, 300.0) == 50.0        # a measurement never raises a modest record
+
+
+def test_an_overstated_record_stops_winning_once_its_server_is_measured() -> None:
+    spans = [span("boaster", 0, 8, throughput=100_000.0), span("honest", 0, 8, throughput=100.0)]
+    rtts = {"boaster": 0.001, "honest": 0.001}
+    assert min_latency_route(spans, 0, 8, rtts=rtts) == [RouteHop("boaster", 0, 8)]
+    measured = {"boaster": trusted_throughput(100_000.0, 100_000.0, 20.0)}  # info repeats the lie; the steps do not
+    assert min_latency_route(spans, 0, 8, rtts=rtts, throughputs=measured) == [RouteHop("honest", 0, 8)]
+
+
+def test_a_server_without_room_for_the_session_is_left_out() -> None:
+    spans = [span("full", 0, 8, throughput=10_000.0, cache_tokens_left=10), span("roomy", 0, 8)]
+    assert min_latency_route(spans, 0, 8) == [RouteHop("full", 0, 8)]
+    assert min_latency_route(spans, 0, 8, session_tokens=64) == [RouteHop("roomy", 0, 8)]   # e.g. batch 2 x 32
+    assert min_latency_route(spans, 0, 8, session_tokens=10) == [RouteHop("full", 0, 8)]    # exactly fits
+
+
+def test_room_is_counted_for_the_blocks_the_server_would_serve() -> None:
+    # 'big' has 8 blocks x 40 free tokens = 320 block-tokens: a 64-token session fits on 5 of its blocks, not 8
+    big = span("big", 0, 8, throughput=10_000.0, cache_tokens_left=40)
+    assert has_room(big, 5, 64) and not has_room(big, 6, 64)
+    assert min_latency_route([big, span("slow", 0, 8, throughput=1.0)], 0, 8, session_tokens=64) == \
+        [RouteHop("slow", 0, 8)]                      # not two hops through 'big': both would reserve
+    assert min_latency_route([big], 3, 8, session_tokens=64) == [RouteHop("big", 3, 8)]  # a 5-block repair fits
+
+
+def test_without_any_room_there_is_no_route_through_full_servers() -> None:
+    spans = [span("a", 0, 8, cache_tokens_left=1)]
+    assert min_latency_route(spans, 0, 8, session_tokens=64) is None   # Swarm.route then falls back to them
+    assert min_latency_route(spans, 0, 8) == [RouteHop("a", 0, 8)]

@@ -1,0 +1,47 @@
+"""Routing through real servers trusts what the client measured over what records claim, and skips full servers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from servers.throughput import TEST_OVERSTATE_ENV
+from swarmclient.discovery import online_spans
+from swarmclient.model import DistributedModelForCausalLM
+
+
+def test_routing_trusts_measured_steps_and_skips_a_server_without_cache_room(tiny_model: Path, local_swarm) -> None:
+    # Given three servers of all 6 blocks, all overstating their speed (a test-only knob): 'boaster' by 1000 times,
+    # 'modest' by 10 times (a margin over this machine's timing noise), and 'full' by a million times, but with
+    # room for only 4 cached tokens per block
+    swarm = local_swarm(tiny_model, [])
+    specs = {"boaster": ("1000", []), "modest": ("10", []), "full": ("1000000", ["--attn-cache-tokens", "4"])}
+    started = {name: swarm.start_server(0, 6, wait=False, extra_args=args, env={TEST_OVERSTATE_ENV: factor})
+               for name, (factor, args) in specs.items()}
+    for server in started.values():
+        server.wait_for_line("Serving blocks", timeout=180)
+    peer = {name: server.peer_id for name, server in started.items()}
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        client = model.swarm
+        # (the servers share this machine: their round trips differ by noise only, which can outweigh the tiny
+        # model's compute; this test is about throughput, so it gives them one round trip)
+        rtts = [client.loop.run(client.ping(peer[name])) for name in ("boaster", "modest")]
+        client.rtts.update({peer["boaster"]: max(rtts), peer["modest"]: max(rtts)})
+        # When a generation runs (batch 1, 12 tokens long: more than 'full' has room for)
+        model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8)
+        infos = {name: client.loop.run(client.call_info(peer_id)) for name, peer_id in peer.items()}
+        # Then 'full' was never dialled, banned or refused anything: its record said it had no room
+        assert infos["full"]["errors"] == {} and infos["full"]["steps"] == 0
+        assert not client.bans.is_banned(peer["full"]) and peer["full"] not in client.rtts
+        # And the boaster, believed at first, served it; its claim is now held to the steps the client timed
+        assert infos["boaster"]["steps"] > 0 and infos["modest"]["steps"] == 0
+        assert client.claimed[peer["boaster"]] == infos["boaster"]["throughput"]   # kept from the ping's info answer
+        spans = online_spans(client.loop.run(client.block_infos(refresh=True)))
+        trusted = client.trusted_throughputs(spans)[peer["boaster"]]
+        assert trusted == client.observed[peer["boaster"]] < infos["boaster"]["throughput"] / 50
+        # So the next session goes to the server whose claim is still believable
+        route = client.loop.run(client.route(0, 6, session_tokens=12))
+        assert [hop.peer_id for hop in route] == [peer["modest"]]
+        # And when no server announces room for a session, the full ones are still tried rather than none
+        assert client.loop.run(client.route(0, 6, session_tokens=10**9))
+
