@@ -39,6 +39,8 @@ EXIT_CODES: dict[str, ExitCode] = {
     "jobs.errors.JobsError": ExitCode.JOB_FAILED,
     "swarmclient.errors.ModelDirError": ExitCode.USAGE,
     "swarmclient.errors.InvalidRequest": ExitCode.USAGE,
+    "swarmclient.membership.MembershipError": ExitCode.USAGE,  # a bad swarm file or key; not a member of the swarm
+    "swarmclient.identity.IdentityError": ExitCode.USAGE,
     "swarmclient.errors.SwarmError": ExitCode.SWARM_UNAVAILABLE,
     "servers.errors.ServerConfigError": ExitCode.USAGE,
     "servers.errors.ServerError": ExitCode.SWARM_UNAVAILABLE,

@@ -1,12 +1,20 @@
 """Options that several command modules share, and the root's --verbose flag."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 PeersOption = Annotated[list[str], typer.Option("--initial-peers", envvar="SWARMBATCH_INITIAL_PEERS",
                                                 help="DHT multiaddrs to join (from 'swarmbatch dht').")]
+SwarmFileOption = Annotated[Path | None, typer.Option(
+    "--swarm-file", envvar="SWARMBATCH_SWARM_FILE",
+    help="A private swarm's member list ('swarmbatch swarm init'); without it the swarm is open to anyone who can "
+         "reach its ports.")]
+MemberKeyOption = Annotated[Path | None, typer.Option(
+    "--identity", envvar="SWARMBATCH_IDENTITY",
+    help="A member key file ('swarmbatch swarm new-key'): proves this client a member of the private swarm.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logs and tracebacks.")]
 VERBOSE = "verbose"  # the root callback's parameter name for VerboseOption
