@@ -5,6 +5,7 @@ Modules, from the wire up:
     protocol         RPC names, the one frame codec (tensors + msgpack metadata), stream framing, error codes
     model_spec       a local model directory: config, family classes, weight files, revision, model id
     identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
+    membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
     network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
     routing          pure functions: spans, round trips and bans -> a chain of hops

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 import cli
@@ -28,6 +29,26 @@ def one_error_line(err: str, kind: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: {kind}: "), err
     return lines[0]
+
+
+def test_every_membership_command_has_help_and_the_flags_are_everywhere() -> None:
+    for command in ("init", "new-key", "add-member", "remove-member", "members"):
+        code, out, _ = invoke("swarm", command, "--help")
+        assert code == 0 and "Usage" in out, command
+    root = typer.main.get_command(cli.app)
+
+    def envvars(*path: str) -> dict[str, str | None]:
+        command = root
+        for name in path:
+            command = command.commands[name]  # type: ignore[attr-defined]
+        return {param.opts[0]: param.envvar for param in command.params if param.opts[0].startswith("--")}
+
+    for path in (["dht"], ["serve"], ["generate"], ["swarm", "status"], ["worker"]):
+        assert envvars(*path)["--swarm-file"] == "SWARMBATCH_SWARM_FILE", path
+    for path in (["generate"], ["swarm", "status"], ["worker"]):
+        assert envvars(*path)["--identity"] == "SWARMBATCH_IDENTITY", path
+    for path in (["dht"], ["serve"]):  # their own libp2p key: one per process, never from a shared variable
+        assert envvars(*path)["--identity"] is None, path
 
 
 def test_members_are_managed_from_the_command_line(tmp_path: Path) -> None:
