@@ -45,9 +45,9 @@ class LocalSwarm:
         self.stop()
 
     def new_key(self, name: str) -> Path:
-        """A new key file `log_dir/keys/NAME.key` (not a member)."""
+        """The key file `log_dir/keys/NAME.key`, created unless a run in the same log dir made it (not a member)."""
         path = self.log_dir / "keys" / f"{name}.key"
-        Identity.create(path)
+        Identity.load_or_create(path)
         return path
 
     def new_member(self, name: str) -> Path:
