@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from commands.errors import ExitCode
-from commands.options import JsonOption, PeersOption, verbose_requested
+from commands.options import JsonOption, MemberKeyOption, PeersOption, SwarmFileOption, verbose_requested
 
 if TYPE_CHECKING:
     from jobs.models import ApiKey
@@ -30,13 +30,18 @@ def worker(ctx: typer.Context,
            beat: Annotated[bool, typer.Option(
                help="Also run beat in this process, for the schedules of SWARMBATCH_SCHEDULES.")] = False,
            initial_peers: PeersOption = [],  # noqa: B006 - typer reads the default; nothing mutates it
-           loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
+           loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info",
+           swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """Run a Celery worker that generates jobs through the swarm."""
     from jobs.runtime import get_runtime
 
     if initial_peers:
         os.environ["SWARMBATCH_INITIAL_PEERS"] = " ".join(initial_peers)
+    for name, value in (("SWARMBATCH_SWARM_FILE", swarm_file), ("SWARMBATCH_IDENTITY", identity)):
+        if value is not None:  # the pool processes read the settings from the environment
+            os.environ[name] = str(value)
     runtime = get_runtime()
+    runtime.access  # noqa: B018 - a bad swarm file or a missing member key fails here, in one line, not per job
     runtime.ensure_store()
     level = "debug" if verbose_requested(ctx) else loglevel  # celery resets the root level to its own
     args = ["worker", f"--concurrency={concurrency}", f"--pool={pool}", f"--loglevel={level}",

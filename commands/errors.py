@@ -40,9 +40,10 @@ EXIT_CODES: dict[str, ExitCode] = {
     "swarmclient.errors.ModelDirError": ExitCode.USAGE,
     "swarmclient.errors.InvalidRequest": ExitCode.USAGE,
     "swarmclient.errors.NetworkConfigError": ExitCode.USAGE,
+    "swarmclient.membership.MembershipError": ExitCode.USAGE,  # a bad swarm file or key; not a member of the swarm
+    "swarmclient.identity.IdentityError": ExitCode.USAGE,
     "swarmclient.errors.SwarmError": ExitCode.SWARM_UNAVAILABLE,
     "servers.errors.ServerConfigError": ExitCode.USAGE,
-    "swarmclient.identity.IdentityError": ExitCode.USAGE,  # a --identity file that is not a key
     "servers.errors.ServerError": ExitCode.SWARM_UNAVAILABLE,
     "modelprep.errors.ModelPrepError": ExitCode.USAGE,
     # Alembic's own errors: an unknown revision (`db upgrade nosuchrev`); a database it cannot reach is a DBAPIError

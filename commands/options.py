@@ -1,6 +1,7 @@
 """Options that several command modules share, and the root's --verbose flag."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,6 +18,13 @@ PortOption = Annotated[int, typer.Option("--port", envvar="SWARMBATCH_PORT", min
 AnnounceHostOption = Annotated[str | None, typer.Option(
     "--announce-host", envvar="SWARMBATCH_ANNOUNCE_HOST",
     help="The address other machines dial, announced instead of --host's: an IPv4 or IPv6 address or a DNS name.")]
+SwarmFileOption = Annotated[Path | None, typer.Option(
+    "--swarm-file", envvar="SWARMBATCH_SWARM_FILE",
+    help="A private swarm's member list ('swarmbatch swarm init'); without it the swarm is open to anyone who can "
+         "reach its ports.")]
+MemberKeyOption = Annotated[Path | None, typer.Option(
+    "--identity", envvar="SWARMBATCH_IDENTITY",
+    help="A member key file ('swarmbatch swarm new-key'): proves this client a member of the private swarm.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 VerboseOption = Annotated[bool, typer.Option("--verbose", "-v", help="Debug logs and tracebacks.")]
 VERBOSE = "verbose"  # the root callback's parameter name for VerboseOption

@@ -1,6 +1,8 @@
-"""Swarm commands: prepare models, run the DHT node and block servers, read the swarm, generate, the demo."""
+"""Swarm commands: prepare models, run the DHT node and block servers, read the swarm, generate, the demo; the
+members of a private swarm (swarm init / new-key / add-member / remove-member / members)."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 import time
@@ -9,12 +11,12 @@ from typing import Annotated, Any
 
 import typer
 
-from commands.options import AnnounceHostOption, HostOption, JsonOption, PeersOption, PortOption
+from commands.options import AnnounceHostOption, HostOption, JsonOption, MemberKeyOption, PeersOption, PortOption, SwarmFileOption
 from commands.ready import serving_line
 
 app = typer.Typer()  # top-level verbs: dht, serve, generate, demo
 model_app = typer.Typer(help="Prepare model directories.", no_args_is_help=True)
-swarm_app = typer.Typer(help="Inspect the swarm.", no_args_is_help=True)
+swarm_app = typer.Typer(help="Inspect the swarm; manage a private swarm's members.", no_args_is_help=True)
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -31,6 +33,37 @@ def network_options(host: str, port: int, identity: Path | None, announce_host: 
 
     return NetworkOptions(host=host, port=port, identity_path=str(identity) if identity else None,
                           announce_host=announce_host or None)
+
+
+def client_access(swarm_file: Path | None, identity: Path | None, *, strict: bool = True) -> Any:
+    """A client's SwarmAccess from --swarm-file and --identity (one-line errors for a bad file or a missing key)."""
+    from swarmclient.membership import SwarmAccess
+
+    return SwarmAccess.load(swarm_file, identity, strict=strict)
+
+
+def server_membership(role: str, host: str, swarm_file: Path | None, identity: Path | None) -> Any:
+    """The Membership of a DHT node or server; warns on stderr when it listens beyond loopback with none."""
+    from swarmclient.membership import Membership, MembershipError
+
+    if swarm_file is None:
+        if not is_loopback(host):
+            typer.echo(f"Warning: this {role} listens on {host} without --swarm-file: anyone who can reach its port "
+                       "can join the swarm, announce blocks and be sent hidden states (the prompts); make the swarm "
+                       "private with 'swarmbatch swarm init' (README: Deploying a private swarm)", err=True)
+        return Membership.open()
+    if identity is None:
+        raise MembershipError(f"a {role} of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose peer id "
+                              "is in the swarm file ('swarmbatch swarm new-key', then add-member)")
+    return Membership.from_file(swarm_file)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 # ---- model -------------------------------------------------------------------------------------------------
@@ -59,15 +92,19 @@ def model_tiny(out: Annotated[Path, typer.Argument(help="Directory to write.")],
 def dht(host: HostOption = "127.0.0.1", port: PortOption = 0,
         identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id across restarts.")] = None,
         announce_host: AnnounceHostOption = None,
-        initial_peers: PeersOption = []) -> None:  # noqa: B006 - typer reads the default; nothing mutates it
+        initial_peers: PeersOption = [],  # noqa: B006 - typer reads the default; nothing mutates it
+        swarm_file: SwarmFileOption = None) -> None:
     """Run a DHT bootstrap node; prints its full multiaddr on one stdout line when ready."""
     from servers.bootstrap import run_bootstrap_node
+
+    membership = server_membership("DHT node", host, swarm_file, identity)
 
     def on_ready(maddrs: list[str]) -> None:
         typer.echo(maddrs[0])
         sys.stdout.flush()
 
-    run_bootstrap_node(initial_peers, network_options(host, port, identity, announce_host), on_ready)
+    run_bootstrap_node(initial_peers, network_options(host, port, identity, announce_host), on_ready,
+                       None if membership.is_open else membership)
 
 
 def parse_blocks(value: str | None) -> tuple[int, int] | None:
@@ -105,7 +142,8 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
                           "their caches.")] = 2048,
           metrics_port: Annotated[int, typer.Option(min=0, max=65535,
                                                     help="Serve Prometheus /metrics on this port; 0 = off.")] = 0,
-          metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1") -> None:
+          metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1",
+          swarm_file: SwarmFileOption = None) -> None:
     """Run a block server for a span of the model's blocks."""
     from servers.block_loading import DType, Quant
     from servers.server import ServerConfig, run_server
@@ -118,13 +156,14 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--dtype/--quant") from None
     network = network_options(host, port, identity, announce_host)  # a bad address fails before the model loads
+    server_membership("server", host, swarm_file, identity)  # the warning, and one-line errors before loading
     config = ServerConfig(
         model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
         num_blocks=num_blocks, network=network, dtype=dtype_choice,
         quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
         announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
         batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens,
-        metrics_port=metrics_port, metrics_host=metrics_host)
+        metrics_port=metrics_port, metrics_host=metrics_host, swarm_file=str(swarm_file) if swarm_file else None)
     run_server(config, print_ready)
 
 
@@ -138,11 +177,13 @@ def print_ready(status: Any, maddrs: list[str]) -> None:
 # ---- swarm client -----------------------------------------------------------------------------------------------
 @swarm_app.command("status")
 def swarm_status(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
-                 initial_peers: PeersOption, as_json: JsonOption = False) -> None:
-    """Coverage map: which servers hold each block, their state, and which blocks are missing."""
+                 initial_peers: PeersOption, as_json: JsonOption = False, swarm_file: SwarmFileOption = None,
+                 identity: MemberKeyOption = None) -> None:
+    """Coverage map: which servers hold each block, their state, and which blocks are missing (with --swarm-file:
+    only members count; others are marked 'not a member (ignored)'; --identity says whether that key is a member)."""
     from swarmclient.coverage import read_coverage, render_coverage
 
-    report = read_coverage(resolve_model(model), initial_peers)
+    report = read_coverage(resolve_model(model), initial_peers, client_access(swarm_file, identity, strict=False))
     typer.echo(json.dumps(report, indent=2) if as_json else render_coverage(report))
 
 
@@ -155,13 +196,15 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
              top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
              seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
              chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
-             as_json: JsonOption = False) -> None:
+             as_json: JsonOption = False, swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """One-off generation through the swarm."""
     from swarmclient.textgen import generate_texts
 
+    access = client_access(swarm_file, identity)
     began = time.perf_counter()
     outputs = generate_texts(resolve_model(model), prompts, initial_peers=initial_peers, chat=chat,
-                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+                             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                             access=access)
     if as_json:
         typer.echo(json.dumps({"outputs": outputs}))
         return
@@ -179,3 +222,80 @@ def demo() -> None:
 
     exit_on_sigterm()
     run_demo(echo=typer.echo)
+
+
+# ---- members of a private swarm -----------------------------------------------------------------------------------------
+SwarmFileArgument = Annotated[Path, typer.Argument(help="The swarm file (JSON: member peer ids and names).")]
+
+
+@swarm_app.command("init")
+def swarm_init(path: SwarmFileArgument) -> None:
+    """Write a new swarm file with no members (refuses to overwrite one)."""
+    from swarmclient.membership import SwarmFile
+
+    SwarmFile.create(path)
+    typer.echo(path)
+
+
+@swarm_app.command("new-key")
+def swarm_new_key(path: Annotated[Path, typer.Argument(help="The key file to create (refuses to overwrite one).")]
+                  ) -> None:
+    """Create a key file (for --identity) and print its peer id, which add-member takes."""
+    from swarmclient.identity import Identity
+
+    typer.echo(Identity.create(path).peer_id)
+
+
+def member_peer_id(key_or_peer: str) -> tuple[str, str]:
+    """A key file's or a peer id's (peer id, default name)."""
+    from swarmclient.identity import Identity
+    from swarmclient.membership import check_peer_id
+
+    if Path(key_or_peer).is_file():
+        return Identity.load(key_or_peer).peer_id, Path(key_or_peer).stem
+    return check_peer_id(key_or_peer), key_or_peer[-8:]
+
+
+@swarm_app.command("add-member")
+def swarm_add_member(swarm_file: SwarmFileArgument,
+                     key_or_peer: Annotated[str, typer.Argument(help="A key file, or the peer id new-key printed.")],
+                     name: Annotated[str | None, typer.Option(help="A name to know it by (default: the key file's "
+                                                                   "name, or the peer id's end).")] = None) -> None:
+    """Add a member (a server's, DHT node's or client's key) to the swarm file; copy the file to every machine."""
+    from swarmclient.membership import SwarmFile
+
+    swarm = SwarmFile.load(swarm_file)
+    peer_id, default_name = member_peer_id(key_or_peer)
+    swarm.add(peer_id, name or default_name)
+    swarm.save()
+    typer.echo(f"added {peer_id} ({swarm.members[peer_id]}): {len(swarm.members)} members in {swarm_file}; copy it "
+               "to every machine (running processes re-read it within seconds)")
+
+
+@swarm_app.command("remove-member")
+def swarm_remove_member(swarm_file: SwarmFileArgument,
+                        member: Annotated[str, typer.Argument(help="A peer id, a member's name, or a key file.")]
+                        ) -> None:
+    """Remove a member from the swarm file; servers given the new file refuse it within seconds."""
+    from swarmclient.membership import SwarmFile
+
+    swarm = SwarmFile.load(swarm_file)
+    peer_id, name = swarm.remove(member_peer_id(member)[0] if Path(member).is_file() else member)
+    swarm.save()
+    typer.echo(f"removed {peer_id} ({name}): {len(swarm.members)} members left in {swarm_file}; copy it to every "
+               "machine")
+
+
+@swarm_app.command("members")
+def swarm_members(swarm_file: SwarmFileArgument, as_json: JsonOption = False) -> None:
+    """List the members of a swarm file: peer id and name."""
+    from swarmclient.membership import SwarmFile
+
+    members = SwarmFile.load(swarm_file).members
+    if as_json:
+        typer.echo(json.dumps([{"peer_id": peer, "name": name} for peer, name in members.items()]))
+        return
+    if not members:
+        typer.echo(f"no members yet: add them with 'swarmbatch swarm add-member {swarm_file} KEYFILE|PEERID'")
+    for peer, name in members.items():
+        typer.echo(f"{peer}  {name}")

@@ -67,6 +67,13 @@ class Runtime:
 
         return Lifecycle({JobKind.batch: JobHooks(), JobKind.summary: SummaryHooks(self)})
 
+    @cached_property
+    def access(self) -> Any:
+        """The swarm's membership and this process's member key (SWARMBATCH_SWARM_FILE, SWARMBATCH_IDENTITY)."""
+        from swarmclient.membership import SwarmAccess
+
+        return SwarmAccess.load(self.settings.swarm_file, self.settings.identity)
+
     @property
     def worker_name(self) -> str:
         """host:pid, for lease owners and logs."""
@@ -113,7 +120,7 @@ class Runtime:
         with self._lock:
             if model not in self._models:
                 self._models[model] = DistributedModelForCausalLM.from_pretrained(
-                    self.model_dir(model), initial_peers=self.settings.initial_peers)
+                    self.model_dir(model), initial_peers=self.settings.initial_peers, access=self.access)
             return self._models[model]
 
     def close(self) -> None:

@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     sweep_interval: float = Field(default=10.0, gt=0, description="seconds between a worker's maintenance ticks "
                                   "(heartbeat; one sweep per interval across all workers)")
     schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")
+    swarm_file: Path | None = Field(default=None, description="a private swarm's members (JSON); unset: open swarm")
+    identity: Path | None = Field(default=None, description="the member key the worker's clients prove membership with")
     schedule_tick: float = Field(default=30.0, gt=0, description="seconds between beat's checks for due schedules")
 
     api_models: Annotated[list[str], NoDecode] = Field(
@@ -56,7 +58,7 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = Field(default=None, description="when set, GET /metrics needs it as a Bearer")
     metrics_cache_seconds: float = Field(default=5.0, ge=0, description="how long a /metrics scrape is reused")
 
-    @field_validator("schedules", "metrics_token", mode="before")
+    @field_validator("schedules", "metrics_token", "swarm_file", "identity", mode="before")
     @classmethod
     def _none_when_empty(cls, value: object) -> object:
         return None if value == "" else value

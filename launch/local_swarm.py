@@ -8,14 +8,20 @@ from pathlib import Path
 
 from commands.ready import SERVING_BLOCKS
 from launch.processes import ManagedProcess, cli_command
+from swarmclient.identity import Identity
+from swarmclient.membership import SwarmAccess, SwarmFile
 
 
 class LocalSwarm:
-    """A DHT bootstrap node and block servers on 127.0.0.1; a context manager that stops all it started."""
+    """A DHT bootstrap node and block servers on 127.0.0.1; a context manager that stops all it started.
+
+    private=True makes it a private swarm: a key per process in `log_dir/keys`, a swarm file listing them
+    (`swarm_file`), and a member key for clients (`client_key`; `access()` is what a client passes).
+    """
 
     def __init__(self, model_dir: str | Path, spans: Sequence[tuple[int, int]] = (), *, host: str = "127.0.0.1",
                  log_dir: Path | None = None, server_args: Sequence[str] = (), num_threads: int = 1,
-                 pin_cpus: bool = False, ready_timeout: float = 180.0) -> None:
+                 pin_cpus: bool = False, ready_timeout: float = 180.0, private: bool = False) -> None:
         self.model_dir, self.spans, self.host = str(model_dir), list(spans), host
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="swarmbatch-swarm-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -24,6 +30,8 @@ class LocalSwarm:
         self.dht: ManagedProcess | None = None
         self.servers: list[ManagedProcess] = []
         self.initial_peers: list[str] = []
+        self.swarm_file = self.log_dir / "swarm.json" if private else None
+        self.client_key = self.new_member("client") if private else None
 
     def __enter__(self) -> LocalSwarm:
         try:
@@ -36,20 +44,53 @@ class LocalSwarm:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def new_key(self, name: str) -> Path:
+        """The key file `log_dir/keys/NAME.key`, created unless a run in the same log dir made it (not a member)."""
+        path = self.log_dir / "keys" / f"{name}.key"
+        Identity.load_or_create(path)
+        return path
+
+    def new_member(self, name: str) -> Path:
+        """A new key file, added to the swarm file (private swarms only)."""
+        assert self.swarm_file is not None, "an open swarm has no members"
+        path = self.new_key(name)
+        swarm = SwarmFile.load(self.swarm_file) if self.swarm_file.exists() else SwarmFile(self.swarm_file)
+        swarm.add(Identity.load(path).peer_id, name)
+        swarm.save()
+        return path
+
+    def access(self) -> SwarmAccess:
+        """What a client of this swarm passes: open, or the swarm file and the client member key."""
+        return SwarmAccess.load(self.swarm_file, self.client_key)
+
+    def member_args(self, name: str) -> list[str]:
+        """--identity and --swarm-file of a new member process (nothing for an open swarm)."""
+        if self.swarm_file is None:
+            return []
+        return ["--identity", str(self.new_member(name)), "--swarm-file", str(self.swarm_file)]
+
     def start(self) -> None:
         """Start the DHT node, then every server in parallel, and wait until all are ready."""
-        self.dht = ManagedProcess(cli_command("dht", "--host", self.host), name="dht", log_dir=self.log_dir)
+        self.dht = ManagedProcess(cli_command("dht", "--host", self.host, *self.member_args("dht")), name="dht",
+                                  log_dir=self.log_dir)
         self.initial_peers = [self.dht.wait_for_line("/", timeout=60)]  # its multiaddr: /ip4/, /ip6/ or /dns4/
         self.start_servers([(start, end, ()) for start, end in self.spans])
 
     def start_server(self, start: int, end: int, *, wait: bool = True, extra_args: Sequence[str] = (),
-                     env: Mapping[str, str] | None = None) -> ManagedProcess:
-        """Start one more block server on blocks [start, end); `env` adds to its environment."""
+                     member: bool = True, env: Mapping[str, str] | None = None) -> ManagedProcess:
+        """Start one more block server on blocks [start, end).
+
+        member=False in a private swarm: a server with its own key that is not in the swarm file (and, having none,
+        open to anyone), as an outsider would run one. env: extra environment variables.
+        """
         number = len(self.servers)
+        name = f"server{number}-{start}-{end}"
+        membership = self.member_args(name) if member else \
+            ([] if self.swarm_file is None else ["--identity", str(self.new_key(name))])
         args = cli_command("serve", self.model_dir, "--blocks", f"{start}:{end}", "--host", self.host,
-                           "--num-threads", str(self.num_threads), *self.server_args, *extra_args,
+                           "--num-threads", str(self.num_threads), *membership, *self.server_args, *extra_args,
                            "--initial-peers", *self.initial_peers)
-        server = ManagedProcess(args, name=f"server{number}-{start}-{end}", log_dir=self.log_dir,
+        server = ManagedProcess(args, name=name, log_dir=self.log_dir,
                                 env={"OMP_NUM_THREADS": str(self.num_threads), **(env or {})},
                                 cpu=(number % (os.cpu_count() or 1)) if self.pin_cpus else None)
         self.servers.append(server)

@@ -7,6 +7,7 @@ Modules:
     throughput       measure_throughput: block-steps per second, announced for routing (and a test-only overstatement)
     memory           CacheBudget: KV-cache tokens reserved per session within --attn-cache-tokens
     validation       checks on every request before compute
+    access           MemberGate: the membership check (swarm file, member credentials) before a request is served
     status           ServerStatus: one reading of a server, from which info, /metrics and the DHT record are made
     handler          BlockHandler: the info / forward / inference RPCs; errors become responses in one place
     announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown

@@ -18,6 +18,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
+from servers.access import MemberGate
 from servers.batching import DecodeBatcher, DecodeStep
 from servers.errors import RequestRejected
 from servers.memory import CacheBudget
@@ -59,6 +60,7 @@ class Stream:
     """One `inference` stream: the session it opened (at its first step) and whether the client ended it."""
 
     remote: str
+    peer: str = ""  # the caller's full peer id (authenticated by libp2p), for the membership check
     session: Session | None = None
     ended: bool = False
 
@@ -75,6 +77,7 @@ class BlockHandler:
     batch_wait_ms: float = 2.0  # how long a decode step waits for other sessions' steps to merge with; 0 = never
     max_merge_tokens: int = 2048  # a session caching more (rows x length) is never merged: copying it costs more
     stats: ServerStats = field(default_factory=ServerStats)
+    gate: MemberGate = field(default_factory=MemberGate.open)  # membership: checked first by info, forward, inference
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
 
@@ -97,14 +100,20 @@ class BlockHandler:
 
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """This server's announcement, limits and load."""
-        return protocol.make_response([], self.status().info_answer())
+        return runtime_pb2.ExpertResponse(metadata=await self._guard(lambda: self._info(request.metadata, context)))
+
+    async def _info(self, frame: bytes, context: P2PContext) -> bytes:
+        self.gate.check(context.remote_id.to_base58(), protocol.decode_meta(frame))  # membership, before all else
+        return protocol.encode([], self.status().info_answer())
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                           ) -> runtime_pb2.ExpertResponse:
         """A whole sequence through blocks [start, end), statelessly."""
-        return runtime_pb2.ExpertResponse(metadata=await self._guard(lambda: self._forward(request.metadata)))
+        return runtime_pb2.ExpertResponse(
+            metadata=await self._guard(lambda: self._forward(request.metadata, context.remote_id.to_base58())))
 
-    async def _forward(self, frame: bytes) -> bytes:
+    async def _forward(self, frame: bytes, caller: str) -> bytes:
+        self.gate.check(caller, protocol.decode_meta(frame))  # membership, before the tensors are even decoded
         tensors, meta = protocol.decode(frame)
         start, end = validate_span(meta, self.limits)
         batch = tensors[0].shape[0] if tensors and tensors[0].ndim == 3 else 0
@@ -119,7 +128,7 @@ class BlockHandler:
                             ) -> None:
         """One session per stream: each message is a step, or the client's `close`; the KV cache lives until
         the client closes the session, the stream ends, or the session idles past `session_timeout`."""
-        stream = Stream(remote=str(info.peer_id)[-6:])
+        stream = Stream(remote=str(info.peer_id)[-6:], peer=info.peer_id.to_base58())
         try:
             while not stream.ended:
                 try:
@@ -145,6 +154,8 @@ class BlockHandler:
 
     async def _message(self, frame: bytes, stream: Stream) -> bytes:
         """Answer one message of a stream: a step, or the client's request to end the session."""
+        if stream.session is None:  # membership: the message that opens a session, before it is decoded or reserved
+            self.gate.check(stream.peer, protocol.decode_meta(frame))
         tensors, meta = protocol.decode(frame)
         if meta.get("close"):
             return self._end(meta, stream)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.dht.node import DHTNode
 
+from servers.access import MemberGate
 from servers.announcer import Announcer
 from servers.block_loading import DType, Quant, load_span
 from servers.block_selection import choose_best_blocks
@@ -26,6 +27,7 @@ from servers.throughput import measure_throughput
 from servers.validation import Limits
 from swarmclient.data_structures import ANNOUNCE_PERIOD_LIMIT, PROTOCOL_VERSION, ServerState
 from swarmclient.discovery import get_remote_module_infos
+from swarmclient.membership import Membership
 from swarmclient.model_spec import ModelSpec
 from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
 
@@ -53,6 +55,7 @@ class ServerConfig:
     max_merge_tokens: int = 2048            # sessions caching more (rows x length) run alone (merging copies caches)
     metrics_port: int = 0                   # Prometheus /metrics port; 0 = no metrics endpoint
     metrics_host: str = "127.0.0.1"         # where /metrics listens (0.0.0.0 for a scraper elsewhere)
+    swarm_file: str | None = None           # a private swarm's members; None = open (everyone may call us)
 
     def __post_init__(self) -> None:
         if (self.blocks is None) == (self.num_blocks is None):
@@ -65,6 +68,9 @@ class ServerConfig:
                                     f"periods); pass {ANNOUNCE_PERIOD_LIMIT:g} or less")
         if self.batch_wait_ms < 0:
             raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
+        if self.swarm_file and not self.network.identity_path:
+            raise ServerConfigError("a server of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose "
+                                    "peer id is in the swarm file ('swarmbatch swarm new-key', then add-member)")
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class BlockServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.spec = ModelSpec.open(config.model_dir)
+        self.membership = Membership.from_file(config.swarm_file) if config.swarm_file else Membership.open()
         self.max_length = min(config.max_length or self.spec.max_length, self.spec.max_length)
         self.stats = ServerStats()
         self.state = ServerState.JOINING
@@ -107,6 +114,7 @@ class BlockServer:
         p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False)
         self._running.push_async_callback(stop_dht_node, p2p, node)
         self.peer_id = p2p.peer_id.to_base58()
+        self.membership.require(self.peer_id, "server", self.config.network.identity_path)
         start, end = await self._choose_span(node)
         serving = self.serving = await self._serve(node, start, end)
         self._running.push_async_callback(self._stop_serving, serving)
@@ -125,7 +133,8 @@ class BlockServer:
                 raise ServerConfigError(f"--blocks {start}:{end} is outside the model's 0:{self.spec.num_blocks}")
             return start, end
         assert self.config.num_blocks is not None
-        infos = await get_remote_module_infos(node, self.spec.model_id, self.spec.num_blocks)
+        infos = [{peer: info for peer, info in servers.items() if self.membership.allows(peer)}  # clients use no other
+                 for servers in await get_remote_module_infos(node, self.spec.model_id, self.spec.num_blocks)]
         try:
             return choose_best_blocks(self.config.num_blocks, infos)
         except ValueError as e:
@@ -140,7 +149,7 @@ class BlockServer:
         limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)
         handler = BlockHandler(span, limits, budget, self.status, session_timeout=config.session_timeout,
                                batch_wait_ms=config.batch_wait_ms, max_merge_tokens=config.max_merge_tokens,
-                               stats=self.stats)
+                               stats=self.stats, gate=MemberGate(self.membership))
         announcer = Announcer(node, status=self.status, update_period=config.announce_period)
         return Serving(span, budget, handler, announcer)
 

@@ -8,6 +8,7 @@ Modules, from the wire up:
     addresses        what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
                      for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
     records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
+    membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
     network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
     routing          pure functions: spans, round trips, trusted throughputs, free cache and bans -> a chain of hops

@@ -6,8 +6,11 @@
     ├── DHTUnreachable              no initial peer answered (retry after starting `swarmbatch dht`)
     ├── MissingBlocksError          no online server holds some blocks (retry later, or start a server)
     ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
-    └── PeerFailed                  a server died, timed out or is full (recoverable: route around it)
-        └── SessionTimeout          a server did not answer within the step timeout
+    ├── PeerFailed                  a server died, timed out or is full (recoverable: route around it)
+    │   ├── SessionTimeout          a server did not answer within the step timeout
+    │   └── Unauthorized            a server refused us as no member of its swarm (route around; if all refuse:
+    │                               membership.NotAMember)
+    └── membership.MembershipError  a bad swarm file or member key, or not a member of the swarm (fix the setup)
 """
 from __future__ import annotations
 
@@ -55,3 +58,7 @@ class PeerFailed(SwarmError):
 
 class SessionTimeout(PeerFailed):
     """Raised when a server does not answer a step in time; the client routes around it."""
+
+
+class Unauthorized(PeerFailed):
+    """Raised when a server refuses us as no member of its swarm; the client routes around it, and says so if all do."""

@@ -11,6 +11,7 @@ from swarmclient.config import ClientConfig
 from swarmclient.errors import InvalidRequest
 from swarmclient.generation import TokenHook, generate_tokens
 from swarmclient.head import ClientHead
+from swarmclient.membership import SwarmAccess
 from swarmclient.model_spec import ModelSpec
 from swarmclient.network import NetworkOptions
 from swarmclient.sampling import SamplingParams
@@ -30,13 +31,16 @@ class DistributedModelForCausalLM:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str], *, initial_peers: Sequence[str],
-                        config: ClientConfig | None = None, network: NetworkOptions | None = None
-                        ) -> DistributedModelForCausalLM:
-        """Load the local head from `model_dir` and join the swarm that serves its blocks."""
+                        config: ClientConfig | None = None, network: NetworkOptions | None = None,
+                        access: SwarmAccess | None = None) -> DistributedModelForCausalLM:
+        """Load the local head from `model_dir` and join the swarm that serves its blocks.
+
+        access: a private swarm's membership and this client's member key (`SwarmAccess.load`); default: open.
+        """
         spec = ModelSpec.open(model_dir)
         head = ClientHead(spec)
         swarm = Swarm.connect(initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks,
-                              config=config, network=network)
+                              config=config, network=network, access=access)
         return cls(spec, head, swarm)
 
     def close(self) -> None:

@@ -79,8 +79,8 @@ def _raw_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def decode(frame: bytes | bytearray) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """(tensors, meta) of a frame; raises ValueError on anything malformed. Tensors share a copy of its bytes."""
+def _header(frame: bytes | bytearray) -> tuple[dict[str, Any], int]:
+    """A frame's msgpack header and where it ends; raises ValueError."""
     if len(frame) < 4:
         raise ValueError("truncated frame")
     header_end = 4 + int.from_bytes(frame[:4], "big")
@@ -90,6 +90,17 @@ def decode(frame: bytes | bytearray) -> tuple[list[torch.Tensor], dict[str, Any]
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) or \
             not isinstance(header.get("tensors"), list):
         raise ValueError("frame header must hold 'meta' (a dict) and 'tensors' (a list)")
+    return header, header_end
+
+
+def decode_meta(frame: bytes | bytearray) -> dict[str, Any]:
+    """Only a frame's meta, without touching its tensors (a server checks who is asking first)."""
+    return _header(frame)[0]["meta"]  # type: ignore[no-any-return]
+
+
+def decode(frame: bytes | bytearray) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """(tensors, meta) of a frame; raises ValueError on anything malformed. Tensors share a copy of its bytes."""
+    header, header_end = _header(frame)
     buffer = bytearray(frame)  # writable and owned: the tensors outlive the network buffer
     offset = header_end + _padded(header_end)
     tensors = []

@@ -23,7 +23,7 @@ from hivemind.p2p import PeerID
 
 from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
-from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout
+from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, Unauthorized
 from swarmclient.retry import with_retries
 from swarmclient.swarm import Swarm
 
@@ -72,6 +72,8 @@ class ServerSession:
                                 "batch_size": self.batch_size, "max_length": self.max_length}
         if keep_rows is not None:
             meta["keep_rows"] = list(keep_rows)
+        if self.steps == 0:  # membership: the step that opens the session proves it (the server checks it first)
+            meta.update(self.swarm.auth_meta())
         config = self.swarm.config
         tokens = hidden.shape[0] * hidden.shape[1]
         request = protocol.encode([hidden, attention_mask, position_ids], meta)
@@ -87,7 +89,8 @@ class ServerSession:
         if error is not None:
             code, message = error
             if code.retryable:
-                raise PeerFailed(self.hop.peer_id, f"{code.value}: {message}")
+                raise (Unauthorized if code is protocol.ErrorCode.UNAUTHORIZED else PeerFailed)(
+                    self.hop.peer_id, f"{code.value}: {message}")
             raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
         if len(tensors) != 1 or tensors[0].shape != hidden.shape:
             raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a {tuple(hidden.shape)} step")
@@ -299,7 +302,7 @@ class InferenceSession:
 
     async def _on_failure(self, exc: BaseException) -> None:
         if isinstance(exc, PeerFailed):
-            duration = self.swarm.bans.ban(exc.peer_id)
+            duration = self.swarm.ban(exc)
             logger.warning("Server %s failed (%s); banned for %.0f s, routing around it",
                            exc.peer_id[-8:], exc.reason, duration)
 

@@ -14,8 +14,10 @@ from swarmclient import protocol
 from swarmclient.config import ClientConfig
 from swarmclient.data_structures import RemoteSpanInfo, RouteHop
 from swarmclient.discovery import BlockServers, get_remote_module_infos, online_spans
-from swarmclient.errors import MissingBlocksError, PeerFailed
+from swarmclient.errors import MissingBlocksError, PeerFailed, Unauthorized
+from swarmclient.membership import ADD_MEMBER, NotAMember, SwarmAccess
 from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
+from swarmclient.protocol import ErrorCode
 from swarmclient.retry import BanList
 from swarmclient.routing import has_room, min_latency_route, missing_ranges, trusted_throughput
 
@@ -26,27 +28,34 @@ class Swarm:
     """Connection to the swarm serving one model: owns a P2P node, a DHT client node and an event loop."""
 
     def __init__(self, p2p: P2P, node: DHTNode, loop: LoopThread, *, model_id: str, num_blocks: int,
-                 config: ClientConfig) -> None:
+                 config: ClientConfig, access: SwarmAccess | None = None) -> None:
         self.p2p, self.node, self.loop = p2p, node, loop
         self.model_id, self.num_blocks, self.config = model_id, num_blocks, config
+        self.access = access or SwarmAccess.open()
         self.bans = BanList(config.ban_timeout, config.max_ban_timeout)
         self.rtts: dict[str, float] = {}
         self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
+        self.refusals: dict[str, str] = {}  # servers that refused us as no member -> why (explains a failed route)
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
 
     @classmethod
     def connect(cls, initial_peers: Sequence[str], *, model_id: str, num_blocks: int,
-                config: ClientConfig | None = None, network: NetworkOptions | None = None) -> Swarm:
-        """Join the DHT as a client (raises DHTUnreachable if no initial peer answers)."""
+                config: ClientConfig | None = None, network: NetworkOptions | None = None,
+                access: SwarmAccess | None = None) -> Swarm:
+        """Join the DHT as a client (raises DHTUnreachable if no initial peer answers).
+
+        access: the membership to route within and the member key to prove ours with (default: an open swarm).
+        """
         loop = LoopThread()
         try:
             p2p, node = loop.run(start_dht_node(initial_peers, network or NetworkOptions(), client_mode=True))
         except BaseException:
             loop.stop()
             raise
-        return cls(p2p, node, loop, model_id=model_id, num_blocks=num_blocks, config=config or ClientConfig())
+        return cls(p2p, node, loop, model_id=model_id, num_blocks=num_blocks, config=config or ClientConfig(),
+                   access=access)
 
     def close(self) -> None:
         """Leave the DHT and stop the P2P daemon and the loop."""
@@ -65,16 +74,33 @@ class Swarm:
             self._read_at = time.monotonic()
         return self._block_infos
 
+    async def member_spans(self, *, refresh: bool = False) -> list[RemoteSpanInfo]:
+        """The ONLINE spans of members only: the one place where non-members are dropped, before any ping."""
+        return [s for s in online_spans(await self.block_infos(refresh=refresh))
+                if self.access.membership.allows(s.peer_id)]
+
+    def auth_meta(self) -> dict[str, bytes]:
+        """What proves our membership to a server: {"credential": ...} (or nothing without a member key), for the
+        meta of `info`, `forward` and a session's opening step."""
+        credential = self.access.credential(self.p2p.peer_id.to_base58())
+        return {} if credential is None else {"credential": credential}
+
+    def ban(self, failure: PeerFailed) -> float:
+        """Ban a failed server (returns the ban's seconds); a membership refusal is kept to explain a failed route."""
+        if isinstance(failure, Unauthorized):
+            self.refusals[failure.peer_id] = failure.reason
+        return self.bans.ban(failure.peer_id)
+
     async def route(self, start: int, end: int, *, session_tokens: int = 0) -> list[RouteHop]:
-        """A route over blocks [start, end) avoiding banned peers; raises MissingBlocksError if uncovered.
+        """A route over blocks [start, end) avoiding banned peers; raises MissingBlocksError if uncovered, NotAMember
+        if servers that refused us as no member would have covered it.
 
         session_tokens: batch x max_length of the session the route is for. Servers whose records announce too
         little free cache for it are neither dialled nor used, unless no route exists without them (a record
         lags the server by up to one announce period; one that is really full refuses, and is banned).
         """
         for refresh in (False, True):
-            spans = [s for s in online_spans(await self.block_infos(refresh=refresh))
-                     if not self.bans.is_banned(s.peer_id)]
+            spans = [s for s in await self.member_spans(refresh=refresh) if not self.bans.is_banned(s.peer_id)]
             route = await self._cheapest_route(spans, start, end, session_tokens)
             if route is None and session_tokens:
                 route = await self._cheapest_route(spans, start, end, 0)
@@ -82,8 +108,22 @@ class Swarm:
                 logger.info("Route %d:%d via %s", start, end,
                             ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in route))
                 return route
-        usable = [s for s in online_spans(await self.block_infos()) if not self.bans.is_banned(s.peer_id)]
-        raise MissingBlocksError(self.model_id, missing_ranges(usable, start, end))
+        spans = await self.member_spans()
+        usable = [s for s in spans if not self.bans.is_banned(s.peer_id)]
+        missing = missing_ranges(usable, start, end)
+        refused = [s for s in spans if s.peer_id in self.refusals]
+        if refused and missing_ranges(usable + refused, start, end) != missing:
+            raise self._not_a_member(refused)
+        raise MissingBlocksError(self.model_id, missing)
+
+    def _not_a_member(self, refused: list[RemoteSpanInfo]) -> NotAMember:
+        key = self.access.identity
+        fix = (f"add this key's peer id with '{ADD_MEMBER} SWARM_FILE {key.peer_id}' on the servers' swarm file"
+               if key is not None else "pass --identity KEYFILE with a member key (one the servers' swarm file lists;"
+               f" add one with '{ADD_MEMBER}')")
+        peers = ", ".join(sorted({s.peer_id[-8:] for s in refused}))
+        return NotAMember(f"not a member of the swarm: servers {peers} refused this client "
+                          f"({self.refusals[refused[0].peer_id]}); {fix}")
 
     async def _cheapest_route(self, spans: list[RemoteSpanInfo], start: int, end: int, session_tokens: int
                               ) -> list[RouteHop] | None:
@@ -111,7 +151,7 @@ class Swarm:
         for peer, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 logger.info("Ping of %s failed (%s); banning it", peer[-6:], result)
-                self.bans.ban(peer)
+                self.ban(result if isinstance(result, PeerFailed) else PeerFailed(peer, repr(result)))
 
     async def ping(self, peer_id: str) -> float:
         """Round-trip seconds of an `info` call to a server; keeps the throughput it claims. Raises PeerFailed."""
@@ -122,11 +162,12 @@ class Swarm:
         claimed = answer.get("throughput")
         if isinstance(claimed, int | float) and not isinstance(claimed, bool):
             self.claimed[peer_id] = float(claimed)
+        self.refusals.pop(peer_id, None)
         return rtt
 
     async def call_info(self, peer_id: str) -> dict[str, object]:
-        """The server's `info` RPC: its span, limits and load."""
-        request = protocol.make_request([], {})
+        """The server's `info` RPC: its span, limits and load; raises PeerFailed (Unauthorized: not a member)."""
+        request = protocol.make_request([], self.auth_meta())
         try:
             response = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), protocol.RPC_INFO, request,
@@ -134,4 +175,12 @@ class Swarm:
                 timeout=self.config.connect_timeout)
         except Exception as e:
             raise PeerFailed(peer_id, f"info failed: {type(e).__name__}: {e}") from e
-        return protocol.read_message(response)[1]
+        try:
+            meta = protocol.read_message(response)[1]
+        except ValueError as e:
+            raise PeerFailed(peer_id, f"an undecodable info answer: {e}") from e
+        error = protocol.response_error(meta)
+        if error is not None:
+            code, message = error
+            raise (Unauthorized if code is ErrorCode.UNAUTHORIZED else PeerFailed)(peer_id, f"{code.value}: {message}")
+        return meta

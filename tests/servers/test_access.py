@@ -1,0 +1,88 @@
+"""The server's membership gate: who passes, what a refusal says, and its cache of verified credentials."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servers.access import MemberGate
+from servers.errors import RequestRejected
+from swarmclient.identity import Identity
+from swarmclient.membership import MemberCredential, Membership, SwarmFile
+from swarmclient.protocol import ErrorCode
+
+CLIENT = "12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
+NOW = 1_800_000_000.0
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
+    root = tmp_path_factory.mktemp("keys")
+    return {name: Identity.create(root / f"{name}.key") for name in ("member", "outsider", "server")}
+
+
+@pytest.fixture
+def swarm_file(tmp_path: Path, keys: dict[str, Identity]) -> Path:
+    swarm = SwarmFile(tmp_path / "swarm.json", {keys["member"].peer_id: "alice", keys["server"].peer_id: "box1"})
+    swarm.save()
+    return swarm.path
+
+
+def refusal(gate: MemberGate, caller: str, meta: dict) -> str:
+    with pytest.raises(RequestRejected) as caught:
+        gate.check(caller, meta)
+    assert caught.value.code is ErrorCode.UNAUTHORIZED and "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_an_open_gate_admits_everyone() -> None:
+    MemberGate.open().check(CLIENT, {})
+
+
+def test_a_member_peer_needs_no_credential_and_others_need_one(swarm_file: Path, keys: dict[str, Identity]) -> None:
+    gate = MemberGate(Membership.from_file(swarm_file))
+    gate.check(keys["server"].peer_id, {})  # another server of the swarm
+    assert "sent no member credential: run the client with --swarm-file and --identity" in refusal(gate, CLIENT, {})
+    outsider = MemberCredential.issue(keys["outsider"], CLIENT, int(NOW) + 86400).to_bytes()
+    gate = MemberGate(Membership.from_file(swarm_file), clock=lambda: NOW)
+    assert "is not a member of this server's swarm: add it with 'swarmbatch swarm add-member" in \
+        refusal(gate, CLIENT, {"credential": outsider})
+
+
+def test_a_verified_credential_is_cached_until_it_expires(swarm_file: Path, keys: dict[str, Identity]) -> None:
+    clock = Clock(NOW)
+    gate = MemberGate(Membership.from_file(swarm_file), clock=clock)
+    meta = {"credential": MemberCredential.issue(keys["member"], CLIENT, int(NOW) + 100).to_bytes()}
+    for _ in range(3):
+        gate.check(CLIENT, meta)
+    assert gate.checked == 1, "one signature check per client process"
+    clock.now = NOW + 100
+    assert "expired" in refusal(gate, CLIENT, meta)
+
+
+def test_removing_a_member_drops_its_cached_credentials(swarm_file: Path, keys: dict[str, Identity]) -> None:
+    monotonic = Clock(0.0)
+    gate = MemberGate(Membership.from_file(swarm_file, recheck=5.0, clock=monotonic), clock=lambda: NOW)
+    meta = {"credential": MemberCredential.issue(keys["member"], CLIENT, int(NOW) + 86400).to_bytes()}
+    gate.check(CLIENT, meta)
+    swarm = SwarmFile.load(swarm_file)
+    swarm.remove("alice")
+    swarm.save()
+    monotonic.now = 5.0
+    assert "is not a member of this server's swarm" in refusal(gate, CLIENT, meta)
+
+
+def test_the_cache_stays_bounded(swarm_file: Path, keys: dict[str, Identity]) -> None:
+    gate = MemberGate(Membership.from_file(swarm_file), clock=lambda: NOW, max_cached=2)
+    credentials = [MemberCredential.issue(keys["member"], CLIENT, int(NOW) + 1000 + i).to_bytes() for i in range(3)]
+    for blob in credentials:
+        gate.check(CLIENT, {"credential": blob})
+    assert len(gate._verified) <= 2
