@@ -97,14 +97,14 @@ def dht(host: HostOption = "127.0.0.1", port: PortOption = 0,
     """Run a DHT bootstrap node; prints its full multiaddr on one stdout line when ready."""
     from servers.bootstrap import run_bootstrap_node
 
+    network = network_options(host, port, identity, announce_host)  # a bad address fails first, in one line
     membership = server_membership("DHT node", host, swarm_file, identity)
 
     def on_ready(maddrs: list[str]) -> None:
         typer.echo(maddrs[0])
         sys.stdout.flush()
 
-    run_bootstrap_node(initial_peers, network_options(host, port, identity, announce_host), on_ready,
-                       None if membership.is_open else membership)
+    run_bootstrap_node(initial_peers, network, on_ready, None if membership.is_open else membership)
 
 
 def parse_blocks(value: str | None) -> tuple[int, int] | None:
