@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PROTOCOL_VERSION = "swarmbatch/2"  # /2: raw-frame inference streams (swarmclient/protocol.py)
+PROTOCOL_VERSION = "swarmbatch/3"  # /3: open messages, bounded frames, info/forward on raw streams (protocol.py)
 
 
 class ServerState(str, Enum):

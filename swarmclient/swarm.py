@@ -5,10 +5,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 
 from swarmclient import protocol
 from swarmclient.config import ClientConfig
@@ -31,6 +32,8 @@ class Swarm:
         self.model_id, self.num_blocks, self.config = model_id, num_blocks, config
         self.bans = BanList(config.ban_timeout, config.max_ban_timeout)
         self.rtts: dict[str, float] = {}
+        # extra keys of every stream's first message (info request, forward header, session open): e.g. a credential
+        self.caller_meta: dict[str, Any] = {}
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
 
@@ -94,14 +97,44 @@ class Swarm:
         self.rtts[peer_id] = rtt
         return rtt
 
-    async def call_info(self, peer_id: str) -> dict[str, object]:
+    async def call_info(self, peer_id: str) -> dict[str, Any]:
         """The server's `info` RPC: its span, limits and load."""
-        request = protocol.make_request([], {})
+        _, meta = await self._call(peer_id, protocol.RPC_INFO, [protocol.encode([], dict(self.caller_meta))],
+                                   timeout=self.config.connect_timeout, max_answer=1 << 20)
+        return meta
+
+    async def call_forward(self, peer_id: str, start: int, end: int, tensors: Sequence[torch.Tensor]
+                           ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The server's stateless `forward` RPC of (hidden, attention_mask, position_ids) over blocks [start, end):
+        (the answer's tensors, its meta).
+
+        The header (the shape the server admits) goes first; the tensors follow once it is admitted. A refusal
+        comes as an error in the meta (`protocol.response_error`), like a step's."""
+        hidden = tensors[0]
+        batch, length = hidden.shape[0], hidden.shape[1]
+        header = {**self.caller_meta, "start": start, "end": end, "batch_size": batch, "length": length,
+                  "dtype": str(hidden.dtype).removeprefix("torch.")}
+        timeout = self.config.step_timeout + self.config.step_timeout_per_token * batch * length
+        return await self._call(peer_id, protocol.RPC_FORWARD,
+                                [protocol.encode([], header), protocol.encode(list(tensors))],
+                                timeout=timeout, max_answer=batch * length * hidden.shape[-1] * 4 + (1 << 16))
+
+    async def _call(self, peer_id: str, rpc: str, frames: list[bytes], *, timeout: float, max_answer: int
+                    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """A request on a stream of its own: each message is sent once the one before it was answered, and a
+        refusal ends it. (tensors, meta) of the last answer; raises PeerFailed if the server cannot be reached."""
         try:
-            response = await asyncio.wait_for(
-                self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), protocol.RPC_INFO, request,
-                                               runtime_pb2.ExpertResponse),
-                timeout=self.config.connect_timeout)
+            async with asyncio.timeout(timeout):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc)
+                try:
+                    for frame in frames:
+                        protocol.write_frame(writer, frame)
+                        await writer.drain()
+                        tensors, meta = protocol.decode(await protocol.read_frame(reader, max_answer))
+                        if protocol.response_error(meta) is not None:
+                            break
+                finally:
+                    writer.close()
+            return tensors, meta
         except Exception as e:
-            raise PeerFailed(peer_id, f"info failed: {type(e).__name__}: {e}") from e
-        return protocol.read_message(response)[1]
+            raise PeerFailed(peer_id, f"{rpc} failed: {type(e).__name__}: {e}") from e
