@@ -121,7 +121,7 @@ async def let_go(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 
     p2pd resets a stream that the server closes (or half-closes) while the caller still holds it open, and a reset
     loses the answers still in flight: measured, about 1 in 500 one-request streams lost its answer that way, none
-    of 3600 with this wait. A caller closes as soon as it has its last answer; what it sends meanwhile is read and
+    of 5400 with this wait. A caller closes as soon as it has its last answer; what it sends meanwhile is read and
     dropped, up to LINGER_BYTES.
     """
     try:
