@@ -28,7 +28,7 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   hop-span  the same over each server's whole half-span (15 blocks), minus that span's local compute
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
-  ping      `Swarm.ping` (the unary `info` RPC), 50 calls per server
+  ping      `Swarm.ping` (the `info` RPC: a stream of its own), 50 calls per server
   floor     the same 1x1xH steps over a bare hivemind stream to an echo process holding the first server's
             1-block and whole span (bench/transport.py): what a hop costs without any of our code
 
@@ -369,7 +369,7 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     results["chain"] = {"step": summary(chain), "local_compute": summary(compute),
                         "overhead_per_hop": summary([(a - b) / len(route) for a, b in zip(chain, compute, strict=True)])}
 
-    # (4) the unary info RPC
+    # (4) the info RPC
     results["ping"] = {h.peer_id[-6:]: summary([swarm.loop.run(swarm.ping(h.peer_id)) for _ in range(50)])
                        for h in route}
 
@@ -488,7 +488,7 @@ def print_report(rows: list[dict[str, Any]], hops: dict[str, Any] | None, meta: 
     print(line("full chain local compute (both spans)", chain["local_compute"]))
     print(line("full chain (step - compute) / 2 hops", chain["overhead_per_hop"]))
     for peer, s in hops["ping"].items():
-        print(line(f"Swarm.ping (unary info RPC) ...{peer}", s))
+        print(line(f"Swarm.ping (info RPC) ...{peer}", s))
     for raw in hops["raw"]:
         print(line(f"transport floor: bare-stream echo of blocks {raw['blocks']} (bench/transport.py), "
                    "round trip - its compute", raw["network"]))

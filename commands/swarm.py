@@ -140,6 +140,14 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
           max_merge_tokens: Annotated[int, typer.Option(
               min=0, help="Sessions caching more tokens (rows x length) than this run alone: merging copies "
                           "their caches.")] = 2048,
+          max_sessions_per_peer: Annotated[int, typer.Option(
+              min=1, help="Sessions one caller (peer id) may have open here at once; more are refused as busy.")] = 16,
+          max_cache_share_per_peer: Annotated[float, typer.Option(
+              min=0.0, max=1.0, help="Share of the KV-cache budget one caller may reserve; more is refused as busy.")] = 0.5,
+          max_queued_forwards: Annotated[int, typer.Option(
+              min=1, help="Stateless forwards admitted and not yet answered, all callers together.")] = 4,
+          max_forwards_per_peer: Annotated[int, typer.Option(
+              min=1, help="The same, per caller.")] = 2,
           metrics_port: Annotated[int, typer.Option(min=0, max=65535,
                                                     help="Serve Prometheus /metrics on this port; 0 = off.")] = 0,
           metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1",
@@ -162,8 +170,10 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
         num_blocks=num_blocks, network=network, dtype=dtype_choice,
         quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
         announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
-        batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens,
-        metrics_port=metrics_port, metrics_host=metrics_host, swarm_file=str(swarm_file) if swarm_file else None)
+        batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens, max_sessions_per_peer=max_sessions_per_peer,
+        max_cache_share_per_peer=max_cache_share_per_peer, max_queued_forwards=max_queued_forwards,
+        max_forwards_per_peer=max_forwards_per_peer, metrics_port=metrics_port, metrics_host=metrics_host,
+        swarm_file=str(swarm_file) if swarm_file else None)
     run_server(config, print_ready)
 
 

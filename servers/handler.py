@@ -1,7 +1,22 @@
-"""RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one raw stream = one session).
+"""RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one stream = one session).
 
-Every exception is turned into an in-band error response in one place (`_guard`), so a bad request never
-stops the server or the stream it came on.
+All three are raw streams of length-prefixed frames (swarmclient/protocol.py), and what a caller can make the
+server take is bounded before it is taken:
+
+- a message's length is checked before it is read: OPEN_FRAME_LIMIT until a session exists (and for info requests
+  and forward headers), then what the session's (or the forward header's) shape allows; an oversized one gets an
+  `invalid_request` answer and ends the stream;
+- a stream's first message is authorized (`authorize`, in `_read`, the one place) before anything else is done;
+- a forward's header is answered {"admitted": true} before its tensors are sent, so that a refusal never leaves
+  a client's bytes unread: p2pd resets a stream ended with unread bytes, and the client then loses the answer;
+- a session reserves its KV cache only once its open message is valid, within the caller's share of sessions
+  and cache; a refused open takes nothing;
+- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer;
+- a stream is closed `session_timeout` after its last accepted message (refused ones do not keep it alive), and
+  after MAX_REFUSED_BEFORE_OPEN refused messages in a row before a session exists.
+
+Every exception is turned into an in-band error response in one place (`_answer`), so a bad request never stops
+the server or the stream it came on.
 """
 from __future__ import annotations
 
@@ -14,18 +29,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
-from hivemind.proto import runtime_pb2
 
-from servers.access import MemberGate
+from servers.admission import Slots
 from servers.batching import DecodeBatcher, DecodeStep
 from servers.errors import RequestRejected
 from servers.memory import CacheBudget
 from servers.span import BlockSpan
 from servers.stats import ServerStats
 from servers.status import ServerStatus
-from servers.validation import Limits, reject, validate_keep_rows, validate_session_open, validate_span, validate_step
+from servers.validation import (
+    Limits,
+    reject,
+    validate_forward,
+    validate_forward_header,
+    validate_keep_rows,
+    validate_session_open,
+    validate_span,
+    validate_step,
+)
 from swarmclient import protocol
 from swarmclient.protocol import ErrorCode
 
@@ -33,6 +56,15 @@ logger = logging.getLogger(__name__)
 # log lines that tests read (sessions open at once): session id prefix first
 SESSION_OPENED_LOG = "Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens"
 SESSION_CLOSED_LOG = "Session %s closed after %d tokens"
+MAX_REFUSED_BEFORE_OPEN = 8  # refused messages in a row after which a stream without a session is ended
+LINGER_SECONDS = 3.0  # how long a stream the server ends waits for the caller to close it first (`let_go`)
+LINGER_BYTES = 1 << 16  # the most it reads (and drops) meanwhile
+
+Authorize = Callable[[str, dict[str, Any]], None]
+
+
+def allow_everyone(caller: str, meta: dict[str, Any]) -> None:
+    """The default `authorize`: every caller may use the server."""
 
 
 @dataclass
@@ -40,6 +72,7 @@ class Session:
     """One client's inference session on this server."""
 
     session_id: str
+    peer: str  # the caller that opened it
     start: int
     end: int
     batch_size: int
@@ -55,14 +88,51 @@ def check_session_id(meta: dict[str, Any], session: Session) -> None:
                               f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
 
 
+class StreamOver(Exception):
+    """The stream is over: the caller ended it, sent nothing accepted for too long, or sent an oversized message."""
+
+
 @dataclass
 class Stream:
-    """One `inference` stream: the session it opened (at its first step) and whether the client ended it."""
+    """One stream of one caller: when it expires, whether its first message passed, its session, its refusals."""
 
-    remote: str
-    peer: str = ""  # the caller's full peer id (authenticated by libp2p), for the membership check
+    peer: str  # the caller's peer id, authenticated by libp2p
+    timeout: float
+    deadline: float = 0.0  # event-loop time after which the stream is closed, unless a message is accepted before
+    authorized: bool = False
     session: Session | None = None
+    refused: int = 0  # refused messages in a row
     ended: bool = False
+
+    def __post_init__(self) -> None:
+        self.accepted()
+
+    def accepted(self) -> None:
+        """A message was accepted: the stream lives `timeout` more seconds from now."""
+        self.deadline = asyncio.get_running_loop().time() + self.timeout
+        self.refused = 0
+
+
+StreamServer = Callable[[Stream, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def let_go(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """End a stream once the caller has closed its side, or after LINGER_SECONDS or LINGER_BYTES.
+
+    p2pd resets a stream that the server closes (or half-closes) while the caller still holds it open, and a reset
+    loses the answers still in flight: measured, about 1 in 500 one-request streams lost its answer that way, none
+    of 5400 with this wait. A caller closes as soon as it has its last answer; what it sends meanwhile is read and
+    dropped, up to LINGER_BYTES.
+    """
+    try:
+        async with asyncio.timeout(LINGER_SECONDS):
+            left = LINGER_BYTES
+            while left > 0 and (chunk := await reader.read(min(left, 1 << 16))):
+                left -= len(chunk)
+    except (TimeoutError, ConnectionError):
+        pass
+    finally:
+        writer.close()
 
 
 @dataclass
@@ -71,13 +141,18 @@ class BlockHandler:
 
     span: BlockSpan
     limits: Limits
-    budget: CacheBudget
+    budget: CacheBudget  # also caps each caller's share of the cache
     status: Callable[[], ServerStatus]  # the server's status, which the `info` RPC answers with
-    session_timeout: float = 300.0
+    session_timeout: float = 300.0  # a stream with no accepted message for this long is closed (its session freed)
     batch_wait_ms: float = 2.0  # how long a decode step waits for other sessions' steps to merge with; 0 = never
     max_merge_tokens: int = 2048  # a session caching more (rows x length) is never merged: copying it costs more
+    max_sessions_per_peer: int = 16
+    max_queued_forwards: int = 4    # forwards admitted and not yet answered (uploading, waiting or computing)
+    max_forwards_per_peer: int = 2
+    # who may use the server: called with the caller's peer id and its stream's first message's meta; raises
+    # RequestRejected(UNAUTHORIZED) to refuse (an in-band error; nothing is reserved or computed)
+    authorize: Authorize = allow_everyone
     stats: ServerStats = field(default_factory=ServerStats)
-    gate: MemberGate = field(default_factory=MemberGate.open)  # membership: checked first by info, forward, inference
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
 
@@ -85,80 +160,139 @@ class BlockHandler:
         # a merged forward holds at most as many rows as one session may have
         self.batcher = DecodeBatcher(self.span, wait_ms=self.batch_wait_ms, max_rows=self.limits.max_batch_size,
                                      stats=self.stats, max_merge_tokens=self.max_merge_tokens)
+        self.forwards = Slots("forwards in flight", per_caller=self.max_forwards_per_peer,
+                              total=self.max_queued_forwards)
 
     async def register(self, p2p: P2P) -> None:
         """Add the three RPCs to a P2P node."""
-        await p2p.add_protobuf_handler(protocol.RPC_INFO, self.rpc_info, runtime_pb2.ExpertRequest)
-        await p2p.add_protobuf_handler(protocol.RPC_FORWARD, self.rpc_forward, runtime_pb2.ExpertRequest)
+        await p2p.add_binary_stream_handler(protocol.RPC_INFO, self.rpc_info)
+        await p2p.add_binary_stream_handler(protocol.RPC_FORWARD, self.rpc_forward)
         await p2p.add_binary_stream_handler(protocol.RPC_INFERENCE, self.rpc_inference)
 
-    @property
-    def max_frame_bytes(self) -> int:
-        """The largest step message a valid session can send: a full batch of hidden states, mask and positions."""
-        rows, length = self.limits.max_batch_size, self.limits.max_length
-        return rows * length * (self.limits.hidden_size * 4 + 16) + (1 << 16)
-
-    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+    async def rpc_info(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """This server's announcement, limits and load."""
-        return runtime_pb2.ExpertResponse(metadata=await self._guard(lambda: self._info(request.metadata, context)))
+        await self._serve(info, reader, writer, self._serve_info)
 
-    async def _info(self, frame: bytes, context: P2PContext) -> bytes:
-        self.gate.check(context.remote_id.to_base58(), protocol.decode_meta(frame))  # membership, before all else
-        return protocol.encode([], self.status().info_answer())
-
-    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext
-                          ) -> runtime_pb2.ExpertResponse:
-        """A whole sequence through blocks [start, end), statelessly."""
-        return runtime_pb2.ExpertResponse(
-            metadata=await self._guard(lambda: self._forward(request.metadata, context.remote_id.to_base58())))
-
-    async def _forward(self, frame: bytes, caller: str) -> bytes:
-        self.gate.check(caller, protocol.decode_meta(frame))  # membership, before the tensors are even decoded
-        tensors, meta = protocol.decode(frame)
-        start, end = validate_span(meta, self.limits)
-        batch = tensors[0].shape[0] if tensors and tensors[0].ndim == 3 else 0
-        if not 1 <= batch <= self.limits.max_batch_size:
-            raise reject(f"batch size must be in [1, {self.limits.max_batch_size}], got {batch}")
-        hidden, mask, positions = validate_step(tensors, batch_size=batch, past=0, max_length=self.limits.max_length,
-                                                hidden_size=self.limits.hidden_size)
-        output = await self._compute(hidden, mask, positions, None, start, end)
-        return protocol.encode([output])
+    async def rpc_forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                          ) -> None:
+        """A whole sequence through blocks [start, end), statelessly: a header, then its tensors."""
+        await self._serve(info, reader, writer, self._serve_forward)
 
     async def rpc_inference(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                             ) -> None:
-        """One session per stream: each message is a step, or the client's `close`; the KV cache lives until
-        the client closes the session, the stream ends, or the session idles past `session_timeout`."""
-        stream = Stream(remote=str(info.peer_id)[-6:], peer=info.peer_id.to_base58())
+        """One session per stream: an open message, then steps, then the client's `close`; the KV cache lives until
+        the client closes the session, the stream ends, or nothing is accepted on it for `session_timeout`."""
+        await self._serve(info, reader, writer, self._serve_inference)
+
+    # ---- streams ---------------------------------------------------------------------------------------------
+    async def _serve(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     serve: StreamServer) -> None:
+        stream = Stream(peer=str(info.peer_id), timeout=self.session_timeout)
         try:
-            while not stream.ended:
-                try:
-                    async with asyncio.timeout(self.session_timeout):  # no extra task per step, unlike wait_for
-                        frame = await protocol.read_frame(reader, self.max_frame_bytes)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    break  # the client closed the stream (or died)
-                except TimeoutError:
-                    logger.info("Session idle for %.0f s; closing it", self.session_timeout)
-                    break
-                except protocol.FrameTooLarge as e:  # the stream cannot be resynchronized: answer, then end it
-                    self.stats.record_error(ErrorCode.INVALID.value)
-                    protocol.write_frame(writer, protocol.encode_error(ErrorCode.INVALID, str(e)))
-                    break
-                protocol.write_frame(writer, await self._guard(lambda: self._message(frame, stream)))  # noqa: B023 - awaited here
-                await writer.drain()
-        except ConnectionError:  # the client went away while we computed: nothing to answer
+            await serve(stream, reader, writer)
+        except (StreamOver, ConnectionError):  # over, or the caller went away while we computed
             pass
         finally:
             if stream.session is not None:
                 self._close(stream.session)
-            writer.close()
+            await let_go(reader, writer)
+
+    async def _receive(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       limit: int) -> bytes:
+        """The stream's next message, of at most `limit` bytes; raises StreamOver when there is none to answer."""
+        try:
+            async with asyncio.timeout_at(stream.deadline):  # no extra task per step, unlike wait_for
+                return await protocol.read_frame(reader, limit)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            raise StreamOver from None  # the caller ended the stream (or died)
+        except TimeoutError:
+            logger.info("No message accepted from %s for %.0f s; closing its stream", stream.peer[-6:], stream.timeout)
+            raise StreamOver from None
+        except protocol.FrameTooLarge as e:  # the stream cannot be resynchronized: answer, then end it
+            self.stats.record_error(ErrorCode.INVALID.value)
+            protocol.write_frame(writer, protocol.encode_error(ErrorCode.INVALID, str(e)))
+            raise StreamOver from None
+
+    async def _reply(self, stream: Stream, writer: asyncio.StreamWriter, handle: Callable[[], Awaitable[bytes]]
+                     ) -> None:
+        """Answer one message; only an accepted one keeps the stream alive, and too many refusals end it."""
+        answer, error = await self._answer(handle)
+        if error is None:
+            stream.accepted()
+        else:
+            stream.refused += 1
+            if stream.session is None and stream.refused >= MAX_REFUSED_BEFORE_OPEN:
+                logger.info("Ending the stream of %s after %d refused messages (last: %s)", stream.peer[-6:],
+                            stream.refused, error.value)
+                stream.ended = True
+        protocol.write_frame(writer, answer)
+        await writer.drain()
+
+    def _read(self, frame: bytes, stream: Stream) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Decode a message. A stream's first message is authorized here, the one place, before anything is done
+        with it; until one passes, each message is taken for the first (and refused like it)."""
+        tensors, meta = protocol.decode(frame)
+        if not stream.authorized:
+            self.authorize(stream.peer, meta)
+            stream.authorized = True
+        return tensors, meta
+
+    # ---- info and forward ------------------------------------------------------------------------------------
+    async def _serve_info(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        frame = await self._receive(stream, reader, writer, protocol.OPEN_FRAME_LIMIT)
+        await self._reply(stream, writer, lambda: self._info(frame, stream))
+
+    async def _info(self, frame: bytes, stream: Stream) -> bytes:
+        self._read(frame, stream)
+        return protocol.encode([], self.status().info_answer())
+
+    async def _serve_forward(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                             ) -> None:
+        header = await self._receive(stream, reader, writer, protocol.OPEN_FRAME_LIMIT)
+        await self._reply(stream, writer, lambda: self._forward(header, stream, reader, writer))
+
+    async def _forward(self, header: bytes, stream: Stream, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> bytes:
+        """Admit a forward on its header, then read exactly the tensors it declared and run them."""
+        tensors, meta = self._read(header, stream)
+        if tensors:
+            raise reject("a forward header carries no tensors: send them in the next message")
+        shape = validate_forward_header(meta, self.limits)
+        with self.forwards.hold(stream.peer):
+            # admitted: the client sends the tensors only now, so a refused header leaves nothing unread (a stream
+            # ended with unread bytes is reset by p2pd, and the client would lose the answer saying why)
+            protocol.write_frame(writer, protocol.encode([], {"admitted": True}))
+            await writer.drain()
+            stream.accepted()  # its tensors have `session_timeout` to arrive
+            limit = protocol.step_frame_limit(batch=shape.batch_size, tokens=shape.length, mask_length=shape.length,
+                                              hidden_size=self.limits.hidden_size, itemsize=shape.dtype.itemsize)
+            tensors, _ = protocol.decode(await self._receive(stream, reader, writer, limit))
+            hidden, mask, positions = validate_forward(tensors, shape, self.limits)
+            output = await self._compute(hidden, mask, positions, None, shape.start, shape.end)
+        return protocol.encode([output])
+
+    # ---- inference -------------------------------------------------------------------------------------------
+    async def _serve_inference(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                               ) -> None:
+        while not stream.ended:
+            frame = await self._receive(stream, reader, writer, self._frame_limit(stream))
+            await self._reply(stream, writer, lambda: self._message(frame, stream))  # noqa: B023 - awaited here
+
+    def _frame_limit(self, stream: Stream) -> int:
+        """The largest message the stream may send now: small until a session is open, then a step of it."""
+        session = stream.session
+        if session is None:
+            return protocol.OPEN_FRAME_LIMIT
+        return protocol.step_frame_limit(batch=session.batch_size, tokens=session.max_length - session.length,
+                                         mask_length=session.max_length, hidden_size=self.limits.hidden_size)
 
     async def _message(self, frame: bytes, stream: Stream) -> bytes:
-        """Answer one message of a stream: a step, or the client's request to end the session."""
-        if stream.session is None:  # membership: the message that opens a session, before it is decoded or reserved
-            self.gate.check(stream.peer, protocol.decode_meta(frame))
-        tensors, meta = protocol.decode(frame)
+        """Answer one message of a stream: the open message, a step, or the client's request to end the session."""
+        tensors, meta = self._read(frame, stream)
         if meta.get("close"):
             return self._end(meta, stream)
+        if meta.get("open"):
+            return self._open(tensors, meta, stream)
         return await self._step(tensors, meta, stream)
 
     def _end(self, meta: dict[str, Any], stream: Stream) -> bytes:
@@ -170,12 +304,33 @@ class BlockHandler:
         stream.ended = True
         return protocol.encode([], {"closed": True})
 
+    def _open(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
+        """Check an open message whole, then reserve the session's cache: a refused one takes nothing."""
+        if stream.session is not None:
+            raise reject(f"this stream already carries session {stream.session.session_id[:8]}; open another stream")
+        if tensors:
+            raise reject("an open message carries no tensors: send the first step after it")
+        session_id, batch_size, max_length = validate_session_open(meta, self.limits)
+        start, end = validate_span(meta, self.limits)
+        if session_id in self.sessions:
+            raise reject(f"session {session_id!r} is already open on another stream")
+        held = sum(s.peer == stream.peer for s in self.sessions.values())
+        if held >= self.max_sessions_per_peer:
+            raise RequestRejected(ErrorCode.BUSY, f"this caller already has {held} sessions open here, the most one "
+                                                  f"caller may have; close one or use another server")
+        caches = self.span.new_caches(start, end)
+        self.budget.reserve(session_id, owner=stream.peer, batch_size=batch_size, max_length=max_length,
+                            num_blocks=end - start)
+        session = stream.session = self.sessions[session_id] = Session(
+            session_id, stream.peer, start, end, batch_size, max_length, caches)
+        logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
+        return protocol.encode([], {"opened": True, "session_id": session.session_id})
+
     async def _step(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
-        session = stream.session or self._open(meta, stream.remote)
-        stream.session = session
+        session = stream.session
+        if session is None:
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no session is open on this stream: send an open message first")
         check_session_id(meta, session)
-        if (meta.get("start"), meta.get("end")) != (session.start, session.end):
-            raise reject(f"the session serves blocks {session.start}:{session.end}, not {meta.get('start')}:{meta.get('end')}")
         keep_rows = validate_keep_rows(meta.get("keep_rows"), session.batch_size)
         hidden, mask, positions = validate_step(
             tensors, batch_size=session.batch_size if keep_rows is None else len(keep_rows), past=session.length,
@@ -210,17 +365,6 @@ class BlockHandler:
         self.stats.record_step(tokens=hidden.shape[0])
         return output.float(), merged
 
-    def _open(self, meta: dict[str, Any], remote: str) -> Session:
-        session_id, batch_size, max_length = validate_session_open(meta, self.limits)
-        start, end = validate_span(meta, self.limits)
-        if session_id in self.sessions:
-            raise reject(f"session {session_id!r} is already open on another stream")
-        self.budget.reserve(session_id, batch_size=batch_size, max_length=max_length, num_blocks=end - start)
-        session = Session(session_id, start, end, batch_size, max_length, self.span.new_caches(start, end))
-        self.sessions[session_id] = session
-        logger.info(SESSION_OPENED_LOG, session_id[:8], remote, start, end, batch_size, max_length)
-        return session
-
     def _close(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
         self.budget.release(session.session_id)
@@ -239,18 +383,21 @@ class BlockHandler:
         self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
         return output.float()
 
-    async def _guard(self, handle: Callable[[], Awaitable[bytes]]) -> bytes:
-        """The one place where exceptions become error responses (frames)."""
+    async def _answer(self, handle: Callable[[], Awaitable[bytes]]) -> tuple[bytes, ErrorCode | None]:
+        """The one place where exceptions become error responses: (the answer, the error code if refused)."""
         try:
-            return await handle()
+            return await handle(), None
+        except StreamOver:
+            raise
         except RequestRejected as e:
-            self.stats.record_error(e.code.value)
             logger.info("Rejected a request: %s: %s", e.code.value, e)
-            return protocol.encode_error(e.code, str(e))
+            return self._error(e.code, str(e))
         except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
-            self.stats.record_error(ErrorCode.INVALID.value)
-            return protocol.encode_error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
+            return self._error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
         except Exception as e:
-            self.stats.record_error(ErrorCode.INTERNAL.value)
             logger.exception("Request failed")
-            return protocol.encode_error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            return self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _error(self, code: ErrorCode, message: str) -> tuple[bytes, ErrorCode]:
+        self.stats.record_error(code.value)
+        return protocol.encode_error(code, message), code

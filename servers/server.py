@@ -53,6 +53,10 @@ class ServerConfig:
     num_threads: int | None = None          # torch threads for compute; None keeps torch's default
     batch_wait_ms: float = 2.0              # a decode step waits this long to merge with other sessions'; 0 = never
     max_merge_tokens: int = 2048            # sessions caching more (rows x length) run alone (merging copies caches)
+    max_sessions_per_peer: int = 16         # sessions one caller (peer id) may have open here at once
+    max_cache_share_per_peer: float = 0.5   # the share of the KV-cache budget one caller may reserve
+    max_queued_forwards: int = 4            # forwards admitted and not yet answered, all callers together
+    max_forwards_per_peer: int = 2          # the same, per caller
     metrics_port: int = 0                   # Prometheus /metrics port; 0 = no metrics endpoint
     metrics_host: str = "127.0.0.1"         # where /metrics listens (0.0.0.0 for a scraper elsewhere)
     swarm_file: str | None = None           # a private swarm's members; None = open (everyone may call us)
@@ -71,6 +75,10 @@ class ServerConfig:
         if self.swarm_file and not self.network.identity_path:
             raise ServerConfigError("a server of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose "
                                     "peer id is in the swarm file ('swarmbatch swarm new-key', then add-member)")
+        if min(self.max_sessions_per_peer, self.max_queued_forwards, self.max_forwards_per_peer) < 1 \
+                or not 0 < self.max_cache_share_per_peer <= 1:
+            raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards and --max-forwards-per-peer must be "
+                                    "positive, and --max-cache-share-per-peer in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -145,11 +153,14 @@ class BlockServer:
         config = self.config
         span = await asyncio.get_running_loop().run_in_executor(
             None, lambda: load_span(self.spec, start, end, dtype=config.dtype, quant=config.quant))
-        budget = CacheBudget(config.attn_cache_tokens, end - start)
+        budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer)
         limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)
         handler = BlockHandler(span, limits, budget, self.status, session_timeout=config.session_timeout,
                                batch_wait_ms=config.batch_wait_ms, max_merge_tokens=config.max_merge_tokens,
-                               stats=self.stats, gate=MemberGate(self.membership))
+                               max_sessions_per_peer=config.max_sessions_per_peer,
+                               max_queued_forwards=config.max_queued_forwards,
+                               max_forwards_per_peer=config.max_forwards_per_peer, stats=self.stats,
+                               authorize=MemberGate(self.membership).check)
         announcer = Announcer(node, status=self.status, update_period=config.announce_period)
         return Serving(span, budget, handler, announcer)
 
@@ -158,7 +169,7 @@ class BlockServer:
         serving = self.serving
         span = None if serving is None else SpanStatus(
             start=serving.span.start, end=serving.span.end, throughput=self.throughput,
-            sessions=len(serving.handler.sessions), cache=serving.budget.use())
+            sessions=len(serving.handler.sessions), forwards=serving.handler.forwards.in_use, cache=serving.budget.use())
         return ServerStatus(
             state=self.state, model_id=self.spec.model_id, peer_id=self.peer_id, dtype=self.config.dtype.value,
             quant=self.config.quant.value, version=PROTOCOL_VERSION, revision=self.spec.revision,

@@ -21,6 +21,7 @@ class SpanStatus:
     end: int
     throughput: float  # block-steps per second; 0 until measured
     sessions: int      # inference sessions open now
+    forwards: int      # forwards admitted and not yet answered
     cache: CacheUse
 
 
@@ -59,4 +60,5 @@ class ServerStatus:
         return {**self.announcement().to_wire(), "peer_id": self.peer_id, "model_id": self.model_id,
                 "steps": self.stats.steps, "tokens": self.stats.tokens, "errors": dict(self.stats.errors),
                 "sessions": self.loaded_span().sessions, "merged_steps": self.stats.merged_steps,
-                "merged_sessions": self.stats.merged_sessions, "max_merged": self.stats.max_merged}
+                "merged_sessions": self.stats.merged_sessions, "max_merged": self.stats.max_merged,
+                "forwards": self.loaded_span().forwards}

@@ -55,6 +55,39 @@ def validate_session_open(meta: dict[str, Any], limits: Limits) -> tuple[str, in
     return session_id, batch_size, max_length
 
 
+@dataclass(frozen=True)
+class ForwardShape:
+    """What a `forward` header declares: blocks [start, end) and the shape and dtype of the hidden states to come."""
+
+    start: int
+    end: int
+    batch_size: int
+    length: int
+    dtype: torch.dtype
+
+
+def validate_forward_header(meta: dict[str, Any], limits: Limits) -> ForwardShape:
+    """The shape a forward's tensors must have; checked before any of them is read."""
+    start, end = validate_span(meta, limits)
+    batch_size = _int_field(meta, "batch_size", 1, limits.max_batch_size)
+    length = _int_field(meta, "length", 1, limits.max_length)
+    names = {str(dtype).removeprefix("torch."): dtype for dtype in HIDDEN_DTYPES}
+    if meta.get("dtype") not in names:
+        raise reject(f"'dtype' must be one of {', '.join(names)}, got {str(meta.get('dtype'))[:32]!r}")
+    return ForwardShape(start, end, batch_size, length, names[meta["dtype"]])
+
+
+def validate_forward(tensors: list[torch.Tensor], shape: ForwardShape, limits: Limits
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's (hidden, mask, positions): a whole sequence of the shape its header declared."""
+    hidden, mask, positions = validate_step(tensors, batch_size=shape.batch_size, past=0, max_length=limits.max_length,
+                                            hidden_size=limits.hidden_size)
+    if hidden.shape[1] != shape.length or hidden.dtype != shape.dtype:
+        raise reject(f"hidden states must be the header's {shape.batch_size} x {shape.length} tokens of {shape.dtype}, "
+                     f"got {list(hidden.shape)} of {hidden.dtype}")
+    return hidden, mask, positions
+
+
 def validate_keep_rows(value: Any, batch_size: int) -> list[int] | None:
     """The rows a step keeps of the session's batch (sorted, unique, in range), or None to keep them all."""
     if value is None:

@@ -5,11 +5,27 @@ One codec for every message (`encode` / `decode`): a 4-byte header length, a msg
 is a bounds check and `torch.frombuffer`, no per-element work: a decode step's hop runs right after a
 compute that has flushed the CPU caches, and every line of Python on that path is slow then.
 
-- `inference` is a raw hivemind stream (one stream = one session): each message is an 8-byte length and a
-  frame, written with one write. One message per step, in both directions. A last message with meta
-  {"session_id", "close": true} asks the server to free the session; it answers {"closed": true} once freed,
-  then ends the stream.
-- `info` and `forward` are unary hivemind calls; their protobuf carries the same frame in `metadata`.
+Every RPC is a raw hivemind stream of messages, each an 8-byte length and a frame, written with one write. A
+reader refuses a length over its limit having read only those 8 bytes. Before a session exists (and in `info` and
+`forward` requests) a message may be at most OPEN_FRAME_LIMIT; a session's steps at most what its shape allows
+(`step_frame_limit`).
+
+- `inference` (one stream = one session): first an OPEN message, no tensors, meta {"open": true, "session_id",
+  "start", "end", "batch_size", "max_length"} plus the caller's extra keys (a credential); the server checks it,
+  reserves the session's KV cache and answers {"opened": true}. Then one message per step, in both directions,
+  meta {"session_id"} (and "keep_rows"). A first step of at most OPEN_FRAME_LIMIT bytes goes right behind the
+  open message, without waiting (pipelined: opening costs no round trip; if the open is refused, the server reads
+  and refuses that step too, and the stream stays usable); a bigger one waits for {"opened": true}. A last message
+  {"session_id", "close": true} asks the server to free the session; it answers {"closed": true} once freed, then
+  ends the stream.
+- `info`: one request (meta: the caller's extra keys), one answer; then the server ends the stream.
+- `forward`: a header (no tensors; meta {"start", "end", "batch_size", "length", "dtype"}, plus the caller's
+  keys), answered {"admitted": true} (or an error), then one frame of (hidden, attention_mask, position_ids) no
+  larger than the header's shape allows; one answer, then the server ends the stream.
+
+A server ends a stream without reading what the client sent only when the client broke the rules (an oversized
+message): p2pd resets such a stream, and the client loses the answers still in flight, so a well-behaved client
+never has bytes in flight that the server may refuse to read.
 
 Errors travel in-band as metadata {"error": {"code", "message"}} so that a stream survives a rejected step
 and the client can tell "route around this server" from "my request is wrong".
@@ -22,12 +38,14 @@ from enum import Enum
 from typing import Any
 
 import torch
-from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
-RPC_INFO = "swarmbatch.info"
-RPC_FORWARD = "swarmbatch.forward"
-RPC_INFERENCE = "swarmbatch.inference/2"  # /2: raw frames (before: hivemind protobuf stream messages)
+# /3: an open message starts a session; info and forward are raw streams too (before: unary protobuf calls)
+RPC_INFO = "swarmbatch.info/3"
+RPC_FORWARD = "swarmbatch.forward/3"
+RPC_INFERENCE = "swarmbatch.inference/3"
+
+OPEN_FRAME_LIMIT = 1 << 16  # bytes: any message before a session exists, an info request, a forward header
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype
           for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
@@ -40,7 +58,7 @@ class ErrorCode(str, Enum):
 
     INVALID = "invalid_request"      # malformed: a client bug, never retried
     CACHE_FULL = "cache_full"        # no room for the session now: route around this server
-    BUSY = "busy"                    # too many sessions: route around
+    BUSY = "busy"                    # this caller holds its share (sessions, cache, queued forwards): route around
     UNAUTHORIZED = "unauthorized"    # the caller is not a member of this server's swarm: route around
     UNKNOWN_SESSION = "unknown_session"  # a step for a session this stream did not open
     INTERNAL = "internal"            # the server failed: route around
@@ -136,30 +154,27 @@ def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
     writer.write(length_prefixed(frame))
 
 
+def write_frames(writer: asyncio.StreamWriter, frames: list[bytes]) -> None:
+    """Queue several messages back to back with a single write (pipelined: no answer is awaited in between)."""
+    writer.write(b"".join(length_prefixed(frame) for frame in frames))
+
+
+def step_frame_limit(*, batch: int, tokens: int, mask_length: int, hidden_size: int, itemsize: int = 4) -> int:
+    """The largest message carrying `tokens` new tokens of `batch` rows: hidden states (`itemsize` bytes, float32 at
+    most), the attention mask over `mask_length` and the position ids (int64 at most), and a header (meta, padding)."""
+    return batch * (tokens * (hidden_size * itemsize + 8) + mask_length * 8 + 16) + OPEN_FRAME_LIMIT
+
+
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
-    """The next message; IncompleteReadError at the end of the stream, FrameTooLarge over `max_bytes`."""
+    """The next message; IncompleteReadError at the end of the stream, FrameTooLarge over `max_bytes` (having read
+    only the 8-byte length)."""
     length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "big")
     if length > max_bytes:
         raise FrameTooLarge(f"message of {length} bytes exceeds the limit of {max_bytes}")
     return await reader.readexactly(length)
 
 
-# ---- unary calls: the frame inside hivemind's protobuf ----------------------------------------------------
-
-def make_request(tensors: list[torch.Tensor], meta: dict[str, Any]) -> runtime_pb2.ExpertRequest:
-    """A unary request carrying one frame."""
-    return runtime_pb2.ExpertRequest(metadata=encode(tensors, meta))
-
-
-def make_response(tensors: list[torch.Tensor], meta: dict[str, Any] | None = None) -> runtime_pb2.ExpertResponse:
-    """A unary response carrying one frame."""
-    return runtime_pb2.ExpertResponse(metadata=encode(tensors, meta))
-
-
-def read_message(msg: runtime_pb2.ExpertRequest | runtime_pb2.ExpertResponse) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """Unpack a unary message; raises ValueError on garbage."""
-    return decode(msg.metadata)
-
+# ---- answers -------------------------------------------------------------------------------------------
 
 def encode_error(code: ErrorCode, message: str) -> bytes:
     """A frame that carries only an error."""

@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 class ServerSession:
     """One `inference` stream to one server over blocks [hop.start, hop.end); not fault-tolerant.
 
-    Once a step fails midway (a timeout, a dropped stream), the stream may be out of step with the server,
-    so every later step fails too: the caller replaces the session.
+    `open()` opens the stream; the first `step()` sends the session's open message, then the step (back to back
+    when the step is small: see `_open_with`), and reads both answers. Once a step fails midway (a timeout, a
+    dropped stream, a refused open), the stream may be out of step with the server, so every later step fails
+    too: the caller replaces the session.
     """
 
     def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int) -> None:
@@ -44,6 +46,7 @@ class ServerSession:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._failure: str | None = None
+        self._opened = False  # whether the open message went out (it goes with the first step)
         self.steps = 0
         self.last_compute_seconds = 0.0  # the server's own compute time of the last step
         self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
@@ -58,6 +61,12 @@ class ServerSession:
             raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
         return self
 
+    def _open_message(self) -> bytes:
+        """The session's first message: its id, blocks and size (what the server reserves), and the caller's keys."""
+        return protocol.encode([], {**self.swarm.auth_meta(), "open": True, "session_id": self.session_id,
+                                    "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
+                                    "max_length": self.max_length})
+
     async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                    keep_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Send one step's hidden states; returns the hop's output hidden states.
@@ -67,19 +76,19 @@ class ServerSession:
         if self._failure is not None:
             raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure})")
         assert self._writer is not None, "open() first"
-        # batch_size is the batch the server opens the session with (its first step), before any keep_rows
-        meta: dict[str, Any] = {"session_id": self.session_id, "start": self.hop.start, "end": self.hop.end,
-                                "batch_size": self.batch_size, "max_length": self.max_length}
+        meta: dict[str, Any] = {"session_id": self.session_id}
         if keep_rows is not None:
             meta["keep_rows"] = list(keep_rows)
-        if self.steps == 0:  # membership: the step that opens the session proves it (the server checks it first)
-            meta.update(self.swarm.auth_meta())
         config = self.swarm.config
         tokens = hidden.shape[0] * hidden.shape[1]
-        request = protocol.encode([hidden, attention_mask, position_ids], meta)
+        timeout = config.step_timeout + config.step_timeout_per_token * tokens
+        max_bytes = tokens * hidden.shape[2] * 4 + (1 << 16)
+        frame = protocol.encode([hidden, attention_mask, position_ids], meta)
         began = time.perf_counter()
-        frame = await self._exchange(request, config.step_timeout + config.step_timeout_per_token * tokens,
-                                     max_bytes=tokens * hidden.shape[2] * 4 + (1 << 16))
+        if self._opened:
+            frame = await self._exchange([frame], timeout, max_bytes=max_bytes)
+        else:
+            frame = await self._open_with(frame, timeout, max_bytes=max_bytes)
         seconds = time.perf_counter() - began
         try:
             tensors, meta = protocol.decode(frame)
@@ -101,13 +110,31 @@ class ServerSession:
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
 
-    async def _exchange(self, frame: bytes, timeout: float, *, max_bytes: int) -> bytes:
-        """Write one message and read the answer; any failure breaks the session for good."""
+    async def _open_with(self, step: bytes, timeout: float, *, max_bytes: int) -> bytes:
+        """Open the session, then send its first step; the step's answer, or the answer refusing the open.
+
+        A step that the server would read before a session exists (OPEN_FRAME_LIMIT) goes right behind the open
+        message, unanswered yet (pipelined: no round trip); a bigger one waits for the open's answer, so that a
+        refused open never leaves bytes in flight that the server will not read (it would end the stream, and
+        p2pd's reset would lose its answer).
+        """
+        self._opened = True
+        pipelined = len(step) <= protocol.OPEN_FRAME_LIMIT
+        answer = await self._exchange([self._open_message(), step] if pipelined else [self._open_message()], timeout,
+                                      max_bytes=protocol.OPEN_FRAME_LIMIT)
+        if not _opened(answer):  # its refusal stands for the step's answer; the stream is out of step from now on
+            self._failure = "the server did not open the session"
+            return answer
+        return await self._exchange([] if pipelined else [step], timeout, max_bytes=max_bytes)
+
+    async def _exchange(self, frames: list[bytes], timeout: float, *, max_bytes: int) -> bytes:
+        """Write the messages at once, then read one answer; any failure breaks the session for good."""
         assert self._reader is not None and self._writer is not None
         try:
             async with asyncio.timeout(timeout):  # no extra task per step, unlike wait_for
-                protocol.write_frame(self._writer, frame)
-                await self._writer.drain()
+                if frames:
+                    protocol.write_frames(self._writer, frames)
+                    await self._writer.drain()
                 return await protocol.read_frame(self._reader, max_bytes)
         except TimeoutError as e:
             self._failure = "timeout"
@@ -128,24 +155,33 @@ class ServerSession:
         """Free the session on the server, then end the stream.
 
         The server answers a `close` message once the session's cache is back in its budget, so a session opened
-        right after this returns finds the room. A stream that broke earlier is only ended (the server frees the
-        session when it sees the end); a server that does not answer within `close_timeout` is left to do the same.
+        right after this returns finds the room. A stream that never opened a session, or broke earlier, is only
+        ended (the server frees a session when it sees the end); a server that does not answer within
+        `close_timeout` is left to do the same.
         """
         if self._writer is None:
             return
         writer, reader, self._writer = self._writer, self._reader, None
-        in_sync, self._failure = self._failure is None, "closed"  # a broken stream may be mid-message
+        in_sync, self._failure = self._failure is None and self._opened, "closed"  # a broken stream may be mid-message
         try:
             if in_sync:
                 assert reader is not None
                 async with asyncio.timeout(self.swarm.config.close_timeout):
                     protocol.write_frame(writer, protocol.encode([], {"session_id": self.session_id, "close": True}))
                     await writer.drain()
-                    await protocol.read_frame(reader, 1 << 16)
+                    await protocol.read_frame(reader, protocol.OPEN_FRAME_LIMIT)
         except Exception:  # the server may already be gone: nothing left to free
             pass
         finally:
             writer.close()
+
+
+def _opened(answer: bytes) -> bool:
+    """Whether an answer to an open message says the session is open."""
+    try:
+        return protocol.decode(answer)[1].get("opened") is True
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, eq=False)

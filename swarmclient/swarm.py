@@ -5,10 +5,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 
 from swarmclient import protocol
 from swarmclient.config import ClientConfig
@@ -165,22 +166,48 @@ class Swarm:
         self.refusals.pop(peer_id, None)
         return rtt
 
-    async def call_info(self, peer_id: str) -> dict[str, object]:
+    async def call_info(self, peer_id: str) -> dict[str, Any]:
         """The server's `info` RPC: its span, limits and load; raises PeerFailed (Unauthorized: not a member)."""
-        request = protocol.make_request([], self.auth_meta())
-        try:
-            response = await asyncio.wait_for(
-                self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), protocol.RPC_INFO, request,
-                                               runtime_pb2.ExpertResponse),
-                timeout=self.config.connect_timeout)
-        except Exception as e:
-            raise PeerFailed(peer_id, f"info failed: {type(e).__name__}: {e}") from e
-        try:
-            meta = protocol.read_message(response)[1]
-        except ValueError as e:
-            raise PeerFailed(peer_id, f"an undecodable info answer: {e}") from e
+        _, meta = await self._call(peer_id, protocol.RPC_INFO, [protocol.encode([], self.auth_meta())],
+                                   timeout=self.config.connect_timeout, max_answer=1 << 20)
         error = protocol.response_error(meta)
         if error is not None:
             code, message = error
             raise (Unauthorized if code is ErrorCode.UNAUTHORIZED else PeerFailed)(peer_id, f"{code.value}: {message}")
         return meta
+
+    async def call_forward(self, peer_id: str, start: int, end: int, tensors: Sequence[torch.Tensor]
+                           ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The server's stateless `forward` RPC of (hidden, attention_mask, position_ids) over blocks [start, end):
+        (the answer's tensors, its meta).
+
+        The header (the shape the server admits) goes first; the tensors follow once it is admitted. A refusal
+        comes as an error in the meta (`protocol.response_error`), like a step's."""
+        hidden = tensors[0]
+        batch, length = hidden.shape[0], hidden.shape[1]
+        header = {**self.auth_meta(), "start": start, "end": end, "batch_size": batch, "length": length,
+                  "dtype": str(hidden.dtype).removeprefix("torch.")}
+        timeout = self.config.step_timeout + self.config.step_timeout_per_token * batch * length
+        return await self._call(peer_id, protocol.RPC_FORWARD,
+                                [protocol.encode([], header), protocol.encode(list(tensors))],
+                                timeout=timeout, max_answer=batch * length * hidden.shape[-1] * 4 + (1 << 16))
+
+    async def _call(self, peer_id: str, rpc: str, frames: list[bytes], *, timeout: float, max_answer: int
+                    ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """A request on a stream of its own: each message is sent once the one before it was answered, and a
+        refusal ends it. (tensors, meta) of the last answer; raises PeerFailed if the server cannot be reached."""
+        try:
+            async with asyncio.timeout(timeout):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), rpc)
+                try:
+                    for frame in frames:
+                        protocol.write_frame(writer, frame)
+                        await writer.drain()
+                        tensors, meta = protocol.decode(await protocol.read_frame(reader, max_answer))
+                        if protocol.response_error(meta) is not None:
+                            break
+                finally:
+                    writer.close()
+            return tensors, meta
+        except Exception as e:
+            raise PeerFailed(peer_id, f"{rpc} failed: {type(e).__name__}: {e}") from e

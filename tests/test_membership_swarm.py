@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 from jobs_support import job_status, wait_for
 from tiers import process_fixture
 from typer.testing import CliRunner
@@ -132,11 +131,24 @@ def test_swarm_status_marks_the_outsider_and_counts_members_only(tiny_model: Pat
 
 
 # ---- outsiders' clients ----------------------------------------------------------------------------------------------
-def unary(client: Swarm, peer: str, rpc: str, tensors: list[torch.Tensor], meta: dict[str, Any]
-          ) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    response = client.loop.run(client.p2p.call_protobuf_handler(
-        PeerID.from_base58(peer), rpc, protocol.make_request(tensors, meta), runtime_pb2.ExpertResponse))
-    return protocol.read_message(response)
+def call(client: Swarm, peer: str, rpc: str, frames: list[bytes]) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """A raw request on its own stream, as any peer can send it (the client's own `_call`: no credential added)."""
+    return client.loop.run(client._call(peer, rpc, frames, timeout=30, max_answer=1 << 24))
+
+
+def info_call(client: Swarm, peer: str, meta: dict[str, Any]) -> dict[str, Any]:
+    return call(client, peer, protocol.RPC_INFO, [protocol.encode([], meta)])[1]
+
+
+def forward_call(client: Swarm, peer: str, tensors: list[torch.Tensor], meta: dict[str, Any]
+                 ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    hidden = tensors[0]
+    header = {"start": 0, "end": 3, "batch_size": hidden.shape[0], "length": hidden.shape[1], "dtype": "float32", **meta}
+    return call(client, peer, protocol.RPC_FORWARD, [protocol.encode([], header), protocol.encode(tensors)])
+
+
+def open_meta(session_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    return {"open": True, "session_id": session_id, "start": 0, "end": 3, "batch_size": 1, "max_length": 64, **meta}
 
 
 class Stream:
@@ -184,12 +196,10 @@ def test_a_client_that_proves_no_membership_is_refused_on_every_rpc_and_nothing_
     peer, hidden_size = members(private_swarm)[0], ModelSpec.open(tiny_model).hidden_size
     meta = credential_meta(case, private_swarm, raw_client, member_client)
     before = member_client.loop.run(member_client.call_info(peer))
-    answers = [unary(raw_client, peer, protocol.RPC_INFO, [], meta)[1],
-               unary(raw_client, peer, protocol.RPC_FORWARD, step_inputs(hidden_size), {"start": 0, "end": 3, **meta})[1]]
+    answers = [info_call(raw_client, peer, meta), forward_call(raw_client, peer, step_inputs(hidden_size), meta)[1]]
     stream = Stream(raw_client, peer)
     try:
-        answers.append(stream.send(step_inputs(hidden_size), {"session_id": "s" * 32, "start": 0, "end": 3,
-                                                              "batch_size": 1, "max_length": 64, **meta})[1])
+        answers.append(stream.send([], open_meta("s" * 32, meta))[1])
         during = member_client.loop.run(member_client.call_info(peer))  # the refused stream is still open
     finally:
         stream.close()
@@ -208,14 +218,14 @@ def test_a_valid_credential_opens_all_three(tiny_model: Path, private_swarm: Loc
     meta = SwarmAccess.load(private_swarm.swarm_file, private_swarm.client_key).credential(
         raw_client.p2p.peer_id.to_base58())
     assert meta is not None
-    assert protocol.response_error(unary(raw_client, peer, protocol.RPC_INFO, [], {"credential": meta})[1]) is None
-    tensors, answer = unary(raw_client, peer, protocol.RPC_FORWARD, step_inputs(hidden_size),
-                            {"start": 0, "end": 3, "credential": meta})
+    assert protocol.response_error(info_call(raw_client, peer, {"credential": meta})) is None
+    tensors, answer = forward_call(raw_client, peer, step_inputs(hidden_size), {"credential": meta})
     assert protocol.response_error(answer) is None and tensors[0].shape == (1, 4, hidden_size)
     stream = Stream(raw_client, peer)
     try:
-        _, answer = stream.send(step_inputs(hidden_size), {"session_id": "v" * 32, "start": 0, "end": 3,
-                                                           "batch_size": 1, "max_length": 64, "credential": meta})
+        _, opened = stream.send([], open_meta("v" * 32, {"credential": meta}))
+        assert protocol.response_error(opened) is None and opened.get("opened")
+        _, answer = stream.send(step_inputs(hidden_size), {"session_id": "v" * 32})
         assert protocol.response_error(answer) is None and answer["cache_len"] == 4
         assert member_client.loop.run(member_client.call_info(peer))["sessions"] == 1
     finally:

@@ -27,8 +27,8 @@ def a_status(*, span: SpanStatus | None) -> ServerStatus:
 
 def a_span() -> SpanStatus:
     budget = CacheBudget(100, 4)
-    budget.reserve("s", batch_size=2, max_length=10, num_blocks=4)
-    return SpanStatus(start=2, end=6, throughput=50.0, sessions=1, cache=budget.use())
+    budget.reserve("s", owner="QmCaller", batch_size=2, max_length=10, num_blocks=4)
+    return SpanStatus(start=2, end=6, throughput=50.0, sessions=1, forwards=1, cache=budget.use())
 
 
 def test_the_announcement_is_the_wire_record_of_the_snapshot() -> None:
@@ -43,11 +43,11 @@ def test_the_info_answer_is_the_announcement_plus_identity_and_load() -> None:
     answer = status.info_answer()
     # the keys clients of every version read: the wire record's, then these, in this order
     assert list(answer) == [*ServerInfo.model_fields, "peer_id", "model_id", "steps", "tokens", "errors", "sessions",
-                            "merged_steps", "merged_sessions", "max_merged"]
+                            "merged_steps", "merged_sessions", "max_merged", "forwards"]
     assert {key: answer[key] for key in ServerInfo.model_fields} == status.announcement().to_wire()
     assert (answer["peer_id"], answer["model_id"], answer["steps"], answer["tokens"], answer["errors"],
-            answer["sessions"], answer["merged_steps"], answer["merged_sessions"], answer["max_merged"]) == (
-        "QmPeer", "tiny", 3, 12, {"invalid_request": 1}, 1, 1, 2, 2)
+            answer["sessions"], answer["merged_steps"], answer["merged_sessions"], answer["max_merged"],
+            answer["forwards"]) == ("QmPeer", "tiny", 3, 12, {"invalid_request": 1}, 1, 1, 2, 2, 1)
 
 
 def test_a_joining_status_has_no_span_to_announce() -> None:

@@ -7,13 +7,13 @@ from swarmclient.coverage import coverage_report, render_coverage
 from swarmclient.data_structures import ServerState
 
 
-def test_an_old_protocol_server_shows_as_not_used_and_its_blocks_as_missing() -> None:
-    report = coverage_report("m", block_infos(4, span("peer-new", 0, 2), span("peer-old", 2, 4, version="swarmbatch/1")))
+def test_a_previous_protocol_server_shows_as_not_used_and_its_blocks_as_missing() -> None:
+    report = coverage_report("m", block_infos(4, span("peer-new", 0, 2), span("peer-old", 2, 4, version="swarmbatch/2")))
     assert report["missing"] == [[2, 4]] and not report["complete"]
-    assert report["blocks"][3]["servers"][0] | {"version": "swarmbatch/1", "compatible": False} == \
+    assert report["blocks"][3]["servers"][0] | {"version": "swarmbatch/2", "compatible": False} == \
         report["blocks"][3]["servers"][0]
     text = render_coverage(report)
-    assert "protocol swarmbatch/1: not used" in text and "upgrade the servers marked not used" in text
+    assert "protocol swarmbatch/2: not used" in text and "upgrade the servers marked not used" in text
     assert text.splitlines()[1].split()[1] == "ok" and text.splitlines()[3].split()[1] == "MISSING"
 
 

@@ -66,3 +66,48 @@ def test_stream_messages_are_length_prefixed_frames() -> None:
 
     first, second = asyncio.run(round_trip())
     assert protocol.decode(first)[1] == {"a": 1} and protocol.decode(second)[1] == {"b": 2}
+
+
+def test_messages_written_back_to_back_are_read_one_by_one() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.writes.append(data)
+
+    async def round_trip() -> list[dict]:
+        sink = Sink()
+        protocol.write_frames(sink, [protocol.encode([], {"open": True}), protocol.encode([torch.ones(3)], {"s": 1})])  # type: ignore[arg-type]
+        assert len(sink.writes) == 1  # one write: the open message and the first step leave together
+        reader = asyncio.StreamReader()
+        reader.feed_data(sink.writes[0])
+        return [protocol.decode(await protocol.read_frame(reader, 1 << 16))[1] for _ in range(2)]
+
+    assert asyncio.run(round_trip()) == [{"open": True}, {"s": 1}]
+
+
+@pytest.mark.parametrize("batch, tokens, past", [(1, 1, 0), (1, 1, 2047), (3, 17, 100), (8, 512, 0)])
+def test_the_step_limit_admits_the_largest_step_of_a_shape_and_not_a_token_more(batch: int, tokens: int,
+                                                                              past: int) -> None:
+    hidden_size, max_length = 64, past + tokens
+
+    def step(length: int) -> bytes:
+        return protocol.encode([torch.zeros(batch, length, hidden_size), torch.ones(batch, past + length, dtype=torch.long),
+                                torch.zeros(batch, length, dtype=torch.long)],
+                               {"session_id": "f" * 32, "keep_rows": list(range(batch))})
+
+    limit = protocol.step_frame_limit(batch=batch, tokens=tokens, mask_length=max_length, hidden_size=hidden_size)
+    assert len(step(tokens)) <= limit
+    # the slack is one small frame: a step of 300 more tokens' hidden states does not fit
+    assert len(step(tokens + 300)) > limit
+
+
+def test_nothing_before_a_session_may_exceed_the_open_limit() -> None:
+    async def read(length: int) -> bytes:
+        reader = asyncio.StreamReader()
+        reader.feed_data(length.to_bytes(8, "big") + bytes(16))
+        return await protocol.read_frame(reader, protocol.OPEN_FRAME_LIMIT)
+
+    with pytest.raises(protocol.FrameTooLarge, match="exceeds the limit of 65536"):
+        asyncio.run(read(2 << 30))
