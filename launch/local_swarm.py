@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from commands.ready import SERVING_BLOCKS
@@ -42,15 +42,15 @@ class LocalSwarm:
         self.initial_peers = [self.dht.wait_for_line("/ip4/", timeout=60)]
         self.start_servers([(start, end, ()) for start, end in self.spans])
 
-    def start_server(self, start: int, end: int, *, wait: bool = True, extra_args: Sequence[str] = ()
-                     ) -> ManagedProcess:
-        """Start one more block server on blocks [start, end)."""
+    def start_server(self, start: int, end: int, *, wait: bool = True, extra_args: Sequence[str] = (),
+                     env: Mapping[str, str] | None = None) -> ManagedProcess:
+        """Start one more block server on blocks [start, end); `env`: more environment variables for it."""
         number = len(self.servers)
         args = cli_command("serve", self.model_dir, "--blocks", f"{start}:{end}", "--host", self.host,
                            "--num-threads", str(self.num_threads), *self.server_args, *extra_args,
                            "--initial-peers", *self.initial_peers)
         server = ManagedProcess(args, name=f"server{number}-{start}-{end}", log_dir=self.log_dir,
-                                env={"OMP_NUM_THREADS": str(self.num_threads)},
+                                env={"OMP_NUM_THREADS": str(self.num_threads), **(env or {})},
                                 cpu=(number % (os.cpu_count() or 1)) if self.pin_cpus else None)
         self.servers.append(server)
         if wait:

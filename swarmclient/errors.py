@@ -6,7 +6,8 @@
     ├── MissingBlocksError          no online server holds some blocks (retry later, or start a server)
     ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
     └── PeerFailed                  a server died, timed out or is full (recoverable: route around it)
-        └── SessionTimeout          a server did not answer within the step timeout
+        ├── SessionTimeout          a server did not answer within the step timeout
+        └── WrongOutput             a server's output differs from other servers' (banned for good; replayed elsewhere)
 """
 from __future__ import annotations
 
@@ -50,3 +51,8 @@ class PeerFailed(SwarmError):
 
 class SessionTimeout(PeerFailed):
     """Raised when a server does not answer a step in time; the client routes around it."""
+
+
+class WrongOutput(PeerFailed):
+    """Raised when a checked step's output differs from other servers'; the server is banned for good and the
+    client replays its hop through others."""

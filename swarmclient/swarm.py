@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
@@ -14,7 +15,7 @@ from swarmclient import protocol
 from swarmclient.config import ClientConfig
 from swarmclient.data_structures import RemoteSpanInfo, RouteHop
 from swarmclient.discovery import BlockServers, get_remote_module_infos, online_spans
-from swarmclient.errors import MissingBlocksError, PeerFailed
+from swarmclient.errors import InvalidRequest, MissingBlocksError, PeerFailed
 from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
 from swarmclient.retry import BanList
 from swarmclient.routing import min_latency_route, missing_ranges
@@ -105,3 +106,31 @@ class Swarm:
         except Exception as e:
             raise PeerFailed(peer_id, f"info failed: {type(e).__name__}: {e}") from e
         return protocol.read_message(response)[1]
+
+    async def call_forward(self, peer_id: str, start: int, end: int, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                           position_ids: torch.Tensor) -> torch.Tensor:
+        """The server's stateless `forward` RPC: whole sequences [B, L, H] through blocks [start, end).
+
+        Raises PeerFailed when the server fails or refuses, and InvalidRequest when it calls the request malformed.
+        """
+        request = protocol.make_request([hidden.float().contiguous(), attention_mask.long(), position_ids.long()],
+                                        {"start": start, "end": end})
+        tokens = hidden.shape[0] * hidden.shape[1]
+        try:
+            response = await asyncio.wait_for(
+                self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), protocol.RPC_FORWARD, request,
+                                               runtime_pb2.ExpertResponse),
+                timeout=self.config.step_timeout + self.config.step_timeout_per_token * tokens)
+            tensors, meta = protocol.read_message(response)
+        except Exception as e:
+            raise PeerFailed(peer_id, f"forward failed: {type(e).__name__}: {e}") from e
+        error = protocol.response_error(meta)
+        if error is not None:
+            code, message = error
+            if code.retryable:
+                raise PeerFailed(peer_id, f"{code.value}: {message}")
+            raise InvalidRequest(f"server {peer_id[-8:]} refused a forward: {code.value}: {message}")
+        if len(tensors) != 1 or tensors[0].shape != hidden.shape:
+            raise PeerFailed(peer_id, f"a forward answer of shapes {[tuple(t.shape) for t in tensors]} "
+                                      f"to {tuple(hidden.shape)}")
+        return tensors[0]
