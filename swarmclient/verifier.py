@@ -20,6 +20,7 @@ from swarmclient.swarm import Swarm
 from swarmclient.verification import (
     Verdict,
     VerificationTally,
+    comparable,
     judge,
     max_difference,
     relative_error,
@@ -66,23 +67,23 @@ class HopVerifier:
         self.swarm, self.tally, self.key = swarm, tally, key
 
     async def check(self, check: HopCheck, step: int) -> Verdict | None:
-        """Recompute the step elsewhere and compare; None when no other holder could (counted as unverified)."""
+        """Recompute the step on another holder of the same precision and compare; None when none could (counted
+        as unverified)."""
         holders = await self._holders(check.hop)
         checked = holders.pop(check.hop.peer_id, None)
-        order = iter([holders[p] for p in verifier_order(holders, self.key, step, check.hop.start)])
+        peers = [] if checked is None else [p for p, s in holders.items() if comparable(s.info, checked.info)]
+        order = iter([holders[p] for p in verifier_order(peers, self.key, step, check.hop.start)])
         second = await self._recompute(order, check)
-        if second is None:
+        if checked is None or second is None:
             self.tally.add(unverified=1)
             return None
-        limit = tolerance(checked.info if checked else second.span.info, second.span.info)
+        limit = tolerance(checked.info, second.span.info)
         error = relative_error(check.output, second.output, check.real)
         if error <= limit:
             self.tally.add(verified=1)
             return Verdict.AGREE
         third = await self._recompute(order, check)
-        third_agrees = None if third is None else relative_error(
-            check.output, third.output, check.real) <= tolerance(checked.info if checked else third.span.info,
-                                                                 third.span.info)
+        third_agrees = None if third is None else relative_error(check.output, third.output, check.real) <= limit
         verdict = judge(False, third_agrees)
         faulty = check.hop.peer_id if verdict is Verdict.CHECKED_FAULTY else second.span.peer_id
         self.swarm.bans.ban_for_good(faulty)
@@ -93,7 +94,7 @@ class HopVerifier:
         return verdict
 
     async def _holders(self, hop: RouteHop) -> dict[str, RemoteSpanInfo]:
-        """Online, unbanned servers holding all of the hop's blocks (the checked one included), by peer id."""
+        """Online, unbanned servers holding all of the hop's blocks (the checked one, banned or not), by peer id."""
         spans = online_spans(await self.swarm.block_infos())
         return {s.peer_id: s for s in spans if s.start <= hop.start and hop.end <= s.end
                 and (s.peer_id == hop.peer_id or not self.swarm.bans.is_banned(s.peer_id))}

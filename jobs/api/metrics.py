@@ -8,10 +8,11 @@
     swarmbatch_verification_mismatches_total  of those, the ones whose outputs differed: a server was banned
     swarmbatch_steps_unverified_total     sampled hop steps no second server could recompute
 
-A scrape is two GROUP BY queries of a few result rows and one sum over the jobs, answered from indexes (tokens are summed from
-`requests.generated_count`, never from the token JSON). They still walk one index entry per job and request, so
-their numbers are reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst of scrapes, or several Prometheus
-servers, reach the database once.
+A scrape is two GROUP BY queries of a few result rows, answered from indexes (tokens are summed from
+`requests.generated_count`, never from the token JSON), and one sum of the jobs' verification counts (a scan of
+the jobs table, which holds one row per batch). They walk one entry per job and request, so their numbers are
+reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst of scrapes, or several Prometheus servers, reach the
+database once.
 """
 from __future__ import annotations
 
