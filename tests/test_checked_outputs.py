@@ -30,6 +30,7 @@ from jobs.worker.batch_worker import JobWorker
 from launch.local_swarm import LocalSwarm
 from servers.faults import FAULT_INJECTION_ENV
 from swarmclient.config import ClientConfig
+from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
 from swarmclient.verification import VerificationTally
@@ -91,6 +92,32 @@ def test_a_lying_server_corrupts_unchecked_output_and_checked_steps_catch_it(
     assert len(lines) == counts.mismatches
     assert liar.peer_id in lines[0] and re.search(r"max difference \d", lines[0])
     assert re.search(rf"server {liar.peer_id} is banned for the rest of this process$", lines[0])
+
+
+def test_a_server_banned_for_good_leaves_a_running_session_at_its_next_step_with_identical_tokens(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given two honest holders of blocks 0:3 and a generation under way through one of them
+    swarm = local_swarm(tiny_model, [(0, 3), (0, 3), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    expected = reference_tokens(tiny_model, batch, NEW_TOKENS)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        session = model.inference_session(batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + NEW_TOKENS)
+        banned: list[str] = []
+
+        def on_token(index: int, _: torch.Tensor) -> None:
+            if index == 8:  # When another session of this process catches the first hop's server lying
+                banned.append(session.route[0].peer_id)
+                model.swarm.bans.ban_for_good(banned[0])
+
+        with session:
+            got = generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                                  max_new_tokens=NEW_TOKENS, params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                                  eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id, on_token=on_token)
+            route = session.route
+    # Then this session leaves that server at its next step (replayed elsewhere), and the tokens do not change
+    assert banned and banned[0] not in {hop.peer_id for hop in route}
+    assert session.failovers == 1
+    assert torch.equal(got, expected)
 
 
 def scrape(url: str) -> dict[str, float]:
