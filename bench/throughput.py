@@ -9,11 +9,16 @@ generate, checkpoint, finish; in this process, without Celery). In the same run 
       pending requests take their slots, servers merge concurrent sessions' decode steps.
 Tokens are the real generated tokens (up to each row's EOS).
 
+With --verify-fractions 0.02,0.1 it measures the cost of checked outputs instead: 4 servers, two holders of each
+half (so a second server can recompute any hop step), the job with the features on and no checks, then with each
+fraction of hop steps checked (SWARMBATCH_VERIFY_FRACTION), interleaved in the same run; local generate is skipped.
+
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
-       [--batch-size 64] [--reps 1]
+       [--batch-size 64] [--reps 1] [--verify-fractions 0.02,0.1]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -81,10 +86,23 @@ def run_local(model_dir: Path, texts: list[str], max_tokens: int) -> tuple[float
     return seconds, tokens
 
 
+def checked_steps(runtime: Runtime) -> tuple[int, int, int]:
+    """(steps verified, mismatches, sampled steps unverified) over the runtime's jobs."""
+    from jobs.api.metrics import read_verification
+
+    with runtime.session() as session:
+        totals = read_verification(session)
+    return totals.verified, totals.mismatches, totals.unverified
+
+
 def main() -> None:
     parser = job_bench_parser(__doc__.splitlines()[0], requests=64, max_tokens=64, batch_size=64, reps=1)
     parser.add_argument("--lanes", type=int, default=4)
+    parser.add_argument("--verify-fractions", default="", help="e.g. 0.02,0.1: the cost of checked outputs instead")
     args = parser.parse_args()
+    if args.verify_fractions:
+        verify_main(args)
+        return
     home, model_dir = bench_setup(args.model)
     blocks = ModelSpec.open(model_dir).num_blocks
     texts = prompts(args.requests)
@@ -94,14 +112,8 @@ def main() -> None:
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
         configs = {"features off": dict(pipeline_lanes=1, continuous_batching=False),
                    "features on": dict(pipeline_lanes=args.lanes, continuous_batching=True)}
-        runtimes = {}
-        for label, features in configs.items():
-            settings = Settings(home=home / label.replace(" ", "_"), initial_peers=swarm.initial_peers,
-                                worker_batch_size=args.batch_size, broker_url="memory://", **features)
-            settings.home.mkdir(parents=True, exist_ok=True)
-            upgrade(settings.resolved_database_url)
-            runtimes[label] = Runtime(settings)
-            run_job(runtimes[label], str(model_dir), batch_file(texts[:2], 4))  # warm-up: swarm join, routes
+        runtimes = {label: job_runtime(home, label, swarm, args, features, model_dir, texts)
+                    for label, features in configs.items()}
         for _ in range(args.reps):  # interleaved, so that drifts of this noisy VM hit every config alike
             seconds, tokens = run_local(model_dir, texts, args.max_tokens)
             rows.append((LOCAL, seconds, tokens))
@@ -125,6 +137,59 @@ def main() -> None:
               f"{rate[label] / off:.2f} |")
     same = outputs["features on"] == outputs["features off"]
     print(f"greedy texts identical with the features on and off: {same}")
+
+
+def job_runtime(home: Path, label: str, swarm: LocalSwarm, args: argparse.Namespace, options: dict[str, object],
+                model_dir: Path, texts: list[str]) -> Runtime:
+    """A runtime of its own store for one config, warmed up (swarm join, routes) by a 2-request job."""
+    settings = Settings(home=home / label.replace(" ", "_"), initial_peers=swarm.initial_peers,
+                        worker_batch_size=args.batch_size, broker_url="memory://", **options)  # type: ignore[arg-type]
+    settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.resolved_database_url)
+    runtime = Runtime(settings)
+    run_job(runtime, str(model_dir), batch_file(texts[:2], 4))
+    return runtime
+
+
+def verify_main(args: argparse.Namespace) -> None:
+    """The cost of checked outputs: no checks, then each fraction, interleaved, two holders of each half."""
+    home, model_dir = bench_setup(args.model)
+    blocks = ModelSpec.open(model_dir).num_blocks
+    texts = prompts(args.requests)
+    data = batch_file(texts, args.max_tokens)
+    fractions = [0.0, *(float(f) for f in args.verify_fractions.split(","))]
+    halves = [(0, blocks // 2), (blocks // 2, blocks)]
+    rows: list[tuple[str, float, int]] = []
+    outputs: dict[str, dict[str, str]] = {}
+    with LocalSwarm(model_dir, halves * 2, log_dir=home / "logs", pin_cpus=True) as swarm:
+        runtimes = {f"verify {f:g}" if f else "no checks": job_runtime(
+            home, f"verify {f:g}", swarm, args, dict(pipeline_lanes=args.lanes, continuous_batching=True,
+                                                     verify_fraction=f), model_dir, texts) for f in fractions}
+        before = {label: checked_steps(runtime) for label, runtime in runtimes.items()}
+        for _ in range(args.reps):
+            for label, runtime in runtimes.items():
+                seconds, tokens, outputs[label] = run_job(runtime, str(model_dir), data)
+                rows.append((label, seconds, tokens))
+        checks = {label: tuple(a - b for a, b in zip(checked_steps(runtime), before[label], strict=True))
+                  for label, runtime in runtimes.items()}
+        for runtime in runtimes.values():
+            runtime.close()
+    best: dict[str, tuple[float, int]] = {}
+    for label, seconds, tokens in rows:
+        if label not in best or tokens / seconds > best[label][1] / best[label][0]:
+            best[label] = (seconds, tokens)
+    off = best["no checks"][1] / best["no checks"][0]
+    print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 4 servers "
+          f"(two holders of each half) pinned to {os.cpu_count()} cores; worker batch {args.batch_size}, "
+          f"{args.lanes} lanes, features on; best of {args.reps}")
+    print("| checks | seconds | tokens | tokens/s | vs no checks | hop steps verified | mismatches | unverified |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, (seconds, tokens) in best.items():
+        verified, mismatches, unverified = checks[label]
+        print(f"| {label} | {seconds:.1f} | {tokens} | {tokens / seconds:.1f} | {tokens / seconds / off:.2f} | "
+              f"{verified} | {mismatches} | {unverified} |")
+    same = all(texts == outputs["no checks"] for texts in outputs.values())
+    print(f"greedy texts identical with and without checks: {same}")
 
 
 if __name__ == "__main__":

@@ -206,22 +206,33 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
              top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
              seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
              chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
+             verify_fraction: Annotated[float, typer.Option(
+                 envvar="SWARMBATCH_VERIFY_FRACTION", min=0.0, max=1.0,
+                 help="Recompute this fraction of steps on a second server holding the same blocks and ban a server "
+                      "whose outputs differ; 0 = off (the default here; jobs default to 0.02).")] = 0.0,
              as_json: JsonOption = False, swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """One-off generation through the swarm."""
     from swarmclient.textgen import generate_texts
+    from swarmclient.verification import VerificationTally
 
     access = client_access(swarm_file, identity)
     began = time.perf_counter()
+    checks = VerificationTally()
     outputs = generate_texts(resolve_model(model), prompts, initial_peers=initial_peers, chat=chat,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             access=access)
+                             access=access, verify_fraction=verify_fraction, verification=checks)
+    counts = checks.snapshot()
     if as_json:
-        typer.echo(json.dumps({"outputs": outputs}))
+        typer.echo(json.dumps({"outputs": outputs, "verification": {
+            "steps_verified": counts.verified, "mismatches": counts.mismatches, "steps_unverified": counts.unverified}}))
         return
     for item in outputs:
         typer.echo(f"--- {item['prompt']!r}\n{item['text']}")
     tokens = sum(len(item["token_ids"]) for item in outputs)
     typer.echo(f"{tokens} tokens in {time.perf_counter() - began:.1f} s", err=True)
+    if verify_fraction > 0:
+        typer.echo(f"{counts.verified} steps verified on a second server, {counts.mismatches} mismatches, "
+                   f"{counts.unverified} sampled steps without a second server", err=True)
 
 
 @app.command("demo")

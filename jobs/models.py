@@ -136,6 +136,11 @@ class Job(Base):
     # no new process_job chain is dispatched by a sweep before this time: one is scheduled (a blocked job's
     # backoff) or was just sent; so a job has one pending chain, however many sweeps run
     dispatch_after: Mapped[datetime | None]
+    # checked outputs (SWARMBATCH_VERIFY_FRACTION): hop steps recomputed on a second server, those whose outputs
+    # differed (a server was banned), and sampled ones no second server could recompute
+    steps_verified: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    verification_mismatches: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    steps_unverified: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")

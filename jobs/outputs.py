@@ -87,7 +87,8 @@ def summary_public(job: Job) -> dict[str, Any] | None:
 
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
-    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason and summary)."""
+    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason, summary and
+    verification: the checked outputs' counts, README "Checked outputs")."""
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {
@@ -101,4 +102,6 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
         "failed_at": unix(job.failed_at), "cancelling_at": unix(job.cancelling_at),
         "cancelled_at": unix(job.cancelled_at), "expires_at": unix(job.expires_at), "expired_at": unix(job.expired_at),
         "metadata": job.metadata_json, "summary": summary_public(job),
+        "verification": {"steps_verified": job.steps_verified, "mismatches": job.verification_mismatches,
+                         "steps_unverified": job.steps_unverified},
     }

@@ -10,12 +10,13 @@ TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
 
 def describe_job(job: dict[str, Any]) -> str:
-    """One line: id, status, counts, tokens, and what blocks it."""
+    """One line: id, status, counts, tokens, checked outputs, and what blocks it."""
     counts = job["request_counts"]
     line = (f"{job['id']}  {job['status']:<11} {counts['completed']}/{counts['total']} completed, "
             f"{counts['failed']} failed, {job.get('tokens_generated', 0)} tokens")
     if job.get("errors"):
         line += f", {len(job['errors']['data'])} bad input lines"
+    line += verification_note(job.get("verification") or {})
     summary = job.get("summary") or {}
     if summary.get("skipped"):
         line += f", {summary['skipped']} unchanged documents skipped"
@@ -24,6 +25,16 @@ def describe_job(job: dict[str, Any]) -> str:
     if job.get("blocked_reason") and job["status"] not in TERMINAL:
         line += f"; blocked: {job['blocked_reason']}"
     return line
+
+
+def verification_note(checks: dict[str, Any]) -> str:
+    """', 120 steps verified (1 mismatch: a server computed wrong outputs and was banned)', or '' when none was."""
+    verified, mismatches = checks.get("steps_verified", 0), checks.get("mismatches", 0)
+    if not verified:
+        return ""
+    if not mismatches:
+        return f", {verified} steps verified"
+    return f", {verified} steps verified ({mismatches} mismatch{'es' if mismatches > 1 else ''}: wrong outputs, server banned)"
 
 
 def follow_job(client: Any, job_id: str, *, interval: float = 1.0,

@@ -114,13 +114,16 @@ class Runtime:
             return self._tokenizers[model]
 
     def swarm_model(self, model: str) -> Any:
-        """A DistributedModelForCausalLM joined to the swarm (cached per process)."""
+        """A DistributedModelForCausalLM joined to the swarm (cached per process: a server it bans for wrong outputs
+        stays banned for every later job of this process)."""
+        from swarmclient.config import ClientConfig
         from swarmclient.model import DistributedModelForCausalLM
 
         with self._lock:
             if model not in self._models:
                 self._models[model] = DistributedModelForCausalLM.from_pretrained(
-                    self.model_dir(model), initial_peers=self.settings.initial_peers, access=self.access)
+                    self.model_dir(model), initial_peers=self.settings.initial_peers, access=self.access,
+                    config=ClientConfig(verify_fraction=self.settings.verify_fraction))
             return self._models[model]
 
     def close(self) -> None:

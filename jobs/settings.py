@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")
     max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process reads "
                                                                          "and parses at once; more get 429")
+    verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0, description="fraction of hop steps a worker "
+                                   "recomputes on a second server to catch servers that compute wrong outputs; 0 = off")
     worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")
     sweep_interval: float = Field(default=10.0, gt=0, description="seconds between a worker's maintenance ticks "
                                   "(heartbeat; one sweep per interval across all workers)")

@@ -231,6 +231,15 @@ def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], 
     return owned
 
 
+def add_verification(*, session: Session, job_id: str, verified: int, mismatches: int, unverified: int) -> None:
+    """Add a batch's checked outputs to its job's counts (an atomic increment: workers of one job add at once)."""
+    if verified or mismatches or unverified:
+        session.execute(update(Job).where(Job.id == job_id).values(
+            steps_verified=Job.steps_verified + verified,
+            verification_mismatches=Job.verification_mismatches + mismatches,
+            steps_unverified=Job.steps_unverified + unverified))
+
+
 def renew_leases(*, session: Session, token: str, lease_seconds: float) -> int:
     """Extend every live lease of a claim (a worker that just joined the swarm); returns the rows still ours."""
     result = session.execute(update(Request).where(Request.lease_token == token,

@@ -16,6 +16,7 @@ Modules:
     announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown
     server           ServerConfig + BlockServer: composition, start-up, status() and ordered shutdown
     bootstrap        the `swarmbatch dht` bootstrap node
+    faults           TEST-ONLY: SWARMBATCH_FAULT_INJECTION=noise:STD makes the span's outputs wrong (checked outputs)
     metrics          the Prometheus endpoint (--metrics-port): the status as steps, tokens, errors, KV-cache use,
                      sessions, state
     stats, errors    counters; the ServerError tree

@@ -17,6 +17,7 @@ from servers.announcer import Announcer
 from servers.block_loading import DType, Quant, load_span
 from servers.block_selection import choose_best_blocks
 from servers.errors import ServerConfigError
+from servers.faults import inject_faults
 from servers.handler import BlockHandler
 from servers.memory import CacheBudget
 from servers.metrics import start_metrics
@@ -153,6 +154,7 @@ class BlockServer:
         config = self.config
         span = await asyncio.get_running_loop().run_in_executor(
             None, lambda: load_span(self.spec, start, end, dtype=config.dtype, quant=config.quant))
+        inject_faults(span)  # tests only: a server that lies (servers/faults.py)
         budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer)
         limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)
         handler = BlockHandler(span, limits, budget, self.status, session_timeout=config.session_timeout,

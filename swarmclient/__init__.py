@@ -13,8 +13,11 @@ Modules, from the wire up:
     discovery        the only module that reads the DHT: who announced which block
     routing          pure functions: spans, round trips, trusted throughputs, free cache and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
-    swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes)
-    session          ServerSession (one stream), InferenceSession (a chain that fails over by replaying its StepRecords)
+    swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes, forward)
+    verification     checked outputs, the policy: sampled steps, tolerances by precision, the majority rule, counts
+    verifier         HopVerifier: recomputes a sampled hop step on other holders, bans the one that lies
+    session          ServerSession (one stream), InferenceSession (a chain that fails over by replaying its StepRecords,
+                     and checks sampled steps)
     head             ClientHead: embeddings, final norm and LM head, run locally
     sampling         greedy / temperature + top-p, seeded by (seed, position)
     generation       the decode loop shared by every caller

@@ -18,3 +18,10 @@ class ClientConfig:
     ban_timeout: float = 15.0      # first ban of a failing server; doubles on each further failure
     max_ban_timeout: float = 300.0
     discovery_ttl: float = 5.0     # seconds a DHT read is reused before routing reads it again
+    # fraction of hop steps recomputed on a second server holding the hop's blocks (checked outputs, README);
+    # 0 = no checks. Jobs default to SWARMBATCH_VERIFY_FRACTION (0.02), one-off `generate` to 0
+    verify_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")

@@ -8,8 +8,9 @@
     ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
     ├── PeerFailed                  a server died, timed out or is full (recoverable: route around it)
     │   ├── SessionTimeout          a server did not answer within the step timeout
-    │   └── Unauthorized            a server refused us as no member of its swarm (route around; if all refuse:
-    │                               membership.NotAMember)
+    │   ├── Unauthorized            a server refused us as no member of its swarm (route around; if all refuse:
+    │   │                           membership.NotAMember)
+    │   └── WrongOutput             a server's output differs from other servers' (banned for good; replayed elsewhere)
     └── membership.MembershipError  a bad swarm file or member key, or not a member of the swarm (fix the setup)
 """
 from __future__ import annotations
@@ -62,3 +63,8 @@ class SessionTimeout(PeerFailed):
 
 class Unauthorized(PeerFailed):
     """Raised when a server refuses us as no member of its swarm; the client routes around it, and says so if all do."""
+
+
+class WrongOutput(PeerFailed):
+    """Raised when a checked step's output differs from other servers'; the server is banned for good and the
+    client replays its hop through others."""

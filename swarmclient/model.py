@@ -17,6 +17,7 @@ from swarmclient.network import NetworkOptions
 from swarmclient.sampling import SamplingParams
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
+from swarmclient.verification import VerificationTally
 
 
 class DistributedModelForCausalLM:
@@ -53,9 +54,13 @@ class DistributedModelForCausalLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def inference_session(self, *, batch_size: int, max_length: int) -> InferenceSession:
-        """A session for step-by-step use: `with model.inference_session(...) as s: s.step(h, mask, pos)`."""
-        return InferenceSession(self.swarm, batch_size=batch_size, max_length=max_length)
+    def inference_session(self, *, batch_size: int, max_length: int,
+                          verification: VerificationTally | None = None) -> InferenceSession:
+        """A session for step-by-step use: `with model.inference_session(...) as s: s.step(h, mask, pos)`.
+
+        verification: where its checked outputs are counted (ClientConfig.verify_fraction), e.g. one per job.
+        """
+        return InferenceSession(self.swarm, batch_size=batch_size, max_length=max_length, verification=verification)
 
     def generate(
         self,
@@ -81,16 +86,19 @@ class DistributedModelForCausalLM:
 
     def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                             max_new_tokens: int | Sequence[int], params: list[SamplingParams],
-                            on_token: TokenHook | None = None, shrink: bool = False) -> torch.Tensor:
+                            on_token: TokenHook | None = None, shrink: bool = False,
+                            verification: VerificationTally | None = None) -> torch.Tensor:
         """Only the new tokens [B, N], with per-row sampling parameters and limits (see generate_tokens).
 
         shrink: finished rows leave the session at once (continuous batching), instead of riding along.
+        verification: counts the session's checked outputs (see inference_session).
         """
         total = input_ids.shape[1] + (max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens, default=0))
         if total > self.spec.max_length:
             raise InvalidRequest(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
                                  f"model's context of {self.spec.max_length} tokens")
-        with self.inference_session(batch_size=input_ids.shape[0], max_length=total) as session:
+        with self.inference_session(batch_size=input_ids.shape[0], max_length=total,
+                                    verification=verification) as session:
             return generate_tokens(self.head, session.step, input_ids, attention_mask,
                                    max_new_tokens=max_new_tokens, params=params,
                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,

@@ -26,13 +26,17 @@ def backoff_delay(attempt: int, config: ClientConfig) -> float:
 
 @dataclass
 class BanList:
-    """Peers to avoid for a while; each further failure doubles the ban, a success forgives."""
+    """Peers to avoid for a while; each further failure doubles the ban, a success forgives.
+
+    A peer caught computing wrong outputs is banned for good (`ban_for_good`): for the rest of the process.
+    """
 
     base_timeout: float
     max_timeout: float
     clock: Callable[[], float] = time.monotonic
     _until: dict[str, float] = field(default_factory=dict)
     _strikes: dict[str, int] = field(default_factory=dict)
+    _for_good: set[str] = field(default_factory=set)
 
     def ban(self, peer_id: str) -> float:
         """Ban a peer; returns the ban's duration in seconds."""
@@ -42,18 +46,26 @@ class BanList:
         self._until[peer_id] = self.clock() + duration
         return duration
 
+    def ban_for_good(self, peer_id: str) -> None:
+        """Never route to this peer again in this process (its outputs were found wrong)."""
+        self._for_good.add(peer_id)
+
+    def banned_for_good(self, peer_id: str) -> bool:
+        """Whether the peer was caught computing wrong outputs."""
+        return peer_id in self._for_good
+
     def forgive(self, peer_id: str) -> None:
         """Reset a peer's strikes after it served us well."""
         self._strikes.pop(peer_id, None)
 
     def is_banned(self, peer_id: str) -> bool:
         """Whether the peer is banned now."""
-        return self._until.get(peer_id, 0.0) > self.clock()
+        return peer_id in self._for_good or self._until.get(peer_id, 0.0) > self.clock()
 
     def banned(self) -> set[str]:
         """All peers banned now."""
         now = self.clock()
-        return {peer for peer, until in self._until.items() if until > now}
+        return {peer for peer, until in self._until.items() if until > now} | self._for_good
 
 
 def _is_recoverable(exc: BaseException) -> bool:

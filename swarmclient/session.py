@@ -6,6 +6,10 @@ server fails, the client bans it, routes the failed hop's blocks through other s
 records in order (same shapes, same inputs), so the replacement caches are the same as the lost ones and the
 generation goes on with identical tokens. A step may keep only some rows of the batch (`keep_rows`: finished
 requests leave the session); its record says so, and a replay drops the same rows.
+
+With `verify_fraction` > 0, a sampled fraction of hop steps is checked: the records give the hop's whole input
+history, which a second holder of its blocks recomputes (`verifier`). A server found lying is banned for the rest
+of the process and its hop replayed through others, like a failed one.
 """
 from __future__ import annotations
 
@@ -23,9 +27,11 @@ from hivemind.p2p import PeerID
 
 from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
-from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, Unauthorized
+from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, Unauthorized, WrongOutput
 from swarmclient.retry import with_retries
 from swarmclient.swarm import Swarm
+from swarmclient.verification import Verdict, VerificationTally, sampled, stack_history
+from swarmclient.verifier import HopCheck, HopVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +229,11 @@ def step_masks(history: Sequence[StepRecord]) -> Iterator[torch.Tensor]:
 class InferenceSession:
     """A chain of server sessions covering blocks [0, num_blocks) that survives server failures."""
 
-    def __init__(self, swarm: Swarm, *, batch_size: int, max_length: int) -> None:
+    def __init__(self, swarm: Swarm, *, batch_size: int, max_length: int,
+                 verification: VerificationTally | None = None) -> None:
         self.swarm, self.batch_size, self.max_length = swarm, batch_size, max_length
+        self.verification = verification or VerificationTally()  # checked outputs: counts, shared by a job's lanes
+        self._verifier = HopVerifier(swarm, self.verification, uuid.uuid4().hex)
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
@@ -325,7 +334,7 @@ class InferenceSession:
 
     async def _step_hop(self, position: int, hidden: torch.Tensor, attention_mask: torch.Tensor,
                         position_ids: torch.Tensor, keep_rows: list[int] | None) -> tuple[torch.Tensor, int]:
-        if position in self._broken:
+        if position in self._broken or self.swarm.bans.banned_for_good(self._sessions[position].hop.peer_id):
             await self._repair(position)
         session = self._sessions[position]
         try:
@@ -333,11 +342,23 @@ class InferenceSession:
         except PeerFailed:
             self._broken.add(position)
             raise
+        if sampled(self.swarm.config.verify_fraction, self._verifier.key, len(self._history), position):
+            await self._check(session.hop, hidden, attention_mask, position_ids, keep_rows, output)
         self.swarm.bans.forgive(session.hop.peer_id)
         return output, session.hop.end
 
+    async def _check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor,
+                     position_ids: torch.Tensor, keep_rows: list[int] | None, output: torch.Tensor) -> None:
+        """Have another holder recompute this hop step; raises WrongOutput if the hop's server is found lying."""
+        history = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
+        whole, positions = stack_history([*history, (hidden, position_ids, None if keep_rows is None else tuple(keep_rows))])
+        verdict = await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), len(self._history))
+        if verdict is Verdict.CHECKED_FAULTY:
+            self._broken.add(hop.start)
+            raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
+
     async def _on_failure(self, exc: BaseException) -> None:
-        if isinstance(exc, PeerFailed):
+        if isinstance(exc, PeerFailed) and not isinstance(exc, WrongOutput):  # the verifier banned it for good
             duration = self.swarm.ban(exc)
             logger.warning("Server %s failed (%s); banned for %.0f s, routing around it",
                            exc.peer_id[-8:], exc.reason, duration)

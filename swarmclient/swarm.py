@@ -15,7 +15,7 @@ from swarmclient import protocol
 from swarmclient.config import ClientConfig
 from swarmclient.data_structures import RemoteSpanInfo, RouteHop
 from swarmclient.discovery import BlockServers, get_remote_module_infos, online_spans
-from swarmclient.errors import MissingBlocksError, PeerFailed, Unauthorized
+from swarmclient.errors import InvalidRequest, MissingBlocksError, PeerFailed, Unauthorized
 from swarmclient.membership import ADD_MEMBER, NotAMember, SwarmAccess
 from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
 from swarmclient.protocol import ErrorCode
@@ -211,3 +211,22 @@ class Swarm:
             return tensors, meta
         except Exception as e:
             raise PeerFailed(peer_id, f"{rpc} failed: {type(e).__name__}: {e}") from e
+
+    async def forward_hidden(self, peer_id: str, start: int, end: int, hidden: torch.Tensor,
+                             attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Whole sequences [B, L, H] through blocks [start, end) of a server (`call_forward`), checked.
+
+        Raises PeerFailed when the server fails or refuses, and InvalidRequest when it calls the request malformed.
+        """
+        tensors, meta = await self.call_forward(
+            peer_id, start, end, [hidden.float().contiguous(), attention_mask.long(), position_ids.long()])
+        error = protocol.response_error(meta)
+        if error is not None:
+            code, message = error
+            if code.retryable:
+                raise PeerFailed(peer_id, f"{code.value}: {message}")
+            raise InvalidRequest(f"server {peer_id[-8:]} refused a forward: {code.value}: {message}")
+        if len(tensors) != 1 or tensors[0].shape != hidden.shape:
+            raise PeerFailed(peer_id, f"a forward answer of shapes {[tuple(t.shape) for t in tensors]} "
+                                      f"to {tuple(hidden.shape)}")
+        return tensors[0]

@@ -4,8 +4,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from swarmclient.config import ClientConfig
 from swarmclient.membership import SwarmAccess
 from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.verification import VerificationTally
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -29,15 +31,21 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> str:
 
 def generate_texts(model_dir: Path, prompts: list[str], *, initial_peers: list[str], chat: bool = False,
                    max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                   access: SwarmAccess | None = None) -> list[dict[str, Any]]:
-    """[{"prompt", "text", "token_ids"}] for each prompt, generated as one batch through the swarm."""
+                   access: SwarmAccess | None = None, verify_fraction: float = 0.0,
+                   verification: VerificationTally | None = None
+                   ) -> list[dict[str, Any]]:
+    """[{"prompt", "text", "token_ids"}] for each prompt, generated as one batch through the swarm.
+
+    verify_fraction: hop steps checked on a second server (README "Checked outputs"), counted into `verification`.
+    """
     tokenizer = load_tokenizer(model_dir)
     texts = [render_prompt(tokenizer, p, chat=chat) for p in prompts]
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
-    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=initial_peers, access=access) as model:
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=initial_peers, access=access,
+                                                     config=ClientConfig(verify_fraction=verify_fraction)) as model:
         params = model.sampling_params(len(prompts), temperature > 0, temperature, top_p, seed)
         new = model.generate_new_tokens(encoded.input_ids, encoded.attention_mask,
-                                        max_new_tokens=max_new_tokens, params=params)
+                                        max_new_tokens=max_new_tokens, params=params, verification=verification)
         outputs = []
         for prompt, row in zip(prompts, new.tolist(), strict=True):
             ids = strip_after_eos(row, model.eos_token_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -79,6 +80,22 @@ def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, shared_swarm
             expected = reference.generate(**encoded, max_new_tokens=12, do_sample=False)[0, encoded.input_ids.shape[1]:]
         assert item["token_ids"] == expected.tolist()[: len(item["token_ids"])]
         assert item["text"] == tokenizer.decode(item["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_with_verify_fraction_counts_the_steps_no_second_server_could_check(
+        tiny_model: Path, shared_swarm: LocalSwarm) -> None:
+    # the shared swarm holds each half once: every sampled step has no second holder
+    code, out, err = invoke("generate", str(tiny_model), "Hello world", "--max-new-tokens", "6", "--json",
+                            "--verify-fraction", "1", "--initial-peers", *shared_swarm.initial_peers)
+    assert code == 0, err
+    checks = json.loads(out)["verification"]
+    assert checks["steps_verified"] == checks["mismatches"] == 0 and checks["steps_unverified"] >= 2
+    code, _, err = invoke("generate", str(tiny_model), "Hello world", "--max-new-tokens", "6",
+                          "--verify-fraction", "1", "--initial-peers", *shared_swarm.initial_peers)
+    assert code == 0 and re.search(r"^0 steps verified on a second server, 0 mismatches, \d+ sampled steps without a "
+                                   r"second server$", err, re.M), err
+    code, _, err = invoke("generate", str(tiny_model), "hi", "--verify-fraction", "2", "--initial-peers", DEAD_PEER)
+    assert code == ExitCode.USAGE and "--verify-fraction" in err
 
 
 @pytest.mark.swarm  # its client starts a p2pd

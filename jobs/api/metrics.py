@@ -4,11 +4,15 @@
     swarmbatch_requests{status}           requests by status
     swarmbatch_tokens_generated_total     generated tokens of all requests (a gauge: it drops when jobs are deleted)
     swarmbatch_tokens_per_second          generation rate over the scrapes of the last minute (0 on the first)
+    swarmbatch_steps_verified_total       hop steps the workers recomputed on a second server (checked outputs)
+    swarmbatch_verification_mismatches_total  of those, the ones whose outputs differed: a server was banned
+    swarmbatch_steps_unverified_total     sampled hop steps no second server could recompute
 
 A scrape is two GROUP BY queries of a few result rows, answered from indexes (tokens are summed from
-`requests.generated_count`, never from the token JSON). They still walk one index entry per job and request, so
-their numbers are reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst of scrapes, or several Prometheus
-servers, reach the database once.
+`requests.generated_count`, never from the token JSON), and one sum of the jobs' verification counts (a scan of
+the jobs table, which holds one row per batch). They walk one entry per job and request, so their numbers are
+reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst of scrapes, or several Prometheus servers, reach the
+database once.
 """
 from __future__ import annotations
 
@@ -52,6 +56,15 @@ class TokenRate:
 
 
 @dataclass(frozen=True)
+class VerificationTotals:
+    """The checked outputs of all jobs (gauges, like the tokens: they drop when jobs are deleted)."""
+
+    verified: int = 0
+    mismatches: int = 0
+    unverified: int = 0
+
+
+@dataclass(frozen=True)
 class StoreCounts:
     """What one read of the store found."""
 
@@ -60,6 +73,7 @@ class StoreCounts:
     requests: Mapping[RequestStatus, int]
     tokens: int
     tokens_per_second: float
+    checks: VerificationTotals
 
 
 def read_counts(session: Session) -> tuple[dict[JobStatus, int], dict[RequestStatus, int], int]:
@@ -68,6 +82,14 @@ def read_counts(session: Session) -> tuple[dict[JobStatus, int], dict[RequestSta
     rows = session.execute(select(Request.status, func.count(), func.coalesce(func.sum(Request.generated_count), 0))
                            .group_by(Request.status)).tuples().all()
     return jobs, {status: count for status, count, _ in rows}, sum(int(tokens) for _, _, tokens in rows)
+
+
+def read_verification(session: Session) -> VerificationTotals:
+    """The checked outputs summed over every job."""
+    row = session.execute(select(func.coalesce(func.sum(Job.steps_verified), 0),
+                                 func.coalesce(func.sum(Job.verification_mismatches), 0),
+                                 func.coalesce(func.sum(Job.steps_unverified), 0))).one()
+    return VerificationTotals(int(row[0]), int(row[1]), int(row[2]))
 
 
 class StoreCollector(Collector):
@@ -92,10 +114,11 @@ class StoreCollector(Collector):
         try:
             with self.runtime.session() as session:
                 jobs, requests, tokens = read_counts(session)
+                checks = read_verification(session)
         except DBAPIError:
             self.runtime.check_store()  # a clean StoreUnavailable (503) when the database is down or not migrated
             raise
-        return StoreCounts(now, jobs, requests, tokens, self.rate.update(now, tokens))
+        return StoreCounts(now, jobs, requests, tokens, self.rate.update(now, tokens), checks)
 
     def collect(self) -> Iterator[Metric]:
         """The metrics, as of the last read."""
@@ -108,6 +131,15 @@ class StoreCollector(Collector):
         rate = GaugeMetricFamily("swarmbatch_tokens_per_second", "Tokens generated per second, last minute.")
         rate.add_metric([], counts.tokens_per_second)
         yield rate
+        for name, documentation, value in (
+                ("swarmbatch_steps_verified_total", "Hop steps recomputed on a second server.", counts.checks.verified),
+                ("swarmbatch_verification_mismatches_total", "Checked hop steps whose outputs differed (a server was "
+                 "banned).", counts.checks.mismatches),
+                ("swarmbatch_steps_unverified_total", "Sampled hop steps no second server could recompute.",
+                 counts.checks.unverified)):
+            family = GaugeMetricFamily(name, documentation)
+            family.add_metric([], value)
+            yield family
 
 
 def _by_status(name: str, documentation: str, counts: Mapping[StatusT, int],

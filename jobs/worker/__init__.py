@@ -3,8 +3,8 @@
     celery_app    make_celery(settings): Redis or the embedded SQLite broker; the task names
     tasks         the Celery tasks: process_job, sweep, fire_schedules (thin: load, call, enqueue next)
     batch_worker  JobWorker: claim a batch of one job under a lease, run it, record the outcome (job transitions
-                  through runtime.lifecycle); each store step one transaction, retried through a database blip
-                  (jobs.db.retry_store)
+                  through runtime.lifecycle), with its checked-output counts (README "Checked outputs"); each store
+                  step one transaction, retried through a database blip (jobs.db.retry_store)
     runner        BatchRunner: a claimed batch as pipelined micro-batches (lanes), finished rows replaced at
                   once by newly claimed ones; commits every K tokens; resumes from committed ids
     sweep         sweep_store: lost leases back to pending, overdue jobs expired, finished jobs settled, failed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sqlalchemy import select
@@ -23,6 +23,7 @@ from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
+from swarmclient.verification import VerificationCounts, VerificationTally
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +48,22 @@ class Outcome:
     # a batch stopped by a store outage: {"token": ..., "attempts": [[request id, attempts as claimed], ...]}, for
     # the retry to give its requests back without counting the claim
     give_back: dict[str, Any] | None = None
+
+
+@dataclass
+class CheckedOutputs:
+    """A batch's checked-output counts (its sessions add to `tally`) and the part of them already stored."""
+
+    tally: VerificationTally = field(default_factory=VerificationTally)
+    stored: VerificationCounts = VerificationCounts()
+
+    def write(self, session: Session, job_id: str) -> VerificationCounts:
+        """Add the unstored counts to the job in this transaction; returns what `stored` becomes once it commits."""
+        counts = self.tally.snapshot()
+        new = counts - self.stored
+        store.add_verification(session=session, job_id=job_id, verified=new.verified, mismatches=new.mismatches,
+                               unverified=new.unverified)
+        return counts
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,19 @@ class JobWorker:
             session.commit()
 
     def _generate(self, claim: Claim) -> Outcome:
+        """Run the batch; then store its checked-output counts since the last checkpoint, whatever stopped it."""
+        checks = CheckedOutputs()
+        try:
+            outcome = self._run_batch(claim, checks)
+        except StoreUnavailable:
+            raise  # the store is away: those counts are lost (they are counters; the outage is what matters now)
+        except BaseException:
+            self._store_checks(claim.job.id, checks)
+            raise
+        self._store_checks(claim.job.id, checks)
+        return outcome
+
+    def _run_batch(self, claim: Claim, checks: CheckedOutputs) -> Outcome:
         job, token, claimed = claim.job, claim.token, claim.requests
         runner = None
         try:
@@ -141,7 +171,8 @@ class JobWorker:
             # joining the swarm may take a while on a new worker: the lease must not lapse before the first checkpoint
             self._store(f"Job {job.id}: renew leases", lambda: self._renew(token))
             runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
-                                 checkpoint_every=job.checkpoint_every, checkpoint=self._checkpoint(job.id, token),
+                                 checkpoint_every=job.checkpoint_every,
+                                 checkpoint=self._checkpoint(job.id, token, checks), verification=checks.tally,
                                  lanes=self.settings.pipeline_lanes, continuous=self.settings.continuous_batching,
                                  refill=self._refill(job.id, token, claimed) if self.settings.continuous_batching
                                  else None, capacity=self.settings.worker_batch_size)
@@ -217,13 +248,30 @@ class JobWorker:
             return rows
         return refill
 
-    def _checkpoint(self, job_id: str, token: str) -> Checkpoint:
+    def _store_checks(self, job_id: str, checks: CheckedOutputs) -> None:
+        """Store the batch's last checked-output counts; a store that stays away loses them (they are counters)."""
+        if checks.tally.snapshot() == checks.stored:
+            return
+
+        def unit() -> None:
+            with self.runtime.session() as session:
+                stored = checks.write(session, job_id)
+                session.commit()
+                checks.stored = stored
+        try:
+            self._store(f"Job {job_id}: verification counts", unit)
+        except StoreUnavailable as e:
+            logger.warning("%s; this batch's last verification counts are not stored", e)
+
+    def _checkpoint(self, job_id: str, token: str, checks: CheckedOutputs) -> Checkpoint:
         def commit(progress: dict[int, list[int]], texts: dict[int, str]) -> tuple[set[int], JobStatus | None]:
             # the same ids and texts again after a lost answer: writing them twice is harmless, and fenced by token
             with self.runtime.session() as session:
                 owned = store.checkpoint(session=session, token=token, progress=progress, texts=texts,
                                          lease_seconds=self.settings.lease_seconds)
+                stored = checks.write(session, job_id)
                 session.commit()
+                checks.stored = stored
                 return owned, session.scalar(select(Job.status).where(Job.id == job_id))
 
         def checkpoint(progress: dict[int, list[int]], texts: dict[int, str]) -> set[int]:

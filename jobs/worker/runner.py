@@ -18,6 +18,7 @@ from jobs.errors import LeaseLost
 from jobs.models import Request
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.sampling import SamplingParams
+from swarmclient.verification import VerificationTally
 
 logger = logging.getLogger(__name__)
 STEP_LOG = "step %d: %s"  # a debug line per decode step, read by tests: "ID=TOKENS" per row, space-separated
@@ -81,8 +82,10 @@ class BatchRunner:
 
     def __init__(self, model: DistributedModelForCausalLM, tokenizer: Any, requests: list[Request], *,
                  checkpoint_every: int, checkpoint: Checkpoint, lanes: int = 1, continuous: bool = False,
-                 refill: Refill | None = None, capacity: int | None = None) -> None:
+                 refill: Refill | None = None, capacity: int | None = None,
+                 verification: VerificationTally | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.verification = verification or VerificationTally()  # every lane's checked outputs
         self.checkpoint_every, self.checkpoint = checkpoint_every, checkpoint
         self.lanes, self.continuous, self.refill = max(1, lanes), continuous, refill
         self.capacity = capacity or len(requests)
@@ -179,7 +182,7 @@ class BatchRunner:
 
         try:
             self.model.generate_new_tokens(ids, mask, max_new_tokens=limits, params=params, on_token=on_token,
-                                           shrink=self.continuous)
+                                           shrink=self.continuous, verification=self.verification)
         finally:
             self._changed.set()
 

@@ -1,0 +1,142 @@
+"""`HopVerifier`: recompute a sampled hop step on other holders of its blocks and judge who lies (checked outputs).
+
+The policy (sampling, tolerances, the majority rule) is in `verification`; this module asks the servers. The
+second server recomputes the hop with the stateless `forward` RPC of the hop's whole input history; on a
+mismatch a third holder, when there is one, decides. The server found faulty is banned for the rest of the
+process (`BanList.ban_for_good`); the caller replays the hop elsewhere when it was the checked one.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from swarmclient.data_structures import RemoteSpanInfo, RouteHop
+from swarmclient.discovery import online_spans
+from swarmclient.errors import InvalidRequest, PeerFailed
+from swarmclient.swarm import Swarm
+from swarmclient.verification import (
+    Verdict,
+    VerificationTally,
+    comparable,
+    judge,
+    max_difference,
+    relative_error,
+    tolerance,
+    verifier_order,
+)
+
+logger = logging.getLogger(__name__)
+# one warning per mismatch (tests read it): blocks, checked server, second server, errors, verdict, banned server
+MISMATCH_LOG = ("Outputs differ on blocks %d:%d between server %s and server %s: relative error %.3g (tolerance "
+                "%.3g), max difference %.3g; %s; server %s is banned for the rest of this process")
+# a history is sent in row chunks of at most this size: one check never makes a server hold a large forward
+MAX_FORWARD_BYTES = 3 << 20
+
+
+@dataclass(frozen=True)
+class HopCheck:
+    """One hop step to check: the hop, its whole input so far (this step included), and the checked output."""
+
+    hop: RouteHop
+    hidden: torch.Tensor     # [B, L, H]: every step's input to the hop, in order
+    mask: torch.Tensor       # [B, L]
+    positions: torch.Tensor  # [B, L]
+    output: torch.Tensor     # [B, T, H]: the checked server's answer to the step (its last T tokens)
+
+    @property
+    def real(self) -> torch.Tensor:
+        """[B, T]: which of the step's tokens are real (padding is not compared)."""
+        return self.mask[:, -self.output.shape[1]:]
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A holder's answer for the step's tokens."""
+
+    span: RemoteSpanInfo
+    output: torch.Tensor  # [B, T, H]
+
+
+class HopVerifier:
+    """Checks hop steps of one inference session; counts into `tally`; `key` seeds the session's choices."""
+
+    def __init__(self, swarm: Swarm, tally: VerificationTally, key: str) -> None:
+        self.swarm, self.tally, self.key = swarm, tally, key
+
+    async def check(self, check: HopCheck, step: int) -> Verdict | None:
+        """Recompute the step on another holder of the same precision and compare; None when none could (counted
+        as unverified)."""
+        holders = await self._holders(check.hop)
+        checked = holders.pop(check.hop.peer_id, None)
+        peers = [] if checked is None else [p for p, s in holders.items() if comparable(s.info, checked.info)]
+        order = iter([holders[p] for p in verifier_order(peers, self.key, step, check.hop.start)])
+        second = await self._recompute(order, check)
+        if checked is None or second is None:
+            self.tally.add(unverified=1)
+            return None
+        limit = tolerance(checked.info, second.span.info)
+        error = relative_error(check.output, second.output, check.real)
+        if error <= limit:
+            self.tally.add(verified=1)
+            return Verdict.AGREE
+        third = await self._recompute(order, check)
+        third_agrees = None if third is None else relative_error(check.output, third.output, check.real) <= limit
+        verdict = judge(False, third_agrees)
+        faulty = check.hop.peer_id if verdict is Verdict.CHECKED_FAULTY else second.span.peer_id
+        self.swarm.bans.ban_for_good(faulty)
+        self.tally.add(verified=1, mismatches=1)
+        logger.warning(MISMATCH_LOG, check.hop.start, check.hop.end, check.hop.peer_id, second.span.peer_id, error,
+                       limit, max_difference(check.output, second.output, check.real), _explain(verdict, third),
+                       faulty)
+        return verdict
+
+    async def _holders(self, hop: RouteHop) -> dict[str, RemoteSpanInfo]:
+        """Online, unbanned servers holding all of the hop's blocks (the checked one, banned or not), by peer id."""
+        spans = online_spans(await self.swarm.block_infos())
+        return {s.peer_id: s for s in spans if s.start <= hop.start and hop.end <= s.end
+                and (s.peer_id == hop.peer_id or not self.swarm.bans.is_banned(s.peer_id))}
+
+    async def _recompute(self, candidates: Iterator[RemoteSpanInfo], check: HopCheck) -> Recomputed | None:
+        """The first candidate's answer that comes back; a failing candidate is banned like any failed server."""
+        for span in candidates:
+            chunks = row_chunks(check, span)
+            if chunks is None:
+                continue
+            try:
+                outputs = [await self.swarm.forward_hidden(span.peer_id, check.hop.start, check.hop.end,
+                                                         check.hidden[rows], check.mask[rows], check.positions[rows])
+                           for rows in chunks]
+            except PeerFailed as e:
+                duration = self.swarm.bans.ban(span.peer_id)
+                logger.warning("Server %s could not check a step (%s); banned for %.0f s", span.peer_id[-8:],
+                               e.reason, duration)
+                continue
+            except InvalidRequest as e:
+                logger.info("Server %s refused to check a step: %s", span.peer_id[-8:], e)
+                continue
+            return Recomputed(span, torch.cat(outputs)[:, -check.output.shape[1]:])
+        return None
+
+
+def row_chunks(check: HopCheck, span: RemoteSpanInfo) -> list[slice] | None:
+    """Row slices of the history that fit one forward call to this server; None if a single row cannot."""
+    rows, length, hidden = check.hidden.shape
+    if length > span.info.max_length:
+        return None
+    per_row = length * (hidden * 4 + 16)  # hidden states, mask and position ids
+    per_call = min(span.info.max_batch_size, MAX_FORWARD_BYTES // per_row)
+    if per_call < 1:
+        return None
+    return [slice(low, min(low + per_call, rows)) for low in range(0, rows, per_call)]
+
+
+def _explain(verdict: Verdict, third: Recomputed | None) -> str:
+    if verdict is Verdict.SECOND_FAULTY:
+        assert third is not None
+        return f"server {third.span.peer_id[-8:]} agrees with the checked one"
+    if third is None:
+        return "no third holder to ask: the checked server is treated as faulty"
+    return f"server {third.span.peer_id[-8:]} does not agree with the checked one"

@@ -1,0 +1,180 @@
+"""Checked outputs against a server that really lies (SWARMBATCH_FAULT_INJECTION): real processes, the tiny model.
+
+The lying server adds Gaussian noise to every output of its span. Unchecked, it corrupts the generation; with
+every step checked (verify fraction 1.0, so the test does not depend on sampling luck) it is caught, banned for
+the rest of the process, its hop replayed through honest servers, and the tokens equal transformers' generate.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import cli
+from commands.ready import SERVING_BLOCKS
+from jobs.models import Job, Request
+from jobs.runtime import Runtime, set_runtime
+from jobs.settings import get_settings
+from jobs.submission import submit_batch
+from jobs.worker.batch_worker import JobWorker
+from launch.local_swarm import LocalSwarm
+from servers.faults import FAULT_INJECTION_ENV
+from swarmclient.config import ClientConfig
+from swarmclient.generation import generate_tokens
+from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.textgen import load_tokenizer
+from swarmclient.verification import VerificationTally
+
+LIAR = {FAULT_INJECTION_ENV: "noise:0.1"}  # relative error ~1.4 on the tiny model's outputs; float32 allows 1e-3
+PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog and then", "one two three"]
+NEW_TOKENS = 24
+
+
+def reference_tokens(model_dir: Path, batch: dict, max_new_tokens: int) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+def generate(model_dir: Path, swarm: LocalSwarm, batch: dict, fraction: float
+             ) -> tuple[torch.Tensor, VerificationTally, set[str]]:
+    """(new tokens, the checks' counts, the servers banned for good) of one greedy generation by a new client."""
+    tally = VerificationTally()
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=fraction)) as model:
+        params = model.sampling_params(batch["input_ids"].shape[0], False, 1.0, 1.0, 0)
+        tokens = model.generate_new_tokens(batch["input_ids"], batch["attention_mask"], max_new_tokens=NEW_TOKENS,
+                                           params=params, verification=tally)
+        banned = {peer for peer in (s.peer_id for s in swarm.servers) if model.swarm.bans.banned_for_good(peer)}
+    return tokens, tally, banned
+
+
+def test_a_lying_server_corrupts_unchecked_output_and_checked_steps_catch_it(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm], caplog: pytest.LogCaptureFixture) -> None:
+    # Given a swarm where a lying server is the only holder of blocks 0:3
+    swarm = local_swarm(tiny_model, [])
+    liar = swarm.start_server(0, 3, env=LIAR)
+    swarm.start_server(3, 6)
+    assert "TEST-ONLY FAULT INJECTION IS ON" in liar.log_path.read_text()
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    expected = reference_tokens(tiny_model, batch, NEW_TOKENS)
+    # When generating without checks, it corrupts the output
+    unchecked, tally, _ = generate(tiny_model, swarm, batch, 0.0)
+    assert not torch.equal(unchecked, expected)
+    assert not tally.snapshot()
+    # and with every step checked but no second holder of 0:3 or 3:6, nothing can be checked: counted, not caught
+    alone, tally, banned = generate(tiny_model, swarm, batch, 1.0)
+    assert not torch.equal(alone, expected) and not banned
+    assert tally.snapshot().verified == 0 and tally.snapshot().unverified >= 2 * NEW_TOKENS
+    # When two honest holders of 0:3 join and every step is checked
+    swarm.start_servers([(0, 3, ()), (0, 3, ())])
+    with caplog.at_level(logging.WARNING, logger="swarmclient"):
+        checked, tally, banned = generate(tiny_model, swarm, batch, 1.0)
+    # Then the tokens equal transformers' generate, the liar is banned for good and the mismatch is counted
+    assert torch.equal(checked, expected)
+    assert banned == {liar.peer_id}
+    counts = tally.snapshot()
+    assert counts.mismatches >= 1 and counts.verified > counts.mismatches
+    assert counts.unverified >= NEW_TOKENS  # blocks 3:6 still have a single holder
+    # and one warning line names the liar and the server it was compared with, with the difference
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Outputs differ on blocks 0:3")]
+    assert len(lines) == counts.mismatches
+    assert liar.peer_id in lines[0] and re.search(r"max difference \d", lines[0])
+    assert re.search(rf"server {liar.peer_id} is banned for the rest of this process$", lines[0])
+
+
+def test_a_server_banned_for_good_leaves_a_running_session_at_its_next_step_with_identical_tokens(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given two honest holders of blocks 0:3 and a generation under way through one of them
+    swarm = local_swarm(tiny_model, [(0, 3), (0, 3), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    expected = reference_tokens(tiny_model, batch, NEW_TOKENS)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        session = model.inference_session(batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + NEW_TOKENS)
+        banned: list[str] = []
+
+        def on_token(index: int, _: torch.Tensor) -> None:
+            if index == 8:  # When another session of this process catches the first hop's server lying
+                banned.append(session.route[0].peer_id)
+                model.swarm.bans.ban_for_good(banned[0])
+
+        with session:
+            got = generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                                  max_new_tokens=NEW_TOKENS, params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                                  eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id, on_token=on_token)
+            route = session.route
+    # Then this session leaves that server at its next step (replayed elsewhere), and the tokens do not change
+    assert banned and banned[0] not in {hop.peer_id for hop in route}
+    assert session.failovers == 1
+    assert torch.equal(got, expected)
+
+
+def scrape(url: str) -> dict[str, float]:
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200
+    return {sample.name: sample.value for family in text_string_to_metric_families(response.text)
+            for sample in family.samples if not sample.labels}
+
+
+def test_a_job_through_a_lying_server_completes_identical_and_counts_the_mismatch(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime],
+        serve: Callable[[Runtime], str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given three holders of blocks 0:3, one of them lying, and one holder of 3:6
+    swarm = local_swarm(tiny_model, [])
+    liar = swarm.start_server(0, 3, env=LIAR, wait=False)
+    swarm.start_servers([(0, 3, ()), (0, 3, ()), (3, 6, ())])
+    liar.wait_for_line(SERVING_BLOCKS, timeout=180)
+    # and a job of greedy requests on a worker that checks every step (the worker's code path, in process)
+    runtime = make_runtime(initial_peers=swarm.initial_peers, verify_fraction=1.0, worker_batch_size=4,
+                           pipeline_lanes=2, checkpoint_every=4)
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": prompt, "max_tokens": 12}}) for i, prompt in enumerate(PROMPTS)]
+    job = submit_batch(runtime, ("\n".join(lines) + "\n").encode(), model=str(tiny_model))
+    worker = JobWorker(runtime)
+    while worker.process(job.id).more:
+        pass
+    # Then every request's tokens equal transformers' generate of its prompt
+    with runtime.session() as session:
+        requests = list(session.scalars(select(Request).where(Request.job_id == job.id).order_by(Request.index)))
+        row = session.get(Job, job.id)
+        assert row is not None and row.status == "completed"
+        checks = (row.steps_verified, row.verification_mismatches, row.steps_unverified)
+    for request in requests:
+        prompt = torch.tensor([request.prompt_ids])
+        expected = reference_tokens(tiny_model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, 12)
+        assert request.generated_ids == expected[0].tolist()[:len(request.generated_ids)], request.custom_id
+        assert len(request.generated_ids) == 12 or request.finish_reason == "stop"
+    # and the liar was banned by the worker's swarm client, the mismatch counted on the job
+    assert runtime.swarm_model(str(tiny_model)).swarm.bans.banned_for_good(liar.peer_id)
+    verified, mismatches, unverified = checks
+    assert mismatches >= 1 and verified > mismatches and unverified > 0
+    # shown by `swarmbatch status JOB` (the CLI on the same embedded store) and in the API's job JSON
+    monkeypatch.setenv("SWARMBATCH_HOME", str(runtime.settings.home))
+    get_settings.cache_clear()
+    set_runtime(None)
+    try:
+        status = CliRunner().invoke(cli.app, ["status", job.id])
+        as_json = CliRunner().invoke(cli.app, ["status", job.id, "--json"])
+    finally:
+        get_settings.cache_clear()
+        set_runtime(runtime)
+    assert status.exit_code == 0, status.output
+    assert f"{verified} steps verified ({mismatches} mismatch" in status.stdout
+    assert json.loads(as_json.stdout)["verification"] == {"steps_verified": verified, "mismatches": mismatches,
+                                                          "steps_unverified": unverified}
+    # and in the API's /metrics
+    metrics = scrape(serve(runtime))
+    assert metrics["swarmbatch_verification_mismatches_total"] == mismatches
+    assert metrics["swarmbatch_steps_verified_total"] == verified
+    assert metrics["swarmbatch_steps_unverified_total"] == unverified
