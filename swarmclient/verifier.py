@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from swarmclient.data_structures import RemoteSpanInfo, RouteHop
-from swarmclient.discovery import online_spans
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.swarm import Swarm
 from swarmclient.verification import (
@@ -94,8 +93,9 @@ class HopVerifier:
         return verdict
 
     async def _holders(self, hop: RouteHop) -> dict[str, RemoteSpanInfo]:
-        """Online, unbanned servers holding all of the hop's blocks (the checked one, banned or not), by peer id."""
-        spans = online_spans(await self.swarm.block_infos())
+        """Online, unbanned members' servers holding all of the hop's blocks (the checked one, banned or not), by peer
+        id: a check sends the hop's whole input history, so it goes where routing may send it, to members only."""
+        spans = await self.swarm.member_spans()
         return {s.peer_id: s for s in spans if s.start <= hop.start and hop.end <= s.end
                 and (s.peer_id == hop.peer_id or not self.swarm.bans.is_banned(s.peer_id))}
 

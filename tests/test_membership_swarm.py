@@ -25,6 +25,7 @@ from launch.local_worker import settings_env
 from launch.processes import ManagedProcess, cli_command
 from servers.throughput import FORCED_THROUGHPUT_ENV
 from swarmclient import protocol
+from swarmclient.config import ClientConfig
 from swarmclient.identity import Identity
 from swarmclient.membership import RECHECK_SECONDS, MemberCredential, Membership, NotAMember, SwarmAccess, SwarmFile
 from swarmclient.model import DistributedModelForCausalLM
@@ -77,9 +78,11 @@ def raw_client(tiny_model: Path, private_swarm: LocalSwarm) -> Iterator[Swarm]:
     client.close()
 
 
-def generate(model_dir: Path, initial_peers: list[str], access: SwarmAccess | None) -> tuple[torch.Tensor, Swarm]:
+def generate(model_dir: Path, initial_peers: list[str], access: SwarmAccess | None, *, verify_fraction: float = 0.0
+             ) -> tuple[torch.Tensor, Swarm]:
     batch = load_tokenizer(model_dir)(PROMPTS, return_tensors="pt", padding=True)
-    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=initial_peers, access=access) as model:
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=initial_peers, access=access,
+                                                     config=ClientConfig(verify_fraction=verify_fraction)) as model:
         return model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=12), model.swarm
 
 
@@ -95,6 +98,14 @@ def test_a_member_client_generates_the_same_tokens_as_in_an_open_swarm(
     open_, _ = generate(tiny_model, shared_swarm.initial_peers, None)
     assert torch.equal(private, open_)
     assert set(swarm.rtts) == set(members(private_swarm)), "the outsider was never even pinged"
+    assert steps_of(member_client, outsider(private_swarm)) == outsider_steps
+
+
+def test_checked_outputs_are_never_recomputed_on_a_non_member(tiny_model: Path, private_swarm: LocalSwarm,
+                                                              member_client: Swarm) -> None:
+    # the outsider is the only other holder of each member's blocks: a check would send it the hops' whole history
+    outsider_steps = steps_of(member_client, outsider(private_swarm))
+    generate(tiny_model, private_swarm.initial_peers, private_swarm.access(), verify_fraction=1.0)
     assert steps_of(member_client, outsider(private_swarm)) == outsider_steps
 
 
