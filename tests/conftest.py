@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 
 from launch.local_swarm import LocalSwarm
 from modelprep import prepare_model, write_tiny_model
+from swarmclient.identity import Identity
 
 pytest_plugins = ["tiers", "pytester"]  # tiers: the swarm marker and its guard; pytester: tiers' own test
 pytest.register_assert_rewrite("tiers")  # a plugin, imported here first
@@ -48,6 +49,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_model() -> Path:
     """SmolLM2-135M-Instruct as a safetensors dir (converted once from its PyPI wheel, then cached)."""
     return prepare_model("smollm2", cache_dir=MODEL_CACHE)
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
+    """Key files (RSA, the --identity format) named member, outsider and server: made once, they cost ~0.1 s each."""
+    root = tmp_path_factory.mktemp("keys")
+    return {name: Identity.create(root / f"{name}.key") for name in ("member", "outsider", "server")}
 
 
 SwarmFactory = Callable[..., LocalSwarm]

@@ -9,6 +9,16 @@ from jobs.runtime import Runtime
 from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState
 
 
+class ManualClock:
+    """A clock a test moves by hand (`clock.now += 5`), for the code that takes a `clock` callable."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def server_info(start: int, end: int, *, throughput: float = 100.0, state: ServerState = ServerState.ONLINE,
                 version: str = PROTOCOL_VERSION, cache_tokens_left: int = 1000) -> ServerInfo:
     """A valid announcement for blocks [start, end)."""

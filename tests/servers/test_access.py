@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from factories import ManualClock
 
 from servers.access import MemberGate
 from servers.errors import RequestRejected
@@ -13,20 +14,6 @@ from swarmclient.protocol import ErrorCode
 
 CLIENT = "12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
 NOW = 1_800_000_000.0
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
-    root = tmp_path_factory.mktemp("keys")
-    return {name: Identity.create(root / f"{name}.key") for name in ("member", "outsider", "server")}
 
 
 @pytest.fixture
@@ -58,7 +45,7 @@ def test_a_member_peer_needs_no_credential_and_others_need_one(swarm_file: Path,
 
 
 def test_a_verified_credential_is_cached_until_it_expires(swarm_file: Path, keys: dict[str, Identity]) -> None:
-    clock = Clock(NOW)
+    clock = ManualClock(NOW)
     gate = MemberGate(Membership.from_file(swarm_file), clock=clock)
     meta = {"credential": MemberCredential.issue(keys["member"], CLIENT, int(NOW) + 100).to_bytes()}
     for _ in range(3):
@@ -69,7 +56,7 @@ def test_a_verified_credential_is_cached_until_it_expires(swarm_file: Path, keys
 
 
 def test_removing_a_member_drops_its_cached_credentials(swarm_file: Path, keys: dict[str, Identity]) -> None:
-    monotonic = Clock(0.0)
+    monotonic = ManualClock(0.0)
     gate = MemberGate(Membership.from_file(swarm_file, recheck=5.0, clock=monotonic), clock=lambda: NOW)
     meta = {"credential": MemberCredential.issue(keys["member"], CLIENT, int(NOW) + 86400).to_bytes()}
     gate.check(CLIENT, meta)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from factories import ManualClock
 
 from swarmclient.identity import Identity, IdentityError
 from swarmclient.membership import (
@@ -26,22 +27,6 @@ from swarmclient.membership import (
 CLIENT = "12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"  # a client process's ephemeral peer id
 OTHER_CLIENT = "12D3KooWRBy97UB99e3J6hiPesre1MZeuNQvfan4gBziswrRJsNK"
 NOW = 1_800_000_000.0
-
-
-class Clock:
-    """A clock tests move by hand."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
-    root = tmp_path_factory.mktemp("keys")
-    return {name: Identity.create(root / f"{name}.key") for name in ("member", "outsider", "server")}
 
 
 @pytest.fixture
@@ -116,7 +101,7 @@ def test_an_open_membership_allows_everyone_and_a_file_only_its_members(swarm_fi
 
 def test_a_changed_swarm_file_is_seen_after_the_recheck_interval(swarm_file: Path,
                                                                  keys: dict[str, Identity]) -> None:
-    clock = Clock()
+    clock = ManualClock()
     membership = Membership.from_file(swarm_file, recheck=5.0, clock=clock)
     swarm = SwarmFile.load(swarm_file)
     swarm.remove("alice")
@@ -182,7 +167,7 @@ def test_access_needs_a_member_key_with_a_swarm_file(swarm_file: Path, keys: dic
 
 def test_a_clients_credential_is_reused_then_renewed_before_it_expires(swarm_file: Path,
                                                                        keys: dict[str, Identity]) -> None:
-    clock = Clock(NOW)
+    clock = ManualClock(NOW)
     access = SwarmAccess(Membership.from_file(swarm_file), keys["member"], clock=clock)
     first = access.credential(CLIENT)
     assert access.credential(CLIENT) is first

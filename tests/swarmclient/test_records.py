@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
-import pytest
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
@@ -26,12 +25,6 @@ KEY = b"\x01" * 20  # a DHTID's bytes; the validator treats keys as opaque
 VALUE = MSGPackSerializer.dumps({"state": "online", "start": 0, "end": 3})
 
 
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> tuple[Identity, Identity]:
-    directory = tmp_path_factory.mktemp("keys")
-    return Identity.create(directory / "server.key"), Identity.create(directory / "outsider.key")
-
-
 def record(subkey: object, *, value: bytes = VALUE, ttl: float = 30.0) -> DHTRecord:
     return DHTRecord(KEY, MSGPackSerializer.dumps(subkey), value, get_dht_time() + ttl)
 
@@ -44,8 +37,8 @@ def test_the_record_limit_is_two_announce_periods_and_the_slack() -> None:
     assert MAX_RECORD_TTL == 2 * ANNOUNCE_PERIOD_LIMIT + RECORD_TTL_SLACK == 70
 
 
-def test_own_records_are_signed_valid_everywhere_and_stripped_to_the_value(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_own_records_are_signed_valid_everywhere_and_stripped_to_the_value(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     mine = signed(SignedRecordValidator(server), record(server.peer_id))
     assert mine.value != VALUE
     for checker in (SignedRecordValidator(), SignedRecordValidator(server), reader_validator()):
@@ -53,13 +46,13 @@ def test_own_records_are_signed_valid_everywhere_and_stripped_to_the_value(keys:
         assert checker.strip_value(mine) == VALUE
 
 
-def test_an_unsigned_record_is_refused(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_an_unsigned_record_is_refused(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     assert SignedRecordValidator().refusal(record(server.peer_id)) == f"unsigned record under {server.peer_id}"
 
 
-def test_records_without_a_peer_id_subkey_are_refused(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_records_without_a_peer_id_subkey_are_refused(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     signer = SignedRecordValidator(server)
     # no subkey: a regular value under the block key would make every node refuse all subkeys of that key
     regular = DHTRecord(KEY, DHTProtocol.IS_REGULAR_VALUE, VALUE, get_dht_time() + 30)
@@ -67,8 +60,8 @@ def test_records_without_a_peer_id_subkey_are_refused(keys: tuple[Identity, Iden
         assert signer.refusal(signed(signer, bad)) == "no peer id subkey"
 
 
-def test_a_record_under_another_peers_id_is_refused(keys: tuple[Identity, Identity]) -> None:
-    server, outsider = keys
+def test_a_record_under_another_peers_id_is_refused(keys: dict[str, Identity]) -> None:
+    server, outsider = keys["server"], keys["outsider"]
     forger = SignedRecordValidator(outsider)
     # sign_value leaves a record under someone else's peer id unsigned ...
     assert forger.sign_value(record(server.peer_id)) == VALUE
@@ -80,8 +73,8 @@ def test_a_record_under_another_peers_id_is_refused(keys: tuple[Identity, Identi
     assert SignedRecordValidator().refusal(forged) == f"record under {server.peer_id} signed by another key"
 
 
-def test_a_signature_binds_key_subkey_value_and_expiration(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_a_signature_binds_key_subkey_value_and_expiration(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     mine = signed(SignedRecordValidator(server), record(server.peer_id))
     inner, public_key, signature = msgpack.unpackb(mine.value, raw=False)
     offline = msgpack.packb([MSGPackSerializer.dumps({"state": "offline"}), public_key, signature], use_bin_type=True)
@@ -95,8 +88,8 @@ def test_a_signature_binds_key_subkey_value_and_expiration(keys: tuple[Identity,
     assert not SignedRecordValidator().validate(reused)
 
 
-def test_a_correctly_signed_record_expiring_too_late_is_refused(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_a_correctly_signed_record_expiring_too_late_is_refused(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     signer = SignedRecordValidator(server)
     within = signed(signer, record(server.peer_id, ttl=MAX_RECORD_TTL - 1))
     assert SignedRecordValidator().validate(within)
@@ -105,8 +98,8 @@ def test_a_correctly_signed_record_expiring_too_late_is_refused(keys: tuple[Iden
         assert "limit 70 s" in (SignedRecordValidator().refusal(late) or "")
 
 
-def test_readers_tolerate_clock_skew_that_full_nodes_do_not(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_readers_tolerate_clock_skew_that_full_nodes_do_not(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     # stored by a full node whose clock is 5 s ahead of this reader's: at its edge of the limit, 5 s past ours
     ahead = signed(SignedRecordValidator(server), record(server.peer_id, ttl=MAX_RECORD_TTL + 5))
     assert not SignedRecordValidator().validate(ahead)
@@ -114,8 +107,8 @@ def test_readers_tolerate_clock_skew_that_full_nodes_do_not(keys: tuple[Identity
     assert not reader_validator().validate(signed(SignedRecordValidator(server), record(server.peer_id, ttl=86400)))
 
 
-def test_garbage_values_are_refused_without_raising(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_garbage_values_are_refused_without_raising(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", msgpack.packb([b"v", b"k"]), msgpack.packb(["v", "k", "s"]),
                  msgpack.packb([b"v", b"not a key", b"sig"])):
         assert not SignedRecordValidator().validate(record(server.peer_id, value=junk))
@@ -141,8 +134,8 @@ def test_the_cache_keeps_nothing() -> None:
     assert cache.get(key) is None and key not in cache
 
 
-def test_a_record_is_verified_once_however_often_it_is_read(keys: tuple[Identity, Identity]) -> None:
-    server, _ = keys
+def test_a_record_is_verified_once_however_often_it_is_read(keys: dict[str, Identity]) -> None:
+    server = keys["server"]
     mine = signed(SignedRecordValidator(server), record(server.peer_id))
     before = owner_signature_refusal.cache_info()
     assert all(SignedRecordValidator().validate(mine) for _ in range(5))

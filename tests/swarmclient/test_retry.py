@@ -4,20 +4,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from factories import ManualClock
 
 from swarmclient.config import ClientConfig
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.retry import BanList, backoff_delay, with_retries
 
 FAST = ClientConfig(min_backoff=0.001, max_backoff=0.004, max_retries=4)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_backoff_grows_exponentially_up_to_the_cap() -> None:
@@ -28,7 +21,7 @@ def test_backoff_grows_exponentially_up_to_the_cap() -> None:
 
 
 def test_each_further_failure_doubles_a_ban_and_a_ban_expires() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     bans = BanList(10.0, 100.0, clock=clock)
     assert bans.ban("p") == 10.0 and bans.ban("p") == 20.0 and bans.ban("p") == 40.0
     assert bans.is_banned("p") and bans.banned() == {"p"}
@@ -37,7 +30,7 @@ def test_each_further_failure_doubles_a_ban_and_a_ban_expires() -> None:
 
 
 def test_forgiving_a_peer_resets_its_ban_length() -> None:
-    bans = BanList(10.0, 100.0, clock=FakeClock())
+    bans = BanList(10.0, 100.0, clock=ManualClock(1000.0))
     bans.ban("p")
     bans.ban("p")
     bans.forgive("p")
