@@ -8,16 +8,10 @@ import torch
 
 from servers.span import BlockSpan
 
-# tests only: announce this many block-steps/s instead of measuring (routing must be made to prefer a server)
-FORCED_THROUGHPUT_ENV = "SWARMBATCH_TEST_FORCED_THROUGHPUT"
-
 
 @torch.inference_mode()
 def measure_throughput(span: BlockSpan, *, steps: int = 4, context: int = 32) -> float:
     """Block-steps per second: how many (block x batch-1 decode step) units this span computes per second."""
-    forced = os.environ.get(FORCED_THROUGHPUT_ENV)
-    if forced:
-        return float(forced)
     hidden_size = span.spec.hidden_size
     caches = span.new_caches(span.start, span.end)
     prompt = torch.zeros(1, context, hidden_size)

@@ -23,7 +23,7 @@ from jobs.submission import submit_batch
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import settings_env
 from launch.processes import ManagedProcess, cli_command
-from servers.throughput import FORCED_THROUGHPUT_ENV
+from servers.throughput import TEST_OVERSTATE_ENV
 from swarmclient import protocol
 from swarmclient.config import ClientConfig
 from swarmclient.identity import Identity
@@ -40,12 +40,13 @@ runner = CliRunner()
 
 @process_fixture(scope="module")
 def private_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    """Members: a DHT node and two servers (0:3, 3:6) announcing 1 block-step/s. Outsider: a server of all six
-    blocks with its own key, not in the swarm file, announcing a million: a shortest path ignoring membership takes
-    it (test_routing_would_prefer_the_outsider_if_membership_were_ignored checks that it does)."""
+    """Members: a DHT node and two servers (0:3, 3:6) announcing what they measured. Outsider: a server of all six
+    blocks with its own key, not in the swarm file, announcing ten thousand times what it measured: a shortest path
+    ignoring membership takes it (test_routing_would_prefer_the_outsider_if_membership_were_ignored checks that it
+    does)."""
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("private"), private=True) as swarm:
-        slow, fast = {FORCED_THROUGHPUT_ENV: "1"}, {FORCED_THROUGHPUT_ENV: "1000000"}
-        started = [swarm.start_server(0, 3, wait=False, env=slow), swarm.start_server(3, 6, wait=False, env=slow),
+        fast = {TEST_OVERSTATE_ENV: "10000"}
+        started = [swarm.start_server(0, 3, wait=False), swarm.start_server(3, 6, wait=False),
                    swarm.start_server(0, 6, wait=False, env=fast, member=False)]
         for server in started:
             server.wait_for_line(SERVING_BLOCKS, timeout=swarm.ready_timeout)
