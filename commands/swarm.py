@@ -2,7 +2,6 @@
 members of a private swarm (swarm init / new-key / add-member / remove-member / members)."""
 from __future__ import annotations
 
-import ipaddress
 import json
 import sys
 import time
@@ -43,11 +42,13 @@ def client_access(swarm_file: Path | None, identity: Path | None, *, strict: boo
 
 
 def server_membership(role: str, host: str, swarm_file: Path | None, identity: Path | None) -> Any:
-    """The Membership of a DHT node or server; warns on stderr when it listens beyond loopback with none."""
+    """The Membership of a DHT node or server; warns on stderr when it listens beyond loopback with none.
+    `host` has passed `network_options` (an IP address)."""
+    from swarmclient.addresses import listen_ip
     from swarmclient.membership import Membership, MembershipError
 
     if swarm_file is None:
-        if not is_loopback(host):
+        if not listen_ip(host).is_loopback:
             typer.echo(f"Warning: this {role} listens on {host} without --swarm-file: anyone who can reach its port "
                        "can join the swarm, announce blocks and be sent hidden states (the prompts); make the swarm "
                        "private with 'swarmbatch swarm init' (README: Deploying a private swarm)", err=True)
@@ -56,14 +57,6 @@ def server_membership(role: str, host: str, swarm_file: Path | None, identity: P
         raise MembershipError(f"a {role} of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose peer id "
                               "is in the swarm file ('swarmbatch swarm new-key', then add-member)")
     return Membership.from_file(swarm_file)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listen address is reachable from this machine only."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 # ---- model -------------------------------------------------------------------------------------------------
