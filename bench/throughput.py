@@ -9,12 +9,17 @@ generate, checkpoint, finish; in this process, without Celery). In the same run 
       pending requests take their slots, servers merge concurrent sessions' decode steps.
 Tokens are the real generated tokens (up to each row's EOS).
 
+With --sweep it measures what the worker's own sizing is worth instead: the job with default settings (the worker
+sizes its claim and lanes from what the servers announce, jobs/worker/sizing.py) against every tuned setting of a
+small sweep (claim 8/16/32/64 x lanes 2/4/8), and the defaults with 2 workers (own swarm clients) on the same job;
+the target is defaults >= 0.9x the best tuned setting. Local generate is skipped.
+
 With --verify-fractions 0.02,0.1 it measures the cost of checked outputs instead: 4 servers, two holders of each
 half (so a second server can recompute any hop step), the job with the features on and no checks, then with each
 fraction of hop steps checked (SWARMBATCH_VERIFY_FRACTION), interleaved in the same run; local generate is skipped.
 
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
-       [--batch-size 64] [--reps 1] [--verify-fractions 0.02,0.1]
+       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1]
 """
 from __future__ import annotations
 
@@ -99,7 +104,11 @@ def main() -> None:
     parser = job_bench_parser(__doc__.splitlines()[0], requests=64, max_tokens=64, batch_size=64, reps=1)
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--verify-fractions", default="", help="e.g. 0.02,0.1: the cost of checked outputs instead")
+    parser.add_argument("--sweep", action="store_true", help="default settings vs a sweep of claims and lanes")
     args = parser.parse_args()
+    if args.sweep:
+        sweep_main(args)
+        return
     if args.verify_fractions:
         verify_main(args)
         return
@@ -122,10 +131,7 @@ def main() -> None:
                 rows.append((f"swarm job, {label}", seconds, tokens))
         for runtime in runtimes.values():
             runtime.close()
-    best = {}
-    for label, seconds, tokens in rows:
-        if label not in best or tokens / seconds > best[label][1] / best[label][0]:
-            best[label] = (seconds, tokens)
+    best = best_runs(rows)
     rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
     local, off = rate[LOCAL], rate["swarm job, features off"]
     print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; "
@@ -142,13 +148,91 @@ def main() -> None:
 def job_runtime(home: Path, label: str, swarm: LocalSwarm, args: argparse.Namespace, options: dict[str, object],
                 model_dir: Path, texts: list[str]) -> Runtime:
     """A runtime of its own store for one config, warmed up (swarm join, routes) by a 2-request job."""
-    settings = Settings(home=home / label.replace(" ", "_"), initial_peers=swarm.initial_peers,
-                        worker_batch_size=args.batch_size, broker_url="memory://", **options)  # type: ignore[arg-type]
+    options = {"worker_batch_size": args.batch_size, **options}
+    settings = Settings(home=home / "".join(c if c.isalnum() else "_" for c in label), initial_peers=swarm.initial_peers,
+                        broker_url="memory://", **options)  # type: ignore[arg-type]
     settings.home.mkdir(parents=True, exist_ok=True)
     upgrade(settings.resolved_database_url)
     runtime = Runtime(settings)
     run_job(runtime, str(model_dir), batch_file(texts[:2], 4))
     return runtime
+
+
+def sweep_main(args: argparse.Namespace) -> None:
+    """Default settings (the worker sizes its batch) against claims x lanes, interleaved; and 2 workers."""
+    home, model_dir = bench_setup(args.model)
+    blocks = ModelSpec.open(model_dir).num_blocks
+    texts = prompts(args.requests)
+    data = batch_file(texts, args.max_tokens)
+    configs: dict[str, dict[str, object]] = {DEFAULTS: {"worker_batch_size": None}}
+    for claim in (8, 16, 32, 64):
+        for lanes in (2, 4, 8):
+            configs[f"claim {claim}, {lanes} lanes"] = {"worker_batch_size": claim, "pipeline_lanes": lanes}
+    rows: list[tuple[str, float, int]] = []
+    with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
+        runtimes = {label: job_runtime(home, label, swarm, args, options, model_dir, texts)
+                    for label, options in configs.items()}
+        second = second_worker(runtimes[DEFAULTS], swarm)
+        for _ in range(args.reps):  # interleaved, so that drifts of this noisy VM hit every config alike
+            for label, runtime in runtimes.items():
+                seconds, tokens, _ = run_job(runtime, str(model_dir), data)
+                rows.append((label, seconds, tokens))
+            seconds, tokens = run_job_with_two_workers(runtimes[DEFAULTS], second, str(model_dir), data)
+            rows.append((TWO_WORKERS, seconds, tokens))
+        second.close()
+        for runtime in runtimes.values():
+            runtime.close()
+    best = best_runs(rows)
+    rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
+    tuned = max((label for label in rate if label.startswith("claim")), key=rate.__getitem__)
+    print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 2 servers "
+          f"pinned to one core each; best of {args.reps}")
+    print("| config | seconds | tokens | tokens/s | vs best tuned |")
+    print("|---|---|---|---|---|")
+    for label, (seconds, tokens) in best.items():
+        print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / rate[tuned]:.2f} |")
+    print(f"defaults vs the best tuned setting ({tuned}): {rate[DEFAULTS] / rate[tuned]:.2f} (target >= 0.9)")
+
+
+DEFAULTS, TWO_WORKERS = "defaults (sized by the worker)", "defaults, 2 workers on the job"
+
+
+def second_worker(runtime: Runtime, swarm: LocalSwarm) -> Runtime:
+    """Another worker on the same store: its own Runtime, so its own swarm client (peer id, per-caller shares)."""
+    return Runtime(runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers}))
+
+
+def run_job_with_two_workers(first: Runtime, second: Runtime, model: str, data: bytes) -> tuple[float, int]:
+    """(seconds, generated tokens) of one job that two workers claim from at once, each in its own thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jobs.store import job_counts
+    from jobs.submission import submit_batch
+    from jobs.worker.batch_worker import JobWorker
+
+    job = submit_batch(first, data, model=model)
+    began = time.perf_counter()
+
+    def work(runtime: Runtime) -> None:
+        worker = JobWorker(runtime)
+        while worker.process(job.id).more:
+            pass
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(work, [first, second]))
+    seconds = time.perf_counter() - began
+    with first.session() as session:
+        counts = job_counts(session=session, job_id=job.id)
+    assert counts.completed == counts.total, counts
+    return seconds, counts.tokens
+
+
+def best_runs(rows: list[tuple[str, float, int]]) -> dict[str, tuple[float, int]]:
+    """Per config, the (seconds, tokens) of its fastest run."""
+    best: dict[str, tuple[float, int]] = {}
+    for label, seconds, tokens in rows:
+        if label not in best or tokens / seconds > best[label][1] / best[label][0]:
+            best[label] = (seconds, tokens)
+    return best
 
 
 def verify_main(args: argparse.Namespace) -> None:
@@ -174,10 +258,7 @@ def verify_main(args: argparse.Namespace) -> None:
                   for label, runtime in runtimes.items()}
         for runtime in runtimes.values():
             runtime.close()
-    best: dict[str, tuple[float, int]] = {}
-    for label, seconds, tokens in rows:
-        if label not in best or tokens / seconds > best[label][1] / best[label][0]:
-            best[label] = (seconds, tokens)
+    best = best_runs(rows)
     off = best["no checks"][1] / best["no checks"][0]
     print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 4 servers "
           f"(two holders of each half) pinned to {os.cpu_count()} cores; worker batch {args.batch_size}, "

@@ -141,6 +141,8 @@ class Job(Base):
     steps_verified: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     verification_mismatches: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     steps_unverified: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # per worker (name), the batch it runs now: {"claim", "lanes", "bound"} (jobs.worker.sizing), for `status`
+    pipeline: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")

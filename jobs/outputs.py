@@ -87,8 +87,9 @@ def summary_public(job: Job) -> dict[str, Any] | None:
 
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
-    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason, summary and
-    verification: the checked outputs' counts, README "Checked outputs")."""
+    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason, summary,
+    verification: the checked outputs' counts, README "Checked outputs", and pipeline: per worker, the batch it
+    sized for itself, README "Throughput")."""
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {
@@ -104,4 +105,5 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
         "metadata": job.metadata_json, "summary": summary_public(job),
         "verification": {"steps_verified": job.steps_verified, "mismatches": job.verification_mismatches,
                          "steps_unverified": job.steps_unverified},
+        "pipeline": job.pipeline if not job.status.terminal else {},
     }

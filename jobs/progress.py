@@ -22,6 +22,8 @@ def describe_job(job: dict[str, Any]) -> str:
         line += f", {summary['skipped']} unchanged documents skipped"
     if summary.get("pages_error"):
         line += f"; pages not written: {summary['pages_error']}"
+    for worker, plan in sorted((job.get("pipeline") or {}).items()):
+        line += f"; {worker}: claim {plan['claim']} in {plan['lanes']} lanes ({plan['bound']})"
     if job.get("blocked_reason") and job["status"] not in TERMINAL:
         line += f"; blocked: {job['blocked_reason']}"
     return line

@@ -1,6 +1,7 @@
 """`Settings`: the one typed configuration, read from SWARMBATCH_* environment variables."""
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated
@@ -10,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # what the API serves when SWARMBATCH_API_MODELS is unset or empty: the built-in model, never a server path
 DEFAULT_API_MODELS = ("smollm2",)
+DISPATCH_BATCH = 8  # requests per process_job task sent for a new job when the worker sizes its own claim
 
 
 class Settings(BaseSettings):
@@ -31,8 +33,10 @@ class Settings(BaseSettings):
         return value
 
     checkpoint_every: int = Field(default=8, ge=1, description="commit generated tokens every K tokens")
-    worker_batch_size: int = Field(default=8, ge=1, description="requests a worker generates together")
-    pipeline_lanes: int = Field(default=4, ge=1, description="micro-batches (sessions) of a batch in flight at once")
+    worker_batch_size: int | None = Field(default=None, ge=1, description="requests a worker claims and generates "
+                                          "together; unset: sized from what the servers can hold (jobs.worker.sizing)")
+    pipeline_lanes: int | None = Field(default=None, ge=1, description="micro-batches (sessions) a batch starts with; "
+                                       "unset: enough to cover the chain's step time (jobs.worker.sizing)")
     continuous_batching: bool = Field(default=True, description="finished requests leave at once; new ones take "
                                                                  "their slots")
     lease_seconds: float = Field(default=60.0, gt=0, description="a claim expires unless renewed this often")
@@ -60,7 +64,8 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = Field(default=None, description="when set, GET /metrics needs it as a Bearer")
     metrics_cache_seconds: float = Field(default=5.0, ge=0, description="how long a /metrics scrape is reused")
 
-    @field_validator("schedules", "metrics_token", "swarm_file", "identity", mode="before")
+    @field_validator("schedules", "metrics_token", "swarm_file", "identity", "worker_batch_size", "pipeline_lanes",
+                     mode="before")
     @classmethod
     def _none_when_empty(cls, value: object) -> object:
         return None if value == "" else value
@@ -71,6 +76,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):  # commas only: a path may hold spaces
             return [m.strip() for m in value.split(",") if m.strip()] or list(DEFAULT_API_MODELS)
         return value
+
+    def tasks_for(self, requests: int) -> int:
+        """process_job tasks to send for a new job of `requests` requests: one per expected claim (workers that find
+        nothing left to claim return at once), so that several workers start on it together."""
+        return math.ceil(requests / (self.worker_batch_size or DISPATCH_BATCH))
 
     @property
     def resolved_database_url(self) -> str:

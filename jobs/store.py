@@ -201,6 +201,16 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
     return token, [r for r in rows if r.status == RequestStatus.in_progress]
 
 
+def next_request_sizes(*, session: Session, job_id: str, limit: int, now: datetime | None = None) -> list[int]:
+    """Prompt + max_tokens (what a session reserves per row) of the requests a claim would take next, in its order."""
+    now = now or utcnow()
+    claimable = ((Request.status == RequestStatus.pending) |
+                 ((Request.status == RequestStatus.in_progress) & (Request.lease_expires_at < now)))
+    rows = session.execute(select(Request.prompt_ids, Request.max_tokens).where(Request.job_id == job_id, claimable)
+                           .order_by(Request.index).limit(limit))
+    return [len(prompt) + max_tokens for prompt, max_tokens in rows]
+
+
 def fail_exhausted(*, session: Session, rows: list[Request], token: str, max_attempts: int) -> None:
     """Requests claimed more than `max_attempts` times fail: a poison request cannot loop forever."""
     for row in rows:

@@ -157,7 +157,7 @@ def _parse(runtime: Runtime, data: bytes, model: str) -> ParsedBatch:
 def _enqueue_committed(runtime: Runtime, job: Job, parsed: ParsedBatch, *, raise_errors: bool) -> None:
     """Enqueue a committed job's work; a broker failure is logged (or raised): the job exists and a sweep sends it."""
     try:
-        enqueue_job(runtime, job.id, tasks=math.ceil(len(parsed.requests) / runtime.settings.worker_batch_size))
+        enqueue_job(runtime, job.id, tasks=runtime.settings.tasks_for(len(parsed.requests)))
     except ENQUEUE_ERRORS as e:
         with runtime.session() as session:  # no chain was sent: the next sweep must dispatch the job at once
             store.release_dispatch_hold(session=session, job_id=job.id)

@@ -18,11 +18,17 @@ class CacheUse:
     used: int        # block-tokens reserved
     limit: int       # block-tokens admitted (--attn-cache-tokens x blocks)
     num_blocks: int
+    owner_limit: int = 0  # block-tokens one caller may reserve (its share of `limit`)
 
     @property
     def tokens_left(self) -> int:
         """Tokens per block still free (what a session over the whole span could reserve)."""
         return (self.limit - self.used) // self.num_blocks
+
+    @property
+    def tokens_per_caller(self) -> int:
+        """Tokens per block one caller may reserve, all its sessions together (its share of the budget)."""
+        return self.owner_limit // self.num_blocks
 
 
 @dataclass
@@ -52,7 +58,7 @@ class CacheBudget:
 
     def use(self) -> CacheUse:
         """The budget now, as one reading."""
-        return CacheUse(self.used, self.limit, self.num_blocks)
+        return CacheUse(self.used, self.limit, self.num_blocks, self.owner_limit)
 
     def reserve(self, session_id: str, *, owner: str, batch_size: int, max_length: int, num_blocks: int) -> None:
         """Reserve a session's cache; raises RequestRejected: CACHE_FULL if it does not fit now, BUSY if it would

@@ -175,7 +175,8 @@ class BlockServer:
         return ServerStatus(
             state=self.state, model_id=self.spec.model_id, peer_id=self.peer_id, dtype=self.config.dtype.value,
             quant=self.config.quant.value, version=PROTOCOL_VERSION, revision=self.spec.revision,
-            max_batch_size=self.config.max_batch_size, max_length=self.max_length, stats=self.stats.copy(),
+            max_batch_size=self.config.max_batch_size, max_length=self.max_length,
+            max_sessions_per_peer=self.config.max_sessions_per_peer, stats=self.stats.copy(),
             span=span)
 
     def request_stop(self) -> None:

@@ -38,6 +38,7 @@ class ServerStatus:
     revision: str
     max_batch_size: int
     max_length: int
+    max_sessions_per_peer: int
     stats: ServerStats  # a copy: counters since start-up
     span: SpanStatus | None  # None while joining, before the span is loaded
 
@@ -53,7 +54,8 @@ class ServerStatus:
         return ServerInfo(
             state=self.state, start=span.start, end=span.end, throughput=span.throughput,
             cache_tokens_left=span.cache.tokens_left, dtype=self.dtype, quant=self.quant, version=self.version,
-            revision=self.revision, max_batch_size=self.max_batch_size, max_length=self.max_length)
+            revision=self.revision, max_batch_size=self.max_batch_size, max_length=self.max_length,
+            max_sessions_per_peer=self.max_sessions_per_peer, cache_tokens_per_peer=span.cache.tokens_per_caller)
 
     def info_answer(self) -> dict[str, Any]:
         """The `info` RPC's answer: the announcement, who this is, and the load."""

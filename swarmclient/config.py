@@ -17,6 +17,9 @@ class ClientConfig:
     max_backoff: float = 10.0      # cap of the exponential backoff between retries
     ban_timeout: float = 15.0      # first ban of a failing server; doubles on each further failure
     max_ban_timeout: float = 300.0
+    # a server that refused a session for lack of room (cache_full, busy) is left out of routes this long, without
+    # a ban: it is healthy, and our own sessions ending there make room again
+    full_timeout: float = 5.0
     discovery_ttl: float = 5.0     # seconds a DHT read is reused before routing reads it again
     # fraction of hop steps recomputed on a second server holding the hop's blocks (checked outputs, README);
     # 0 = no checks. Jobs default to SWARMBATCH_VERIFY_FRACTION (0.02), one-off `generate` to 0

@@ -49,6 +49,9 @@ class ServerInfo(BaseModel):
     revision: str
     max_batch_size: int = Field(gt=0)
     max_length: int = Field(gt=0)
+    # what one caller (peer id) may hold here at once; None from a server that does not say (an older one)
+    max_sessions_per_peer: int | None = Field(default=None, gt=0)
+    cache_tokens_per_peer: int | None = Field(default=None, ge=0, description="tokens per block, all its sessions")
 
     @model_validator(mode="after")
     def _span_is_not_empty(self) -> ServerInfo:

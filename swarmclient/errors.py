@@ -6,7 +6,11 @@
     ├── DHTUnreachable              no initial peer answered (retry after starting `swarmbatch dht`)
     ├── MissingBlocksError          no online server holds some blocks (retry later, or start a server)
     ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
+    ├── SwarmBusy                   every server that could serve some blocks has no room for the session now
+    │                               (not retried here: the caller waits for its own sessions to end, or retries later)
     ├── PeerFailed                  a server died, timed out or is full (recoverable: route around it)
+    │   ├── NoRoom                  a server has no room for the session now (cache_full / busy): routed around
+    │   │                           for a moment, without a ban
     │   ├── SessionTimeout          a server did not answer within the step timeout
     │   ├── Unauthorized            a server refused us as no member of its swarm (route around; if all refuse:
     │   │                           membership.NotAMember)
@@ -55,6 +59,16 @@ class PeerFailed(SwarmError):
     def __init__(self, peer_id: str, reason: str) -> None:
         self.peer_id, self.reason = peer_id, reason
         super().__init__(f"server {peer_id[-8:]} failed: {reason}")
+
+
+class SwarmBusy(SwarmError):
+    """Raised when the only servers that could serve some blocks refused the session for lack of room (their KV
+    cache, or this caller's share of it); the caller should wait until some of its sessions end."""
+
+
+class NoRoom(PeerFailed):
+    """Raised when a server refuses a session for lack of room now (cache_full, busy); the client routes around it
+    for a moment, without banning it."""
 
 
 class SessionTimeout(PeerFailed):

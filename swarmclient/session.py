@@ -27,7 +27,7 @@ from hivemind.p2p import PeerID
 
 from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
-from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, Unauthorized, WrongOutput
+from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, SessionTimeout, Unauthorized, WrongOutput
 from swarmclient.retry import with_retries
 from swarmclient.swarm import Swarm
 from swarmclient.verification import Verdict, VerificationTally, sampled, stack_history
@@ -104,8 +104,7 @@ class ServerSession:
         if error is not None:
             code, message = error
             if code.retryable:
-                raise (Unauthorized if code is protocol.ErrorCode.UNAUTHORIZED else PeerFailed)(
-                    self.hop.peer_id, f"{code.value}: {message}")
+                raise failure_class(code)(self.hop.peer_id, f"{code.value}: {message}")
             raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
         if len(tensors) != 1 or tensors[0].shape != hidden.shape:
             raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a {tuple(hidden.shape)} step")
@@ -180,6 +179,15 @@ class ServerSession:
             pass
         finally:
             writer.close()
+
+
+def failure_class(code: protocol.ErrorCode) -> type[PeerFailed]:
+    """The PeerFailed a retryable refusal stands for: no member, no room now, or a plain failure."""
+    if code is protocol.ErrorCode.UNAUTHORIZED:
+        return Unauthorized
+    if code in (protocol.ErrorCode.CACHE_FULL, protocol.ErrorCode.BUSY):
+        return NoRoom
+    return PeerFailed
 
 
 def _opened(answer: bytes) -> bool:
@@ -360,8 +368,9 @@ class InferenceSession:
     async def _on_failure(self, exc: BaseException) -> None:
         if isinstance(exc, PeerFailed) and not isinstance(exc, WrongOutput):  # the verifier banned it for good
             duration = self.swarm.ban(exc)
-            logger.warning("Server %s failed (%s); banned for %.0f s, routing around it",
-                           exc.peer_id[-8:], exc.reason, duration)
+            logger.warning("Server %s %s (%s); %s for %.0f s, routing around it", exc.peer_id[-8:],
+                           *(("has no room", exc.reason, "skipped") if isinstance(exc, NoRoom) else
+                             ("failed", exc.reason, "banned")), duration)
 
     async def _repair(self, position: int) -> None:
         """Replace the failed hop starting at `position` with a new route, and replay its history."""

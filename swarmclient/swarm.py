@@ -15,7 +15,7 @@ from swarmclient import protocol
 from swarmclient.config import ClientConfig
 from swarmclient.data_structures import RemoteSpanInfo, RouteHop
 from swarmclient.discovery import BlockServers, get_remote_module_infos, online_spans
-from swarmclient.errors import InvalidRequest, MissingBlocksError, PeerFailed, Unauthorized
+from swarmclient.errors import InvalidRequest, MissingBlocksError, NoRoom, PeerFailed, SwarmBusy, Unauthorized
 from swarmclient.membership import ADD_MEMBER, NotAMember, SwarmAccess
 from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
 from swarmclient.protocol import ErrorCode
@@ -38,6 +38,7 @@ class Swarm:
         self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
         self.refusals: dict[str, str] = {}  # servers that refused us as no member -> why (explains a failed route)
+        self.full_until: dict[str, float] = {}  # servers that refused a session for lack of room -> until when to skip
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
 
@@ -87,21 +88,31 @@ class Swarm:
         return {} if credential is None else {"credential": credential}
 
     def ban(self, failure: PeerFailed) -> float:
-        """Ban a failed server (returns the ban's seconds); a membership refusal is kept to explain a failed route."""
+        """Ban a failed server (returns the ban's seconds); a membership refusal is kept to explain a failed route.
+
+        A server with no room for a session now (NoRoom) is not banned: routes skip it for `full_timeout` seconds."""
+        if isinstance(failure, NoRoom):
+            self.full_until[failure.peer_id] = time.monotonic() + self.config.full_timeout
+            return self.config.full_timeout
         if isinstance(failure, Unauthorized):
             self.refusals[failure.peer_id] = failure.reason
         return self.bans.ban(failure.peer_id)
 
+    def _usable(self, span: RemoteSpanInfo) -> bool:
+        """Neither banned nor just found full."""
+        return not self.bans.is_banned(span.peer_id) and self.full_until.get(span.peer_id, 0.0) <= time.monotonic()
+
     async def route(self, start: int, end: int, *, session_tokens: int = 0) -> list[RouteHop]:
         """A route over blocks [start, end) avoiding banned peers; raises MissingBlocksError if uncovered, NotAMember
-        if servers that refused us as no member would have covered it.
+        if servers that refused us as no member would have covered it, SwarmBusy if servers that just refused us
+        for lack of room would have.
 
         session_tokens: batch x max_length of the session the route is for. Servers whose records announce too
         little free cache for it are neither dialled nor used, unless no route exists without them (a record
         lags the server by up to one announce period; one that is really full refuses, and is banned).
         """
         for refresh in (False, True):
-            spans = [s for s in await self.member_spans(refresh=refresh) if not self.bans.is_banned(s.peer_id)]
+            spans = [s for s in await self.member_spans(refresh=refresh) if self._usable(s)]
             route = await self._cheapest_route(spans, start, end, session_tokens)
             if route is None and session_tokens:
                 route = await self._cheapest_route(spans, start, end, 0)
@@ -110,11 +121,16 @@ class Swarm:
                             ", ".join(f"{h.start}:{h.end}@{h.peer_id[-6:]}" for h in route))
                 return route
         spans = await self.member_spans()
-        usable = [s for s in spans if not self.bans.is_banned(s.peer_id)]
+        usable = [s for s in spans if self._usable(s)]
         missing = missing_ranges(usable, start, end)
         refused = [s for s in spans if s.peer_id in self.refusals]
         if refused and missing_ranges(usable + refused, start, end) != missing:
             raise self._not_a_member(refused)
+        full = [s for s in spans if not self.bans.is_banned(s.peer_id) and s.peer_id in self.full_until]
+        if full and missing_ranges(usable + full, start, end) != missing:
+            ranges = ", ".join(f"{a}:{b}" for a, b in missing)
+            raise SwarmBusy(f"the servers of blocks {ranges} of {self.model_id} have no room for this session now "
+                            f"(their KV cache, or this client's share of it, is taken); retry when sessions end")
         raise MissingBlocksError(self.model_id, missing)
 
     def _not_a_member(self, refused: list[RemoteSpanInfo]) -> NotAMember:

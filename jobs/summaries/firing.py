@@ -9,7 +9,6 @@ that matters.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -94,7 +93,7 @@ def fire(runtime: Runtime, schedule: Schedule, period: str) -> Firing:
                 schedule.name, period, job_id, len(fresh), len(skipped))
     if planned:
         try:
-            enqueue_job(runtime, job_id, tasks=math.ceil(len(planned) / runtime.settings.worker_batch_size))
+            enqueue_job(runtime, job_id, tasks=runtime.settings.tasks_for(len(planned)))
         except ENQUEUE_ERRORS as e:  # the job is stored, with no dispatch hold: the workers' next sweep sends it
             logger.warning("Schedule %s: job %s is stored but its work could not be enqueued (%s); the workers' next "
                            "sweep dispatches it", schedule.name, job_id, " ".join(str(e).split()) or type(e).__name__)

@@ -8,6 +8,7 @@ policy (jobs.db.retry_store), so a database blip costs a short wait, not an atte
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,13 +17,14 @@ from typing import Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from jobs import store
+from jobs import liveness, store
 from jobs.db import retry_store
 from jobs.errors import JobCancelled, LeaseLost, StoreUnavailable
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
-from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmError
+from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
+from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy, SwarmError
 from swarmclient.verification import VerificationCounts, VerificationTally
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ T = TypeVar("T")
 MIN_RETRY_DELAY, MAX_RETRY_DELAY = 2.0, 60.0
 CLAIMED_LOG = "Job %s: claimed %d requests (%s)"
 CLAIMED_FOR_FREED_SLOTS_LOG = CLAIMED_LOG + " for freed slots"
+PIPELINE_LOG = "Job %s: %s"  # the plan of a batch: "claim 32 in 4 lanes (bound: cache share)"
 OUTAGE = "the store was unavailable"
 
 
@@ -83,20 +86,22 @@ class JobWorker:
         self.runner: BatchRunner | None = None  # the batch being generated, once built
 
     def process(self, job_id: str, *, give_back: dict[str, Any] | None = None) -> Outcome:
-        """Claim up to `worker_batch_size` requests of the job and generate them."""
+        """Claim a batch of the job's requests (sized by `_plan`) and generate them."""
         token = secrets.token_hex(8)  # chosen once: a retried claim must find what a lost commit took under it
         try:
             if give_back:
                 self._store(f"Job {job_id}: give back", lambda: self._give_back(give_back))
-            claim = self._store(f"Job {job_id}: claim", lambda: self._claim(job_id, token))
+            plan = self._plan(job_id)
+            claim = self._store(f"Job {job_id}: claim", lambda: self._claim(job_id, token, plan))
         except StoreUnavailable as e:
             logger.warning("%s; retrying the task later", e)
             return Outcome(retry=True, give_back=give_back)
         if claim is None:
             return Outcome()
         logger.info(CLAIMED_LOG, job_id, len(claim.requests), ", ".join(str(r.id) for r in claim.requests))
+        logger.info(PIPELINE_LOG, job_id, plan.describe())
         try:
-            return self._generate(claim)
+            return self._generate(claim, plan)
         except StoreUnavailable as e:
             requests = self.runner.requests if self.runner else claim.requests
             logger.warning("%s; stopping the batch: its requests go back when the store answers", e)
@@ -106,7 +111,33 @@ class JobWorker:
     def _store(self, what: str, unit: Callable[[], T]) -> T:
         return retry_store(unit, what=what, within=self.settings.store_retry_seconds)
 
-    def _claim(self, job_id: str, token: str) -> Claim | None:
+    def _plan(self, job_id: str) -> PipelinePlan:
+        """The batch to claim now (jobs.worker.sizing): from the job's next requests, this worker's fair share of its
+        open requests among the live workers, and what the chain of servers can hold for us."""
+        def read() -> tuple[str, list[int], int] | None:
+            with self.runtime.session() as session:
+                job = session.get(Job, job_id)
+                if job is None or job.status.terminal or job.status == JobStatus.cancelling or utcnow() > job.expires_at:
+                    return None  # nothing to size: the claim settles, cancels or expires the job
+                counts = store.job_counts(session=session, job_id=job_id)
+                workers = max(1, liveness.live_workers(session=session))
+                sizes = store.next_request_sizes(session=session, job_id=job_id, limit=MAX_CLAIM)
+                return job.model, sizes, math.ceil((counts.pending + counts.in_progress) / workers)
+        found = self._store(f"Job {job_id}: plan", read)
+        model, sizes, share = found if found is not None else (None, [], 1)
+        return plan_pipeline(self._room(model) if model else None, sizes, share=share,
+                             claim=self.settings.worker_batch_size, lanes=self.settings.pipeline_lanes)
+
+    def _room(self, model: str) -> ChainRoom | None:
+        """What the chain can hold for this process now; None when the swarm cannot say (the batch will say why)."""
+        try:
+            swarm = self.runtime.swarm_model(model).swarm
+            return swarm.loop.run(chain_room(swarm))  # type: ignore[no-any-return]
+        except Exception as e:  # noqa: BLE001 - sizing must never stop a batch: generating reports the real error
+            logger.info("Sizing the batch without the servers' figures: %s", e)
+            return None
+
+    def _claim(self, job_id: str, token: str, plan: PipelinePlan) -> Claim | None:
         """One transaction: the job's readiness, then the claim (None when there is nothing to claim)."""
         with self.runtime.session() as session:
             job = session.get(Job, job_id)
@@ -118,10 +149,11 @@ class JobWorker:
             if not claimed:
                 _, claimed = store.claim_requests(
                     session=session, job_id=job_id, worker=self.runtime.worker_name, token=token,
-                    limit=self.settings.worker_batch_size, lease_seconds=self.settings.lease_seconds,
+                    limit=plan.claim, lease_seconds=self.settings.lease_seconds,
                     max_attempts=self.settings.max_attempts)
             if claimed:  # this chain is alive and re-enqueues itself: sweeps send no other for a lease period
                 store.refresh_dispatch_hold(session=session, job=job, seconds=self.settings.lease_seconds)
+                job.pipeline = {**job.pipeline, self.runtime.worker_name: plan.as_dict()}
             session.commit()  # the leases are durable, and the rows unlocked, before anything slow
             if not claimed:
                 self.lifecycle.settle(session, job)
@@ -150,11 +182,11 @@ class JobWorker:
                                       attempts={int(rid): int(n) for rid, n in give_back["attempts"]})
             session.commit()
 
-    def _generate(self, claim: Claim) -> Outcome:
+    def _generate(self, claim: Claim, plan: PipelinePlan) -> Outcome:
         """Run the batch; then store its checked-output counts since the last checkpoint, whatever stopped it."""
         checks = CheckedOutputs()
         try:
-            outcome = self._run_batch(claim, checks)
+            outcome = self._run_batch(claim, plan, checks)
         except StoreUnavailable:
             raise  # the store is away: those counts are lost (they are counters; the outage is what matters now)
         except BaseException:
@@ -163,7 +195,7 @@ class JobWorker:
         self._store_checks(claim.job.id, checks)
         return outcome
 
-    def _run_batch(self, claim: Claim, checks: CheckedOutputs) -> Outcome:
+    def _run_batch(self, claim: Claim, plan: PipelinePlan, checks: CheckedOutputs) -> Outcome:
         job, token, claimed = claim.job, claim.token, claim.requests
         runner = None
         try:
@@ -173,9 +205,11 @@ class JobWorker:
             runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
                                  checkpoint_every=job.checkpoint_every,
                                  checkpoint=self._checkpoint(job.id, token, checks), verification=checks.tally,
-                                 lanes=self.settings.pipeline_lanes, continuous=self.settings.continuous_batching,
+                                 plan=plan, continuous=self.settings.continuous_batching,
                                  refill=self._refill(job.id, token, claimed) if self.settings.continuous_batching
-                                 else None, capacity=self.settings.worker_batch_size)
+                                 else None, renew=lambda: self._store(f"Job {job.id}: renew leases",
+                                                                      lambda: self._renew(token)),
+                                 renew_every=self.settings.lease_seconds / 3)
             self.runner = runner
             results = runner.run()
         except JobCancelled:
@@ -210,6 +244,7 @@ class JobWorker:
             job = session.get(Job, job_id)
             assert job is not None
             job.blocked_reason = None
+            job.pipeline = {name: plan for name, plan in job.pipeline.items() if name != self.runtime.worker_name}
             session.commit()
 
     def _settle(self, job_id: str) -> int:
@@ -310,7 +345,7 @@ class JobWorker:
     def _blocked(self, job: Job, token: str, error: Exception) -> Outcome:
         """The swarm cannot serve now: give the requests back, say why on the job, retry later.
 
-        Missing blocks cost no attempt (the job waits for servers until its deadline); other swarm failures
+        Missing blocks and busy servers cost no attempt (the job waits for servers until its deadline); others
         count, so a request that keeps failing ends as failed with its reason.
         """
         reason = f"{type(error).__name__}: {error}"
@@ -318,7 +353,7 @@ class JobWorker:
         def unit() -> None:
             with self.runtime.session() as session:
                 store.release_requests(session=session, token=token, error=reason,
-                                       count_attempt=not isinstance(error, MissingBlocksError))
+                                       count_attempt=not isinstance(error, MissingBlocksError | SwarmBusy))
                 row = session.get(Job, job.id)
                 assert row is not None
                 row.blocked_reason = reason

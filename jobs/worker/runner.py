@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -16,12 +17,16 @@ import torch
 
 from jobs.errors import LeaseLost
 from jobs.models import Request
+from jobs.worker.sizing import PipelinePlan
+from swarmclient.errors import SwarmBusy
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.sampling import SamplingParams
 from swarmclient.verification import VerificationTally
 
 logger = logging.getLogger(__name__)
 STEP_LOG = "step %d: %s"  # a debug line per decode step, read by tests: "ID=TOKENS" per row, space-separated
+NO_ROOM_LOG = "No room on the servers for %d requests (%s); they wait for room, the batch goes on with %d in flight"
+MAX_BUSY_WAIT = 30.0  # seconds between retries of rows the servers had no room for, at most
 
 Checkpoint = Callable[[dict[int, list[int]], dict[int, str]], set[int]]
 """Commit {request id: all generated ids} and their texts; returns the ids still leased to us.
@@ -82,27 +87,39 @@ class BatchRunner:
 
     def __init__(self, model: DistributedModelForCausalLM, tokenizer: Any, requests: list[Request], *,
                  checkpoint_every: int, checkpoint: Checkpoint, lanes: int = 1, continuous: bool = False,
-                 refill: Refill | None = None, capacity: int | None = None,
+                 refill: Refill | None = None, capacity: int | None = None, plan: PipelinePlan | None = None,
+                 renew: Callable[[], None] | None = None, renew_every: float = 20.0,
                  verification: VerificationTally | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.verification = verification or VerificationTally()  # every lane's checked outputs
         self.checkpoint_every, self.checkpoint = checkpoint_every, checkpoint
-        self.lanes, self.continuous, self.refill = max(1, lanes), continuous, refill
-        self.capacity = capacity or len(requests)
+        self.plan = plan or PipelinePlan(capacity or len(requests), max(1, lanes), max(1, lanes), None, "set")
+        self.lanes, self.continuous, self.refill = max(1, self.plan.lanes), continuous, refill
+        self.capacity = self.plan.claim       # rows in flight at most; shrinks when the servers have no room
+        self.renew, self.renew_every = renew, renew_every
         self.requests: list[Request] = []
         self.rows: list[RowState] = []
         self._lock = threading.Lock()          # guards requests/rows (lanes append through _add)
         self._changed = threading.Event()      # a row finished or a lane ended: the scheduler looks again
         self._stop = threading.Event()         # a lane failed: the others stop at their next token
         self._exhausted = refill is None
+        self._running: dict[Future[None], Lane] = {}
+        self._waiting: list[tuple[RowState, Request]] = []  # rows to start once there is room (no lane yet)
+        self._busy_retry_at, self._busy_delay = 0.0, 1.0
         self._add(requests)
 
     def run(self) -> dict[int, RowResult]:
         """Generate until every row ends; raises JobCancelled / LeaseLost / swarm errors from any lane."""
         todo = self._startable(list(zip(self.rows, self.requests, strict=True)))
-        with ThreadPoolExecutor(max_workers=max(self.capacity, self.lanes), thread_name_prefix="swarmbatch-lane") as pool:
-            lanes = {pool.submit(self._lane, group) for group in split_lanes(todo, self.lanes)}
-            self._supervise(pool, lanes)
+        self._waiting = [pair for group in split_lanes(todo, self.lanes) for pair in group]
+        with ThreadPoolExecutor(max_workers=max(self.capacity, self.plan.max_lanes),
+                                thread_name_prefix="swarmbatch-lane") as pool:
+            try:
+                self._supervise(pool)
+            except BaseException:
+                self._stop.set()  # every lane stops at its next token
+                wait(self._running)
+                raise
         self._commit(self.rows, force=True)
         return {row.request_id: RowResult(row.generated, row.finish_reason or "length", row.text) for row in self.rows}
 
@@ -122,32 +139,75 @@ class BatchRunner:
             self._check_finished(row, request)
         return [(row, request) for row, request in pairs if row.finish_reason is None]
 
-    def _supervise(self, pool: ThreadPoolExecutor, lanes: set[Future[None]]) -> None:
-        """Wait for the lanes; refill freed slots with new lanes; on a lane's failure stop all and re-raise."""
-        while lanes:
+    def _supervise(self, pool: ThreadPoolExecutor) -> None:
+        """Start lanes while there is room, refill freed slots, renew the leases; re-raise a lane's failure."""
+        renewed = time.monotonic()
+        while True:
+            self._reap()
+            if self.renew is not None and time.monotonic() - renewed > self.renew_every:
+                self.renew()  # rows waiting for room have no checkpoint to renew their lease
+                renewed = time.monotonic()
+            if not self._exhausted and not self._stop.is_set():
+                self._waiting += self._refill()
+            self._start_waiting(pool)
+            if not self._running and not self._waiting:
+                return
             self._changed.wait(0.5)
             self._changed.clear()
-            for lane in [lane for lane in lanes if lane.done()]:
-                lanes.discard(lane)
-                if lane.exception() is not None:
-                    self._stop.set()
-                    wait(lanes)
-                    raise lane.exception()  # type: ignore[misc]
-            if not self._exhausted and not self._stop.is_set():
-                try:
-                    new = self._refill()
-                except BaseException:  # the store stayed away: the lanes stop too, at their next token
-                    self._stop.set()
-                    wait(lanes)
-                    raise
-                if new:
-                    lanes.add(pool.submit(self._lane, new))
+
+    def _reap(self) -> None:
+        """Take ended lanes out; rows the servers had no room for wait again; any other failure is raised."""
+        for future in [future for future in self._running if future.done()]:
+            lane = self._running.pop(future)
+            error = future.exception()
+            if isinstance(error, SwarmBusy):
+                self._no_room(lane, error)
+            elif error is not None:
+                raise error
+            elif self.capacity < self.plan.claim:  # a lane went through: grow back towards the plan
+                self.capacity = min(self.plan.claim, self.capacity + max(1, self.plan.claim // 8))
+
+    def _no_room(self, lane: Lane, error: SwarmBusy) -> None:
+        unfinished = [(row, request) for row, request in lane.pairs if row.finish_reason is None]
+        self._waiting = unfinished + self._waiting
+        in_flight = sum(lane.alive() for lane in self._running.values())
+        self.capacity = max(1, in_flight)
+        self._busy_retry_at = time.monotonic() + self._busy_delay
+        self._busy_delay = min(MAX_BUSY_WAIT, self._busy_delay * 2)
+        logger.warning(NO_ROOM_LOG, len(unfinished), error, in_flight)
+
+    def _start_waiting(self, pool: ThreadPoolExecutor) -> None:
+        """Start waiting rows as lanes, while the plan's cache and lanes allow; with nothing running, one lane is
+        tried anyway (after a backoff if the servers had no room): the servers decide."""
+        while self._waiting and not self._stop.is_set():
+            if self._running and (len(self._running) >= self.plan.max_lanes or time.monotonic() < self._busy_retry_at):
+                return
+            if not self._running and time.monotonic() < self._busy_retry_at:
+                return
+            group = self._next_group()
+            if self._running and not self._fits(group):
+                return
+            del self._waiting[:len(group)]
+            lane = Lane(group)
+            self._running[pool.submit(self._lane, lane)] = lane
+
+    def _next_group(self) -> list[tuple[RowState, Request]]:
+        """The next micro-batch of waiting rows: at most the claim's share of one lane and the servers' batch size."""
+        per_lane = max(1, -(-self.capacity // self.lanes))
+        return self._waiting[:per_lane]
+
+    def _fits(self, group: list[tuple[RowState, Request]]) -> bool:
+        if self.plan.cache_tokens is None:
+            return True
+        reserved = sum(lane.reservation() for lane in self._running.values())
+        return reserved + Lane(group).reservation() <= self.plan.cache_tokens
 
     def _refill(self) -> list[tuple[RowState, Request]]:
         with self._lock:
-            free = self.capacity - sum(1 for row in self.rows if row.finish_reason is None)
+            in_flight = sum(1 for row in self.rows if row.finish_reason is None)
             known = {row.request_id for row in self.rows}
-        if free <= 0 or self.refill is None:
+        free = self.capacity - in_flight
+        if free < self._refill_threshold() or self.refill is None:
             return []
         fetched = self.refill(free)
         if not fetched:
@@ -158,14 +218,23 @@ class BatchRunner:
         claimed = [request for request in fetched if request.id not in known]
         return self._startable(self._add(claimed)) if claimed else []
 
-    def _lane(self, pairs: list[tuple[RowState, Request]]) -> None:
+    def _refill_threshold(self) -> int:
+        """Freed slots worth a new lane: any while lanes are few, else half a lane's worth (fewer, fuller lanes)."""
+        if len(self._running) < self.lanes:
+            return 1
+        return max(1, self.capacity // self.lanes // 2)
+
+    def _lane(self, lane: Lane) -> None:
         """One micro-batch: its own session through the swarm, committing its rows every K tokens."""
+        pairs = lane.pairs
         rows, requests = [row for row, _ in pairs], [request for _, request in pairs]
         ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
         limits = [r.max_tokens - len(row.generated) for row, r in pairs]
         params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed) for r in requests]
 
         def on_token(index: int, column: torch.Tensor) -> torch.Tensor:
+            # the rows this step ran with: the servers hold their cache until the next step leaves the finished out
+            lane.held = sum(1 for row in rows if row.finish_reason is None)
             if self._stop.is_set():
                 return torch.ones(len(rows), dtype=torch.bool)
             stop = torch.zeros(len(rows), dtype=torch.bool)
@@ -220,6 +289,27 @@ class BatchRunner:
                 if row.request_id not in owned:
                     raise LeaseLost(f"request {row.request_id} was claimed by another worker")
                 row.committed = len(progress[row.request_id])
+
+
+@dataclass
+class Lane:
+    """A micro-batch in flight: its rows, and what its session reserves on every server of the chain."""
+
+    pairs: list[tuple[RowState, Request]]
+
+    def __post_init__(self) -> None:
+        # the session's length: the longest prompt so far (left padded) + the most new tokens any row may still take
+        self.max_length = (max(len(r.prompt_ids) + len(row.generated) for row, r in self.pairs)
+                           + max(r.max_tokens - len(row.generated) for row, r in self.pairs))
+        self.held = len(self.pairs)  # rows its session holds on the servers (a finished row leaves at the next step)
+
+    def alive(self) -> int:
+        """Rows still generating."""
+        return sum(1 for row, _ in self.pairs if row.finish_reason is None)
+
+    def reservation(self) -> int:
+        """Tokens per block its session holds now."""
+        return self.held * self.max_length
 
 
 def split_lanes(pairs: list[tuple[RowState, Request]], lanes: int) -> list[list[tuple[RowState, Request]]]:

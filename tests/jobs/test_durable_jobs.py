@@ -42,7 +42,7 @@ def start_worker(shared_swarm: LocalSwarm, tmp_path: Path) -> Iterator[WorkerFac
     """Start plain `swarmbatch worker` processes (no beat; own process groups) on a runtime's store and broker."""
     workers: list[ManagedProcess] = []
 
-    def start(runtime: Runtime, *, batch_size: int = 4, lease_seconds: float = LEASE) -> ManagedProcess:
+    def start(runtime: Runtime, *, batch_size: int | None = 4, lease_seconds: float = LEASE) -> ManagedProcess:
         settings = runtime.settings.model_copy(update={
             "initial_peers": shared_swarm.initial_peers, "worker_batch_size": batch_size,
             "lease_seconds": lease_seconds, "sweep_interval": 2.0})
@@ -127,6 +127,32 @@ def test_a_job_survives_kill_9_of_its_worker_with_identical_output(
                   iter_errors(session=session, job=store.get_job(session=session, job_id=job.id))]
     assert [(e["line"], e["code"]) for e in errors] == [(4, "invalid_json"), (5, "duplicate_custom_id")]
     assert second.proc.poll() is None
+
+
+def test_kill_9_of_a_worker_holding_a_large_sized_claim_loses_at_most_k_tokens_per_request(
+        make_runtime: Callable[..., Runtime], start_worker: WorkerFactory, tiny_model: Path) -> None:
+    # Given a 24-request job and a worker with default settings: it sizes its claim itself (all 24 fit the servers)
+    runtime = make_runtime(checkpoint_every=K)
+    job = submit_batch(runtime, batch_file(24), model=str(tiny_model))
+    first = start_worker(runtime, batch_size=None)
+    wait_for(lambda: sum(len(r.generated_ids) >= K and r.status == "in_progress"
+                         for r in requests_of(runtime, job.id)) >= 16, 120, "16 requests with committed tokens")
+    # When it is killed -9 mid-generation
+    first.kill()
+    committed = {r.id: len(r.generated_ids) for r in requests_of(runtime, job.id) if r.status != "completed"}
+    reached = steps_reached(first.log_path)
+    (claimed, _), *_ = claims(first.log_path.read_text())
+    assert len(claimed) == 24, f"the worker should have claimed the whole job at once, claimed {claimed}"
+    # Then another worker completes the job, recomputing at most K tokens per interrupted request
+    start_worker(runtime, batch_size=None)
+    wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
+    recomputed = {rid: reached[rid] - committed[rid] for rid in committed if rid in reached}
+    print(f"\nrecomputed tokens per interrupted request (K={K}): {recomputed}")
+    assert len(recomputed) >= 16 and all(0 <= n <= K for n in recomputed.values()), recomputed
+    # and its texts equal an uninterrupted run's
+    reference = submit_batch(runtime, batch_file(24), model=str(tiny_model))
+    wait_for(lambda: job_status(runtime, reference.id) == "completed", 180, "the reference job")
+    assert texts(runtime, job.id) == texts(runtime, reference.id)
 
 
 def test_two_workers_never_generate_the_same_request(

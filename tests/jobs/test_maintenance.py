@@ -23,6 +23,7 @@ from jobs.submission import submit_batch
 from jobs.worker.batch_worker import JobWorker
 from jobs.worker.celery_app import SWEEP
 from jobs.worker.maintenance import SWEEP_SLOT, tick
+from jobs.worker.sizing import PipelinePlan
 from jobs.worker.sweep import sweep_store
 from launch.local_worker import start_local_worker
 
@@ -162,8 +163,8 @@ def test_a_submitted_job_gets_no_second_chain_from_a_sweep_while_its_own_tasks_c
 def test_a_chain_that_claims_holds_its_job_so_sweeps_add_none_between_its_batches(runtime: Runtime) -> None:
     # Given a job of two requests, and a chain that claimed one (batch size 1) and finished it
     job_id = new_job(runtime, 2)
-    worker = JobWorker(runtime.__class__(runtime.settings.model_copy(update={"worker_batch_size": 1})))
-    claim = worker._claim(job_id, "token-1")
+    worker = JobWorker(runtime)
+    claim = worker._claim(job_id, "token-1", PipelinePlan(claim=1, lanes=1, max_lanes=1, cache_tokens=None, bound="set"))
     assert claim is not None and len(claim.requests) == 1
     with runtime.session() as session:
         store.finish_request(session=session, request_id=claim.requests[0].id, token="token-1",

@@ -21,12 +21,13 @@ def a_status(*, span: SpanStatus | None) -> ServerStatus:
     stats = ServerStats(steps=3, tokens=12, merged_steps=1, merged_sessions=2, max_merged=2)
     stats.record_error("invalid_request")
     return ServerStatus(state=ServerState.ONLINE, model_id="tiny", peer_id="QmPeer", dtype="float32", quant="none",
-                        version=PROTOCOL_VERSION, revision="abc", max_batch_size=8, max_length=64, stats=stats,
+                        version=PROTOCOL_VERSION, revision="abc", max_batch_size=8, max_length=64,
+                        max_sessions_per_peer=3, stats=stats,
                         span=span)
 
 
 def a_span() -> SpanStatus:
-    budget = CacheBudget(100, 4)
+    budget = CacheBudget(100, 4, owner_share=0.5)
     budget.reserve("s", owner="QmCaller", batch_size=2, max_length=10, num_blocks=4)
     return SpanStatus(start=2, end=6, throughput=50.0, sessions=1, forwards=1, cache=budget.use())
 
@@ -35,7 +36,7 @@ def test_the_announcement_is_the_wire_record_of_the_snapshot() -> None:
     info = a_status(span=a_span()).announcement()
     assert info == ServerInfo(state=ServerState.ONLINE, start=2, end=6, throughput=50.0, cache_tokens_left=80,
                               dtype="float32", quant="none", version=PROTOCOL_VERSION, revision="abc",
-                              max_batch_size=8, max_length=64)
+                              max_batch_size=8, max_length=64, max_sessions_per_peer=3, cache_tokens_per_peer=50)
 
 
 def test_the_info_answer_is_the_announcement_plus_identity_and_load() -> None:

@@ -1,0 +1,128 @@
+"""How much a worker takes on at once: the claim (requests in flight) and the lanes (micro-batches) it splits it into.
+
+Sized from what the chain of servers announces it can hold for one caller (`ChainRoom`: rows per session, KV
+cache this caller may reserve, sessions it may open, each hop's step time), the job's next requests (their
+prompt + max_tokens is what a session reserves per row), and a fair share of the job among live workers.
+Explicit settings (SWARMBATCH_WORKER_BATCH_SIZE, SWARMBATCH_PIPELINE_LANES) win over the sizing.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from swarmclient.routing import DEFAULT_RTT, hop_cost
+
+if TYPE_CHECKING:
+    from swarmclient.swarm import Swarm
+
+MAX_CLAIM = 256    # requests one worker process claims at most, whatever the servers could hold
+MIN_LANES, MAX_LANES = 2, 8
+FALLBACK_CLAIM = 8  # when the swarm cannot be read now (the batch will say why): a small claim
+DEFAULT_SESSIONS_PER_PEER = 16  # what servers allow one caller when their record does not say (older ones)
+SESSIONS_PER_LANE_SLACK = 2  # a lane may hold two sessions on a server at once: its own and a failover replacement
+
+
+@dataclass(frozen=True)
+class ChainRoom:
+    """What the chain a worker routes through can hold for this caller, from the servers' records."""
+
+    rows_per_session: int     # the smallest max_batch_size along the chain
+    cache_tokens: int         # tokens per block this caller may reserve on every server of the chain (all sessions)
+    sessions: int             # sessions this caller may open on every server of the chain
+    compute_seconds: tuple[float, ...]  # per hop: its blocks at its trusted throughput (one decode step)
+    rtt_seconds: tuple[float, ...]      # per hop: the round trip to its server
+
+    def lanes_to_fill(self) -> int:
+        """Micro-batches that keep the slowest server busy while a step travels the rest of the chain: one decode
+        step's time over the whole chain (compute and round trips) over the slowest hop's compute, plus one for the
+        client's own part (LM head, sampling). Far servers (long round trips) get more lanes in flight."""
+        slowest = max(self.compute_seconds, default=0.0)
+        chain = sum(self.compute_seconds) + sum(self.rtt_seconds)
+        depth = math.ceil(chain / slowest) if slowest > 0 else 1
+        return max(MIN_LANES, min(MAX_LANES, depth + 1, self.max_lanes()))
+
+    def max_lanes(self) -> int:
+        """Lanes this caller may run at once without hitting the servers' per-caller session limit."""
+        return max(1, self.sessions // SESSIONS_PER_LANE_SLACK)
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What one batch of a worker runs: up to `claim` requests in flight, split into `lanes` micro-batches at first,
+    never reserving more than `cache_tokens` per block (None: unknown, no limit) in `max_lanes` lanes at once."""
+
+    claim: int
+    lanes: int
+    max_lanes: int
+    cache_tokens: int | None
+    bound: str  # what set the claim, for the log and `status`
+
+    def as_dict(self) -> dict[str, object]:
+        """What the job object and `status` show of it."""
+        return {"claim": self.claim, "lanes": self.lanes, "bound": self.bound}
+
+    def describe(self) -> str:
+        """One line for the log and `status`: 'claim 32 in 4 lanes (bound: cache share)'."""
+        return f"claim {self.claim} in {self.lanes} lanes ({self.bound})"
+
+
+def lane_reservation(row_tokens: Sequence[int], lanes: int) -> int:
+    """Tokens per block the rows reserve when split into `lanes` micro-batches of similar lengths (each session
+    reserves its rows x its longest row), as `runner.split_lanes` splits them."""
+    ordered = sorted(row_tokens)
+    count = min(lanes, len(ordered))
+    groups = [ordered[i * len(ordered) // count:(i + 1) * len(ordered) // count] for i in range(count)] if count else []
+    return sum(len(group) * group[-1] for group in groups if group)
+
+
+def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: int, claim: int | None = None,
+                  lanes: int | None = None) -> PipelinePlan:
+    """The batch to run, given the chain's room (None: unknown now), the next requests' prompt + max_tokens in claim
+    order, and this worker's fair share of the job's open requests. `claim`/`lanes`: explicit settings, which win."""
+    if room is None:
+        chosen_lanes = lanes or MIN_LANES * 2
+        return PipelinePlan(claim or min(FALLBACK_CLAIM, max(1, share)), chosen_lanes, max(chosen_lanes, MAX_LANES),
+                            None, "set" if claim else "swarm not read yet")
+    chosen_lanes = lanes or room.lanes_to_fill()
+    max_lanes = max(chosen_lanes, room.max_lanes())
+    if claim is not None:
+        return PipelinePlan(claim, chosen_lanes, max_lanes, room.cache_tokens, "set")
+    limits = {"fair share": max(1, share), "max batch size": chosen_lanes * room.rows_per_session,
+              "most per worker": MAX_CLAIM, "open requests": max(1, len(row_tokens))}
+    bound = min(limits, key=limits.__getitem__)
+    count = limits[bound]
+    fits = rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens)
+    if fits < count:
+        count, bound = max(1, fits), "cache share"
+    return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, f"bound: {bound}")
+
+
+def rows_that_fit(row_tokens: Sequence[int], lanes: int, cache_tokens: int) -> int:
+    """The most leading rows whose lanes' reservation fits in `cache_tokens` per block (binary search: the
+    reservation grows with every row)."""
+    low, high = 0, len(row_tokens)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if lane_reservation(row_tokens[:middle], lanes) <= cache_tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+async def chain_room(swarm: Swarm) -> ChainRoom:
+    """The room of the chain a session would be routed through now (reads the DHT, pings servers not pinged yet;
+    raises what `Swarm.route` raises)."""
+    route = await swarm.route(0, swarm.num_blocks)
+    spans = {span.peer_id: span for span in await swarm.member_spans()}
+    hops = [(hop, spans[hop.peer_id]) for hop in route if hop.peer_id in spans]
+    throughputs = swarm.trusted_throughputs([span for _, span in hops])
+    return ChainRoom(
+        rows_per_session=min(span.info.max_batch_size for _, span in hops),
+        cache_tokens=min(min(span.info.cache_tokens_left, span.info.cache_tokens_per_peer or span.info.cache_tokens_left)
+                         for _, span in hops),
+        sessions=min(span.info.max_sessions_per_peer or DEFAULT_SESSIONS_PER_PEER for _, span in hops),
+        compute_seconds=tuple(hop_cost(span, hop.end - hop.start, 0.0, throughputs[hop.peer_id]) for hop, span in hops),
+        rtt_seconds=tuple(swarm.rtts.get(hop.peer_id, DEFAULT_RTT) for hop, _ in hops))

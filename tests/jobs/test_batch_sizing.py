@@ -1,0 +1,139 @@
+"""A worker sizes its own batch from what real servers announce, and waits for room instead of failing.
+
+Real servers (the tiny model, all blocks on one server, configured small), the worker's own code path in this
+process (JobWorker.process, as the Celery task runs it).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from jobs import store
+from jobs.models import Request
+from jobs.runtime import Runtime
+from jobs.submission import submit_batch
+from jobs.worker.batch_worker import JobWorker
+from jobs.worker.runner import NO_ROOM_LOG, BatchRunner
+from jobs.worker.sizing import PipelinePlan
+from launch.local_swarm import LocalSwarm
+from swarmclient.model_spec import ModelSpec
+
+PLAN = re.compile(r"Job \S+: claim (\d+) in (\d+) lanes \((.*)\)")
+
+
+def batch_file(count: int, *, max_tokens: int = 12) -> bytes:
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "The river " * (1 + i % 3), "max_tokens": max_tokens}})
+             for i in range(count)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def run_to_completion(runtime: Runtime, job_id: str) -> None:
+    worker = JobWorker(runtime)
+    for _ in range(50):
+        if not worker.process(job_id).more:
+            break
+    with runtime.session() as session:
+        counts = store.job_counts(session=session, job_id=job_id)
+    assert counts.completed == counts.total, counts
+
+
+def refusals(swarm: LocalSwarm, runtime: Runtime, model: Path) -> dict[str, int]:
+    """The server's error counters (busy, cache_full, invalid_request...) from its `info` answer."""
+    client = runtime.swarm_model(str(model)).swarm
+    peer = swarm.servers[0].peer_id
+    return dict(client.loop.run(client.call_info(peer))["errors"])
+
+
+@pytest.fixture
+def small_server(local_swarm: Callable[..., LocalSwarm], tiny_model: Path) -> Callable[..., LocalSwarm]:
+    def start(*args: str) -> LocalSwarm:
+        blocks = ModelSpec.open(tiny_model).num_blocks
+        return local_swarm(tiny_model, [(0, blocks)], server_args=list(args))
+    return start
+
+
+def test_a_server_taking_one_row_per_session_gets_one_row_per_lane(
+        small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a server whose sessions hold one row each (--max-batch-size 1), and a 12-request job with default settings
+    swarm = small_server("--max-batch-size", "1")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(12), model=str(tiny_model))
+    # When a worker runs it
+    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
+        run_to_completion(runtime, job.id)
+    # Then it claimed one row per lane, as many as the lanes, and the server never refused anything
+    plans = [PLAN.search(r.getMessage()) for r in caplog.records]
+    claim, lanes, bound = next((int(m[1]), int(m[2]), m[3]) for m in plans if m)
+    assert claim == lanes and bound == "bound: max batch size", (claim, lanes, bound)
+    assert refusals(swarm, runtime, tiny_model) == {}
+
+
+def test_a_server_with_little_free_cache_gets_a_claim_that_fits(
+        small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a server that lets one caller cache 120 tokens per block (240, half each), and requests of ~20 tokens
+    swarm = small_server("--attn-cache-tokens", "240")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(16), model=str(tiny_model))
+    # When a worker runs it with default settings
+    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
+        run_to_completion(runtime, job.id)
+    # Then its claim was what fits in that share, and no session was refused (no cache_full / busy storm)
+    plans = [m for m in (PLAN.search(r.getMessage()) for r in caplog.records) if m]
+    assert plans and all(m[3] == "bound: cache share" for m in plans), [m[0] for m in plans]
+    with runtime.session() as session:
+        rows = session.scalars(select(Request).where(Request.job_id == job.id)).all()
+        row_tokens = max(len(r.prompt_ids) + r.max_tokens for r in rows)
+    assert all(int(m[1]) * row_tokens <= 120 + row_tokens for m in plans)
+    assert refusals(swarm, runtime, tiny_model) == {}
+
+
+def test_rows_the_servers_have_no_room_for_wait_and_complete_identically(
+        small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given the same small server, and a batch run with a plan that knows nothing of the cache (as when the swarm
+    # could not be read): 8 rows in 4 lanes, of which the server admits only some at once
+    swarm = small_server("--attn-cache-tokens", "240")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(8), model=str(tiny_model))
+    reference = submit_batch(runtime, batch_file(8), model=str(tiny_model))
+    with runtime.session() as session:
+        rows = list(session.scalars(select(Request).where(Request.job_id == job.id).order_by(Request.index)))
+        for row in rows:
+            session.expunge(row)
+    committed: dict[int, list[int]] = {}
+
+    def checkpoint(progress: dict[int, list[int]], _texts: dict[int, str]) -> set[int]:
+        committed.update(progress)
+        return {r.id for r in rows}
+    runner = BatchRunner(runtime.swarm_model(str(tiny_model)), runtime.tokenizer(str(tiny_model)), rows,
+                         checkpoint_every=4, checkpoint=checkpoint, continuous=True,
+                         plan=PipelinePlan(claim=8, lanes=4, max_lanes=4, cache_tokens=None, bound="set"))
+    # When it runs
+    with caplog.at_level(logging.WARNING, logger="jobs.worker.runner"):
+        results = runner.run()
+    # Then the server refused some lanes for lack of room, those rows waited (no failure, no ban) and completed
+    assert any(r.msg == NO_ROOM_LOG for r in caplog.records), "the server should have refused a lane"
+    client = runtime.swarm_model(str(tiny_model)).swarm
+    assert not client.bans.banned()
+    assert refusals(swarm, runtime, tiny_model).get("busy", 0) > 0
+    # with the tokens of a run that never waited
+    run_to_completion(runtime, reference.id)
+    expected = {r["custom_id"]: r for r in _generated(runtime, reference.id)}
+    got = {row.custom_id: results[row.id].generated for row in rows}
+    assert got == {cid: expected[cid]["generated_ids"] for cid in got}
+
+
+def _generated(runtime: Runtime, job_id: str) -> list[dict[str, Any]]:
+    with runtime.session() as session:
+        return [{"custom_id": r.custom_id, "generated_ids": list(r.generated_ids)}
+                for r in session.scalars(select(Request).where(Request.job_id == job_id))]

@@ -1,0 +1,72 @@
+"""How a worker sizes its batch: the claim and the lanes, from the chain's room, the next requests and its share."""
+from __future__ import annotations
+
+from jobs.worker.sizing import (
+    MAX_CLAIM,
+    ChainRoom,
+    lane_reservation,
+    plan_pipeline,
+    rows_that_fit,
+)
+
+
+def room(*, rows: int = 64, cache: int = 100_000, sessions: int = 16, compute: tuple[float, ...] = (0.03, 0.03),
+         rtt: float = 0.002) -> ChainRoom:
+    return ChainRoom(rows_per_session=rows, cache_tokens=cache, sessions=sessions, compute_seconds=compute,
+                     rtt_seconds=(rtt,) * len(compute))
+
+
+def test_a_lane_reserves_its_rows_times_its_longest_row() -> None:
+    # rows sorted by length and split like the runner splits them: [100, 100] and [300, 500]
+    assert lane_reservation([500, 100, 300, 100], 2) == 2 * 100 + 2 * 500
+    assert lane_reservation([500, 100, 300, 100], 1) == 4 * 500
+    assert lane_reservation([], 4) == 0
+
+
+def test_the_claim_is_the_most_leading_rows_whose_lanes_fit_the_cache_share() -> None:
+    sizes = [300] * 40
+    assert rows_that_fit(sizes, 4, 3000) == 10
+    plan = plan_pipeline(room(cache=3000), sizes, share=40)
+    assert (plan.claim, plan.bound) == (10, "bound: cache share")
+    assert lane_reservation(sizes[:plan.claim], plan.lanes) <= 3000
+
+
+def test_a_small_max_batch_size_bounds_the_claim_to_lanes_times_it() -> None:
+    plan = plan_pipeline(room(rows=2), [50] * 64, share=64)
+    assert plan.claim == plan.lanes * 2
+    assert plan.bound == "bound: max batch size"
+
+
+def test_the_claim_never_exceeds_the_fair_share_or_the_open_requests() -> None:
+    assert plan_pipeline(room(), [50] * 64, share=32).claim == 32
+    assert plan_pipeline(room(), [50] * 5, share=64).claim == 5
+    assert plan_pipeline(room(rows=1000, cache=10**9), [1] * 1000, share=1000).claim == MAX_CLAIM
+
+
+def test_even_one_row_that_does_not_fit_is_claimed_alone() -> None:
+    # the servers decide: a row bigger than the record's free cache is tried once, alone (the runner backs off)
+    plan = plan_pipeline(room(cache=100), [500, 500], share=2)
+    assert (plan.claim, plan.lanes) == (1, 1)
+
+
+def test_lanes_cover_the_chain_step_time_over_its_slowest_hop() -> None:
+    # two equal hops on a LAN: a lane per hop (plus the round trips' share), plus one for the client
+    assert plan_pipeline(room(compute=(0.03, 0.03)), [10] * 64, share=64).lanes == 4
+    # one slow hop among fast ones: the fast ones wait on it anyway
+    assert plan_pipeline(room(compute=(0.09, 0.01, 0.01)), [10] * 64, share=64).lanes == 3
+    # far servers (50 ms round trips, 10 ms of compute per hop): as many lanes as the caps allow
+    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05), [10] * 64, share=64).lanes == 8
+    # and never more than the per-caller session limit allows (each lane may hold two sessions during a failover)
+    assert plan_pipeline(room(sessions=4, compute=(0.01,) * 6), [10] * 64, share=64).lanes == 2
+
+
+def test_explicit_settings_win() -> None:
+    plan = plan_pipeline(room(rows=2, cache=100), [500] * 64, share=1, claim=48, lanes=6)
+    assert (plan.claim, plan.lanes, plan.bound) == (48, 6, "set")
+    assert plan.cache_tokens == 100  # the runner still starts lanes only as the cache allows
+
+
+def test_without_the_swarm_figures_the_claim_is_small() -> None:
+    plan = plan_pipeline(None, [10] * 64, share=64)
+    assert plan.claim == 8 and plan.cache_tokens is None
+    assert plan_pipeline(None, [10] * 64, share=64, claim=20).claim == 20
