@@ -1,9 +1,19 @@
 """How a worker sizes its batch: the claim and the lanes, from the chain's room, the next requests and its share."""
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from jobs.client import StoreClient
+from jobs.progress import describe_job
+from jobs.runtime import Runtime
+from jobs.submission import submit_batch
+from jobs.worker.batch_worker import JobWorker
 from jobs.worker.sizing import (
     MAX_CLAIM,
     ChainRoom,
+    PipelinePlan,
     lane_reservation,
     plan_pipeline,
     rows_that_fit,
@@ -70,3 +80,18 @@ def test_without_the_swarm_figures_the_claim_is_small() -> None:
     plan = plan_pipeline(None, [10] * 64, share=64)
     assert plan.claim == 8 and plan.cache_tokens is None
     assert plan_pipeline(None, [10] * 64, share=64, claim=20).claim == 20
+
+
+def test_status_shows_the_batch_each_worker_sized_while_the_job_runs(make_runtime: Callable[..., Runtime],
+                                                                      tiny_model: Path) -> None:
+    # Given a job, and a worker that claimed a batch of it with a plan bounded by the cache share
+    runtime = make_runtime(broker_url="memory://")
+    lines = [json.dumps({"custom_id": name, "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": "Hello", "max_tokens": 4}}) for name in "ab"]
+    job = submit_batch(runtime, "\n".join(lines).encode(), model=str(tiny_model))
+    plan = PipelinePlan(claim=2, lanes=2, max_lanes=8, cache_tokens=100, bound="bound: cache share")
+    claim = JobWorker(runtime)._claim(job.id, "token-1", plan)
+    assert claim is not None and len(claim.requests) == 2
+    # Then `status` says which worker runs how much, and why that much
+    shown = describe_job(StoreClient(runtime).get(job.id))
+    assert f"{runtime.worker_name}: claim 2 in 2 lanes (bound: cache share)" in shown, shown
