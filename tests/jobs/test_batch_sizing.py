@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs_support import requests_of
 from sqlalchemy import select
 
 from jobs import store
@@ -22,6 +25,7 @@ from jobs.submission import submit_batch
 from jobs.worker.batch_worker import JobWorker
 from jobs.worker.runner import NO_ROOM_LOG, BatchRunner
 from jobs.worker.sizing import PipelinePlan
+from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
 from swarmclient.model_spec import ModelSpec
 
@@ -137,3 +141,32 @@ def _generated(runtime: Runtime, job_id: str) -> list[dict[str, Any]]:
     with runtime.session() as session:
         return [{"custom_id": r.custom_id, "generated_ids": list(r.generated_ids)}
                 for r in session.scalars(select(Request).where(Request.job_id == job_id))]
+
+
+def test_rows_waiting_for_room_keep_their_lease(
+        small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path) -> None:
+    # Given a server with room for two of this job's rows at a time, a batch of 8 claimed at once (explicit setting)
+    # under a 2-second lease, and sweeps running all along that return every lapsed lease to pending
+    swarm = small_server("--attn-cache-tokens", "200")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4, lease_seconds=2.0,
+                           worker_batch_size=8, pipeline_lanes=4)
+    job = submit_batch(runtime, batch_file(8, max_tokens=40), model=str(tiny_model))
+    done = threading.Event()
+    swept: list[list[str]] = []
+
+    def sweeping() -> None:
+        while not done.wait(0.3):
+            swept.append(sweep_store(runtime))
+    sweeper = threading.Thread(target=sweeping)
+    sweeper.start()
+    began = time.monotonic()
+    try:
+        # When the worker runs the batch: its rows wait for room several lease periods
+        run_to_completion(runtime, job.id)
+    finally:
+        done.set()
+        sweeper.join()
+    # Then no lease lapsed while rows waited: each request was claimed once, by the one batch
+    assert time.monotonic() - began > 3 * 2.0, "the batch should outlast several leases"
+    assert [r.attempts for r in requests_of(runtime, job.id)] == [1] * 8
+    assert len(swept) > 10
