@@ -93,7 +93,7 @@ class BatchRunner:
         self.model, self.tokenizer = model, tokenizer
         self.verification = verification or VerificationTally()  # every lane's checked outputs
         self.checkpoint_every, self.checkpoint = checkpoint_every, checkpoint
-        self.plan = plan or PipelinePlan(capacity or len(requests), max(1, lanes), max(1, lanes), None, "set")
+        self.plan = plan or PipelinePlan(capacity or len(requests), max(1, lanes), max(1, lanes))
         self.lanes, self.continuous, self.refill = max(1, self.plan.lanes), continuous, refill
         self.capacity = self.plan.claim       # rows in flight at most; shrinks when the servers have no room
         self.renew, self.renew_every = renew, renew_every
@@ -164,8 +164,9 @@ class BatchRunner:
                 self._no_room(lane, error)
             elif error is not None:
                 raise error
-            elif self.capacity < self.plan.claim:  # a lane went through: grow back towards the plan
+            else:  # a lane went through: grow back towards the plan
                 self.capacity = min(self.plan.claim, self.capacity + max(1, self.plan.claim // 8))
+                self._busy_delay = 1.0
 
     def _no_room(self, lane: Lane, error: SwarmBusy) -> None:
         unfinished = [(row, request) for row, request in lane.pairs if row.finish_reason is None]
@@ -179,10 +180,8 @@ class BatchRunner:
     def _start_waiting(self, pool: ThreadPoolExecutor) -> None:
         """Start waiting rows as lanes, while the plan's cache and lanes allow; with nothing running, one lane is
         tried anyway (after a backoff if the servers had no room): the servers decide."""
-        while self._waiting and not self._stop.is_set():
-            if self._running and (len(self._running) >= self.plan.max_lanes or time.monotonic() < self._busy_retry_at):
-                return
-            if not self._running and time.monotonic() < self._busy_retry_at:
+        while self._waiting and not self._stop.is_set() and time.monotonic() >= self._busy_retry_at:
+            if len(self._running) >= self.plan.max_lanes:
                 return
             group = self._next_group()
             if self._running and not self._fits(group):
@@ -193,7 +192,7 @@ class BatchRunner:
 
     def _next_group(self) -> list[tuple[RowState, Request]]:
         """The next micro-batch of waiting rows: at most the claim's share of one lane and the servers' batch size."""
-        per_lane = max(1, -(-self.capacity // self.lanes))
+        per_lane = max(1, min(-(-self.capacity // self.lanes), self.plan.rows_per_session or self.capacity))
         return self._waiting[:per_lane]
 
     def _fits(self, group: list[tuple[RowState, Request]]) -> bool:

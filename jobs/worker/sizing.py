@@ -51,13 +51,15 @@ class ChainRoom:
 @dataclass(frozen=True)
 class PipelinePlan:
     """What one batch of a worker runs: up to `claim` requests in flight, split into `lanes` micro-batches at first,
-    never reserving more than `cache_tokens` per block (None: unknown, no limit) in `max_lanes` lanes at once."""
+    never reserving more than `cache_tokens` per block in `max_lanes` lanes at once, nor more than `rows_per_session`
+    rows in one (None: unknown, no limit)."""
 
     claim: int
     lanes: int
     max_lanes: int
-    cache_tokens: int | None
-    bound: str  # what set the claim, for the log and `status`
+    cache_tokens: int | None = None
+    rows_per_session: int | None = None
+    bound: str = "set"  # what set the claim, for the log and `status`
 
     def as_dict(self) -> dict[str, object]:
         """What the job object and `status` show of it."""
@@ -84,11 +86,11 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
     if room is None:
         chosen_lanes = lanes or MIN_LANES * 2
         return PipelinePlan(claim or min(FALLBACK_CLAIM, max(1, share)), chosen_lanes, max(chosen_lanes, MAX_LANES),
-                            None, "set" if claim else "swarm not read yet")
+                            bound="set" if claim else "swarm not read yet")
     chosen_lanes = lanes or room.lanes_to_fill()
     max_lanes = max(chosen_lanes, room.max_lanes())
     if claim is not None:
-        return PipelinePlan(claim, chosen_lanes, max_lanes, room.cache_tokens, "set")
+        return PipelinePlan(claim, chosen_lanes, max_lanes, room.cache_tokens, room.rows_per_session, "set")
     limits = {"fair share": max(1, share), "max batch size": chosen_lanes * room.rows_per_session,
               "most per worker": MAX_CLAIM, "open requests": max(1, len(row_tokens))}
     bound = min(limits, key=limits.__getitem__)
@@ -96,7 +98,8 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
     fits = rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens)
     if fits < count:
         count, bound = max(1, fits), "cache share"
-    return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, f"bound: {bound}")
+    return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, room.rows_per_session,
+                        f"bound: {bound}")
 
 
 def rows_that_fit(row_tokens: Sequence[int], lanes: int, cache_tokens: int) -> int:

@@ -78,6 +78,9 @@ def test_a_server_taking_one_row_per_session_gets_one_row_per_lane(
     plans = [PLAN.search(r.getMessage()) for r in caplog.records]
     claim, lanes, bound = next((int(m[1]), int(m[2]), m[3]) for m in plans if m)
     assert claim == lanes and bound == "bound: max batch size", (claim, lanes, bound)
+    # And a claim set by hand (4 in 2 lanes) still runs one row per session there
+    explicit = runtime.__class__(runtime.settings.model_copy(update={"worker_batch_size": 4, "pipeline_lanes": 2}))
+    run_to_completion(explicit, submit_batch(explicit, batch_file(4), model=str(tiny_model)).id)
     assert refusals(swarm, runtime, tiny_model) == {}
 
 
@@ -121,7 +124,7 @@ def test_rows_the_servers_have_no_room_for_wait_and_complete_identically(
         return {r.id for r in rows}
     runner = BatchRunner(runtime.swarm_model(str(tiny_model)), runtime.tokenizer(str(tiny_model)), rows,
                          checkpoint_every=4, checkpoint=checkpoint, continuous=True,
-                         plan=PipelinePlan(claim=8, lanes=4, max_lanes=4, cache_tokens=None, bound="set"))
+                         plan=PipelinePlan(claim=8, lanes=4, max_lanes=4))
     # When it runs
     with caplog.at_level(logging.WARNING, logger="jobs.worker.runner"):
         results = runner.run()

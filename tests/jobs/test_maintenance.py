@@ -164,7 +164,7 @@ def test_a_chain_that_claims_holds_its_job_so_sweeps_add_none_between_its_batche
     # Given a job of two requests, and a chain that claimed one (batch size 1) and finished it
     job_id = new_job(runtime, 2)
     worker = JobWorker(runtime)
-    claim = worker._claim(job_id, "token-1", PipelinePlan(claim=1, lanes=1, max_lanes=1, cache_tokens=None, bound="set"))
+    claim = worker._claim(job_id, "token-1", PipelinePlan(claim=1, lanes=1, max_lanes=1))
     assert claim is not None and len(claim.requests) == 1
     with runtime.session() as session:
         store.finish_request(session=session, request_id=claim.requests[0].id, token="token-1",
