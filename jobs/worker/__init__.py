@@ -5,8 +5,11 @@
     batch_worker  JobWorker: claim a batch of one job under a lease, run it, record the outcome (job transitions
                   through runtime.lifecycle), with its checked-output counts (README "Checked outputs"); each store
                   step one transaction, retried through a database blip (jobs.db.retry_store)
-    runner        BatchRunner: a claimed batch as pipelined micro-batches (lanes), finished rows replaced at
-                  once by newly claimed ones; commits every K tokens; resumes from committed ids
+    sizing        the batch a worker takes on: claim and lanes from what the chain can hold for one caller (records),
+                  the job's next requests and a fair share among live workers (PipelinePlan)
+    runner        BatchRunner: a claimed batch as pipelined micro-batches (lanes) started as the servers' cache
+                  allows, finished rows replaced at once by newly claimed ones, rows without room waiting (leases
+                  renewed); commits every K tokens; resumes from committed ids
     sweep         sweep_store: lost leases back to pending, overdue jobs expired, finished jobs settled, failed
                   end hooks retried; each job in its own transaction
     maintenance   the worker bootstep that heartbeats and sends the sweep every interval (no beat needed)
