@@ -1,15 +1,18 @@
 """Parse and validate an OpenAI-batch-format JSONL input file, line by line, into requests ready to store.
 
 Each non-empty line is `{"custom_id", "method": "POST", "url", "body"}`. A bad line becomes a `LineError`
-with a stable code; good lines go on. Codes: invalid_json, missing_custom_id, invalid_custom_id,
-duplicate_custom_id, invalid_method, invalid_url, invalid_body, model_mismatch, missing_prompt,
-missing_messages, invalid_messages, chat_template_missing, invalid_parameter, max_tokens_too_large,
-context_length_exceeded.
+with a stable code and the parameter at fault (`param`, like OpenAI's batch errors); good lines go on. Codes:
+invalid_json, missing_custom_id, invalid_custom_id, duplicate_custom_id, invalid_method, invalid_url,
+invalid_body, model_mismatch, missing_prompt, missing_messages, invalid_messages, chat_template_missing,
+invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_exceeded.
 
 Defaults of omitted (or null) body parameters: max_tokens 256 (lowered to the cap and to what the model's
 context leaves after the prompt), temperature 0.0 (greedy decoding, unlike OpenAI's 1.0), top_p 1.0,
 seed 0, stop []. `max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
-Unknown body keys are ignored and kept in the stored body.
+No parameter is silently ignored: a body key this service does not honour (`tools`, `response_format`,
+`logit_bias`, `presence_penalty`…) is an `unsupported_parameter` line error naming it, unless its value is the one
+that changes nothing (`stream: false`, `presence_penalty: 0`, `tools: []`…; see NEUTRAL_VALUES). `user` is kept
+(it names the caller's end user and changes no output).
 
 A prompt too long for the context by its character count alone is refused (context_length_exceeded) before it is
 tokenized: tokenizing costs about 1 s and 160 MB of memory per million characters, so a 100 MB line would
@@ -72,9 +75,10 @@ class LineError:
     custom_id: str | None
     code: str
     message: str
+    param: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """`{"line_number", "custom_id", "code", "message"}`, as stored in Job.line_errors."""
+        """`{"line_number", "custom_id", "code", "message", "param"}`, as stored in Job.line_errors."""
         return asdict(self)
 
 
@@ -94,9 +98,9 @@ class BatchFileRejected(Exception):
 class _LineProblem(Exception):
     """Raised inside the line checks: a stable code and a one-line reason."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.param = code, message, param
 
 
 @dataclass(frozen=True)
@@ -107,11 +111,16 @@ class _Context:
     model_name: str
     limits: InputLimits
     chars_per_token: int | None  # max_chars_per_token(tokenizer)
+    endpoint: str | None         # the batch's endpoint (OpenAI's `endpoint`): every line's url must be it
 
 
-def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: InputLimits) -> ParsedBatch:
-    """Check every line: good ones become requests, bad ones errors; raise BatchFileRejected to refuse the file."""
-    context = _Context(tokenizer, model_name, limits, max_chars_per_token(tokenizer))
+def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: InputLimits,
+                     endpoint: str | None = None) -> ParsedBatch:
+    """Check every line: good ones become requests, bad ones errors; raise BatchFileRejected to refuse the file.
+
+    With an `endpoint` (OpenAI's batches.create), a line whose url is another one is an error, as with OpenAI.
+    """
+    context = _Context(tokenizer, model_name, limits, max_chars_per_token(tokenizer), endpoint)
     requests: list[ParsedRequest] = []
     errors: list[LineError] = []
     seen: dict[str, int] = {}
@@ -123,7 +132,23 @@ def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: In
             errors.append(outcome)
     if not requests:
         raise BatchFileRejected(_no_valid_request(errors))
-    return ParsedBatch(requests, errors, _main_endpoint(requests))
+    return ParsedBatch(requests, errors, endpoint or _main_endpoint(requests))
+
+
+def batch_model(data: bytes) -> str | None:
+    """The model a batch file names: the first `body.model` found on its lines (None when no line names one).
+
+    One batch runs one model, as with OpenAI: parse_batch_file then makes every line naming another a line error.
+    """
+    for raw in data.removeprefix(codecs.BOM_UTF8).split(b"\n"):
+        try:
+            line = json.loads(raw) if raw.strip() else None
+        except (ValueError, RecursionError):
+            continue
+        body = line.get("body") if isinstance(line, dict) else None
+        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]:
+            return str(body["model"])
+    return None
 
 
 def _split_lines(data: bytes, limits: InputLimits) -> list[tuple[int, str]]:
@@ -158,7 +183,7 @@ def _parse_line(number: int, text: str, context: _Context, seen: dict[str, int])
         _claim(custom_id, number, seen)
         return _parse_request(number, custom_id, line, context)
     except _LineProblem as problem:
-        return LineError(number, custom_id, problem.code, problem.message)
+        return LineError(number, custom_id, problem.code, problem.message, problem.param)
 
 
 def _load_object(text: str) -> dict[str, Any]:
@@ -183,10 +208,11 @@ def _custom_id(line: dict[str, Any]) -> str:
     """The line's custom_id: a non-empty string that fits the requests table."""
     value = line.get("custom_id")
     if not isinstance(value, str) or not value:
-        raise _LineProblem("missing_custom_id", f"custom_id must be a non-empty string (got {_show(value)})")
+        raise _LineProblem("missing_custom_id", f"custom_id must be a non-empty string (got {_show(value)})",
+                          "custom_id")
     if len(value) > MAX_CUSTOM_ID_CHARS:
         raise _LineProblem("invalid_custom_id", f"custom_id is {len(value)} characters; "
-                                                f"the limit is {MAX_CUSTOM_ID_CHARS}")
+                                                f"the limit is {MAX_CUSTOM_ID_CHARS}", "custom_id")
     return value
 
 
@@ -194,14 +220,15 @@ def _claim(custom_id: str, number: int, seen: dict[str, int]) -> None:
     """Remember the custom_id, or refuse it if an earlier line used it."""
     if custom_id in seen:
         raise _LineProblem("duplicate_custom_id", f"custom_id {_show(custom_id)} is already used on line "
-                                                  f"{seen[custom_id]}; each line needs its own")
+                                                  f"{seen[custom_id]}; each line needs its own", "custom_id")
     seen[custom_id] = number
 
 
 def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _Context) -> ParsedRequest:
     """The checked request of one line whose custom_id is known."""
-    url = _url(line)
+    url = _url(line, context.endpoint)
     body = _body(line, context.model_name)
+    _refuse_unsupported(body, url)
     prompt = _messages(body) if url == CHAT_URL else _prompt(body)
     requested = _requested_max_tokens(body, context.limits.max_tokens_cap)
     sampling = (_temperature(body), _top_p(body), _seed(body), _stop(body))
@@ -212,14 +239,18 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
     return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling)
 
 
-def _url(line: dict[str, Any]) -> str:
-    """The line's endpoint, after checking the method is POST."""
+def _url(line: dict[str, Any], endpoint: str | None) -> str:
+    """The line's endpoint (the batch's, when it has one), after checking the method is POST."""
     method = line.get("method")
     if method != "POST":
-        raise _LineProblem("invalid_method", f'method must be "POST" (got {_show(method)})')
+        raise _LineProblem("invalid_method", f'method must be "POST" (got {_show(method)})', "method")
     url = line.get("url")
     if url not in URLS:
-        raise _LineProblem("invalid_url", f"url must be {COMPLETIONS_URL} or {CHAT_URL} (got {_show(url)})")
+        raise _LineProblem("invalid_url", f"url must be {COMPLETIONS_URL} or {CHAT_URL} (got {_show(url)})",
+                          "url")
+    if endpoint is not None and url != endpoint:
+        raise _LineProblem("invalid_url", f"url is {url} but the batch's endpoint is {endpoint}; every line of a "
+                                          f"batch uses its endpoint", "url")
     return str(url)
 
 
@@ -227,12 +258,45 @@ def _body(line: dict[str, Any], model_name: str) -> dict[str, Any]:
     """The line's body object; its `model`, when given, must be the job's model."""
     body = line.get("body")
     if not isinstance(body, dict):
-        raise _LineProblem("invalid_body", f"body must be a JSON object, not {_json_type(body)}")
+        raise _LineProblem("invalid_body", f"body must be a JSON object, not {_json_type(body)}", "body")
     model = body.get("model")
     if model is not None and model != model_name:
         raise _LineProblem("model_mismatch", f"body.model is {_show(model)} but this job runs {_show(model_name)}; "
-                                             f"drop body.model or submit the file for that model")
+                                             f"one batch runs one model: send these lines in a batch of their own",
+                          "body.model")
     return body
+
+
+# body keys honoured by endpoint (`user` names the caller's end user: kept, it changes no output)
+COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user"}
+BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages"}, COMPLETIONS_URL: COMMON_KEYS | {"prompt"}}
+# parameters we do not honour, accepted only with the value that asks for nothing (null is accepted for any key)
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
+    "function_call": ("none",), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "parallel_tool_calls": (False, True),
+}
+
+
+def _refuse_unsupported(body: dict[str, Any], url: str) -> None:
+    """unsupported_parameter for the first body key this service would otherwise ignore (in the body's order)."""
+    for key, value in body.items():
+        if key in BODY_KEYS[url] or value is None or _is_neutral(key, value):
+            continue
+        raise _LineProblem("unsupported_parameter", f"body.{key} is not supported by this service (got "
+                                                    f"{_show(value)}); remove it, or send the value that changes "
+                                                    f"nothing", f"body.{key}")
+
+
+def _is_neutral(key: str, value: Any) -> bool:
+    """Whether `value` is what leaves `key` without effect (a bool never stands for a number, nor 1 for True)."""
+    return any(_kind(value) == _kind(neutral) and value == neutral for neutral in NEUTRAL_VALUES.get(key, ()))
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind: 0 and 0.0 are one number, and neither is false."""
+    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
 
 
 def _prompt(body: dict[str, Any]) -> str:
@@ -240,7 +304,7 @@ def _prompt(body: dict[str, Any]) -> str:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise _LineProblem("missing_prompt", f"body.prompt must be a non-empty string for {COMPLETIONS_URL} "
-                                             f"(got {_show(prompt)})")
+                                             f"(got {_show(prompt)})", "body.prompt")
     return prompt
 
 
@@ -249,9 +313,10 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if messages is None or messages == []:
         raise _LineProblem("missing_messages", f"body.messages must be a non-empty list of "
-                                               f"{{role, content}} for {CHAT_URL}")
+                                               f"{{role, content}} for {CHAT_URL}", "body.messages")
     if not isinstance(messages, list):
-        raise _LineProblem("invalid_messages", f"body.messages must be a list, not {_json_type(messages)}")
+        raise _LineProblem("invalid_messages", f"body.messages must be a list, not {_json_type(messages)}",
+                          "body.messages")
     return [_message(index, message) for index, message in enumerate(messages)]
 
 
@@ -279,7 +344,8 @@ def _requested_max_tokens(body: dict[str, Any], cap: int) -> int | None:
         raise _invalid(name, "an integer >= 1", value)
     if value > cap:
         raise _LineProblem("max_tokens_too_large", f"{name} is {value}; the limit is {cap} "
-                                                   f"(SWARMBATCH_MAX_TOKENS_CAP); ask for fewer tokens")
+                                                   f"(SWARMBATCH_MAX_TOKENS_CAP); ask for fewer tokens",
+                          f"body.{name}")
     return int(value)
 
 
@@ -375,7 +441,7 @@ def _chat_text(messages: list[dict[str, str]], tokenizer: Any) -> str:
 
 def _invalid(name: str, rule: str, value: Any) -> _LineProblem:
     """The invalid_parameter problem for one body parameter."""
-    return _LineProblem("invalid_parameter", f"body.{name} must be {rule} (got {_show(value)})")
+    return _LineProblem("invalid_parameter", f"body.{name} must be {rule} (got {_show(value)})", f"body.{name}")
 
 
 def _is_int(value: Any) -> bool:

@@ -2,6 +2,7 @@
 
     JobsError                 root
     ├── JobNotFound           no such job for this API key (HTTP 404)
+    ├── FileNotFound          no such file for this API key (HTTP 404)
     ├── InvalidJob            the submission is refused whole (HTTP 400); nothing was created
     ├── IdempotencyConflict   an Idempotency-Key already names another batch of this API key (HTTP 409)
     ├── JobCancelled          raised inside a worker when its job is being cancelled; not retried
@@ -24,8 +25,22 @@ class JobNotFound(JobsError):
         super().__init__(f"no job {job_id!r}; list yours with 'swarmbatch jobs'")
 
 
+class FileNotFound(JobsError):
+    """Raised when a file id does not exist, was deleted, or belongs to another API key."""
+
+    def __init__(self, file_id: str) -> None:
+        super().__init__(f"no file {file_id!r}; list yours with GET /v1/files")
+
+
 class InvalidJob(JobsError):
-    """Raised when a submission is refused as a whole; the message says what to fix."""
+    """Raised when a submission (or a file upload) is refused as a whole; the message says what to fix.
+
+    `param` names the request parameter at fault, when one is (the API's error body carries it).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class IdempotencyConflict(JobsError):

@@ -1,10 +1,14 @@
 """Job transitions, owned here: every caller moves a job through `Lifecycle`, and its kind's hooks run on every path.
 
                  start                    settle: every request terminal
-    queued ───────────────▶ in_progress ─────────────────────────────▶ finalizing ──▶ completed | failed
+  validating ─────────────▶ in_progress ─────────────────────────────▶ finalizing ──▶ completed | failed
        │                        │
        └────────cancel──────────┴──────▶ cancelling ──settle: nothing runs──▶ cancelled
-    queued | in_progress | cancelling ──────expire: the deadline passed──────▶ expired
+  validating | in_progress | cancelling ────expire: the deadline passed────▶ expired
+
+OpenAI's statuses: a job is `validating` from its submission (its lines were checked before it was stored) until
+a worker claims its first requests. A job that ends gets its output and error files (jobs.files) in the same
+transaction, partial ones for a cancelled or expired job, as OpenAI does.
 
 The callers: the API's cancel route and the CLI's StoreClient (cancel), the batch worker (start, settle, and
 expire when it finds a job overdue), the sweep (settle, expire, and the retries below), and a schedule's firing
@@ -27,19 +31,19 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from jobs import store
+from jobs import files, store
 from jobs.models import Job, JobKind, JobStatus, utcnow
 
 logger = logging.getLogger(__name__)
 
-LIVE = (JobStatus.queued, JobStatus.in_progress)  # statuses in which a job still takes work
+LIVE = (JobStatus.validating, JobStatus.in_progress)  # statuses in which a job still takes work
 
 
 class JobHooks:
     """What a job kind adds to the lifecycle; this base adds nothing (a user's batch)."""
 
     def on_settling(self, session: Session, job: Job) -> None:
-        """Called before a live (queued or in_progress) job is settled."""
+        """Called before a live (validating or in_progress) job is settled."""
 
     def on_ended(self, session: Session, job: Job, now: datetime) -> None:
         """Called once the job reached a terminal status, in the transaction that moved it there."""
@@ -59,8 +63,8 @@ class Lifecycle:
         self.hooks = dict(hooks)
 
     def start(self, session: Session, job: Job, *, now: datetime | None = None) -> None:
-        """A worker claimed the job's first requests: queued -> in_progress."""
-        if job.status == JobStatus.queued:
+        """A worker claimed the job's first requests: validating -> in_progress."""
+        if job.status == JobStatus.validating:
             move(job, JobStatus.in_progress, now=now)
 
     def settle(self, session: Session, job: Job, *, now: datetime | None = None) -> None:
@@ -118,6 +122,7 @@ class Lifecycle:
 
     def _end(self, session: Session, job: Job, status: JobStatus, now: datetime) -> None:
         move(job, status, now=now)
+        files.attach_job_files(session=session, job=job, now=now)
         self.hooks[job.kind].on_ended(session, job, now)
 
 

@@ -5,7 +5,19 @@ from datetime import UTC, datetime
 from enum import Enum, StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy import Enum as SQLEnum
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -41,10 +53,9 @@ class Base(DeclarativeBase):
 
 
 class JobStatus(StrEnum):
-    """OpenAI Batch API statuses."""
+    """OpenAI Batch API statuses: a stored job is `validating` until a worker claims its first requests."""
 
     validating = "validating"
-    queued = "queued"
     in_progress = "in_progress"
     finalizing = "finalizing"
     completed = "completed"
@@ -111,9 +122,14 @@ class Job(Base):
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"), index=True)
     model: Mapped[str] = mapped_column(String(500))
     endpoint: Mapped[str] = mapped_column(String(40))
-    status: Mapped[JobStatus] = mapped_column(status_column(JobStatus), default=JobStatus.queued, index=True)
+    status: Mapped[JobStatus] = mapped_column(status_column(JobStatus), default=JobStatus.validating, index=True)
     kind: Mapped[JobKind] = mapped_column(status_column(JobKind), default=JobKind.batch)
     input_filename: Mapped[str | None] = mapped_column(String(500))
+    # the Files API's ids (jobs.files): the input (None for a summary job), and the output and error files made
+    # when the job ended (None while it runs, and when there is nothing to put in them)
+    input_file_id: Mapped[str | None] = mapped_column(String(40))
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
     line_errors: Mapped[list[Any]] = mapped_column(default=list)
     blocked_reason: Mapped[str | None] = mapped_column(Text)
     checkpoint_every: Mapped[int] = mapped_column(Integer, default=8)
@@ -193,6 +209,41 @@ class Request(Base):
     completed_at: Mapped[datetime | None]
 
     job: Mapped[Job] = relationship(back_populates="requests")
+
+
+class FilePurpose(StrEnum):
+    """What a file is for (OpenAI's purposes): an uploaded batch input, or a job's output or error lines."""
+
+    batch = "batch"
+    batch_output = "batch_output"
+
+
+class StoredFile(Base):
+    """A file of the Files API. An upload's bytes are its FileChunk rows; a job's output or error file holds no
+    bytes: it is rendered from the job's requests when read (jobs.files), and `bytes` was counted when it was made."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_api_key_created", "api_key_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
+    purpose: Mapped[FilePurpose] = mapped_column(status_column(FilePurpose))
+    filename: Mapped[str] = mapped_column(String(500))
+    size: Mapped[int] = mapped_column("bytes", BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # an output or error file: the job it renders, and which of its two line streams
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    lines: Mapped[str | None] = mapped_column(String(10))  # "output" | "error"
+
+
+class FileChunk(Base):
+    """One piece of an uploaded file's bytes, in order (a file is stored in pieces, so none is one huge value)."""
+
+    __tablename__ = "file_chunks"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class SummaryRun(Base):

@@ -1,4 +1,5 @@
-"""Results and errors as the OpenAI Batch API writes them: one JSON line per request, in input order."""
+"""Results and errors as the OpenAI Batch API writes them (one JSON line per request, in input order), and the
+batch object. The output and error files of the Files API (jobs.files) are these very lines."""
 from __future__ import annotations
 
 import json
@@ -38,28 +39,50 @@ def result_line(job: Job, request: Request) -> dict[str, Any]:
             "error": None}
 
 
+# what an unfinished request without output says in the error file when its job was cancelled or expired
+UNFINISHED = {RequestStatus.cancelled: ("batch_cancelled", "the batch was cancelled before this request ran"),
+              RequestStatus.expired: ("batch_expired", "the batch's completion window ended before this request ran")}
+ROWS_PER_READ = 200  # requests read per round trip while streaming a file: memory stays this many rows
+
+
 def error_line(job: Job, request: Request) -> dict[str, Any]:
-    """One error line for a failed request."""
+    """One error line for a failed request, or for a cancelled or expired one that produced nothing."""
+    code, message = UNFINISHED.get(request.status, ("request_failed", request.last_error or "failed"))
     return {"id": f"batch_req_{request.id}", "custom_id": request.custom_id, "response": None,
-            "error": {"code": "request_failed", "message": request.last_error or "failed", "line": request.line_number}}
+            "error": {"code": code, "message": message, "param": None, "line": request.line_number}}
+
+
+def line_error(error: dict[str, Any]) -> dict[str, Any]:
+    """A stored input line error (jobs.batch_input.LineError) as OpenAI's batch error: code, message, param, line."""
+    return {"code": error["code"], "message": error["message"], "param": error.get("param"),
+            "line": error["line_number"]}
 
 
 def iter_results(*, session: Session, job: Job) -> Iterator[str]:
     """JSONL of finished outputs in input order (partial outputs of cancelled/expired requests included)."""
     query = select(Request).where(Request.job_id == job.id, Request.status.in_(OUTPUT_STATUSES)).order_by(Request.index)
-    for request in session.scalars(query):
-        if request.status == RequestStatus.completed or request.generated_ids:
+    for request in session.scalars(query.execution_options(yield_per=ROWS_PER_READ)):
+        if _has_output(request):
             yield json.dumps(result_line(job, request)) + "\n"
 
 
 def iter_errors(*, session: Session, job: Job) -> Iterator[str]:
-    """JSONL of input line errors (by line number), then failed requests in input order."""
+    """JSONL of input line errors (by line number), then failed requests, and cancelled or expired ones that
+    produced nothing, in input order."""
     for error in job.line_errors:
         yield json.dumps({"id": None, "custom_id": error.get("custom_id"), "response": None,
-                          "error": {"code": error["code"], "message": error["message"], "line": error["line_number"]}}) + "\n"
-    query = select(Request).where(Request.job_id == job.id, Request.status == RequestStatus.failed)
-    for request in session.scalars(query.order_by(Request.index)):
-        yield json.dumps(error_line(job, request)) + "\n"
+                          "error": line_error(error)}) + "\n"
+    query = select(Request).where(Request.job_id == job.id, Request.status.in_(
+        [RequestStatus.failed, *UNFINISHED])).order_by(Request.index)
+    for request in session.scalars(query.execution_options(yield_per=ROWS_PER_READ)):
+        if request.status == RequestStatus.failed or not _has_output(request):
+            yield json.dumps(error_line(job, request)) + "\n"
+
+
+def _has_output(request: Request) -> bool:
+    """A completed request, or a cancelled or expired one with partial output (it goes to the output file)."""
+    return request.status == RequestStatus.completed or (request.status != RequestStatus.failed and
+                                                         bool(request.generated_ids))
 
 
 def unix(value: Any) -> int | None:
@@ -87,17 +110,19 @@ def summary_public(job: Job) -> dict[str, Any] | None:
 
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
-    """The job object of the REST API (OpenAI batch shape, plus tokens_generated, blocked_reason, summary,
-    verification: the checked outputs' counts, README "Checked outputs", and pipeline: per worker, the batch it
-    sized for itself, README "Throughput")."""
+    """The batch object of the REST API: OpenAI's fields, plus ours (tokens_generated, blocked_reason,
+    input_filename, summary, verification: the checked outputs' counts, README "Checked outputs", and pipeline: per
+    worker, the batch it sized for itself, README "Throughput")."""
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {
-        "id": job.id, "object": "batch", "endpoint": job.endpoint, "model": job.model, "status": job.status,
-        "input_file_id": job.input_filename, "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",
+        "id": job.id, "object": "batch", "endpoint": job.endpoint, "model": job.model, "status": str(job.status),
+        "input_file_id": job.input_file_id, "output_file_id": job.output_file_id,
+        "error_file_id": job.error_file_id, "input_filename": job.input_filename,
+        "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
         "tokens_generated": counts.tokens, "blocked_reason": blocked_reason(session=session, job=job, counts=counts),
-        "errors": {"object": "list", "data": job.line_errors} if job.line_errors else None,
+        "errors": {"object": "list", "data": [line_error(e) for e in job.line_errors]} if job.line_errors else None,
         "created_at": unix(job.created_at), "in_progress_at": unix(job.in_progress_at),
         "finalizing_at": unix(job.finalizing_at), "completed_at": unix(job.completed_at),
         "failed_at": unix(job.failed_at), "cancelling_at": unix(job.cancelling_at),

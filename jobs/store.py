@@ -39,22 +39,23 @@ logger = logging.getLogger(__name__)
 def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id: int | None = None,
                completion_window_s: int = 24 * 3600, checkpoint_every: int = 8, input_filename: str | None = None,
                idempotency_key: str | None = None, metadata: dict[str, Any] | None = None,
-               annotations: Mapping[str, dict[str, Any]] | None = None, kind: JobKind = JobKind.batch) -> Job:
-    """Insert a queued job and one pending request per good line.
+               annotations: Mapping[str, dict[str, Any]] | None = None, kind: JobKind = JobKind.batch,
+               input_file_id: str | None = None) -> Job:
+    """Insert a validating job and one pending request per good line.
 
     `metadata` is the user's (validated by the caller); `kind` picks the job's lifecycle hooks; `annotations`
     sets extra Request columns (document, stage, final) by custom_id.
     """
     now = utcnow()
     job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model, endpoint=parsed.endpoint,
-              status=JobStatus.queued, kind=kind, input_filename=input_filename,
+              status=JobStatus.validating, kind=kind, input_filename=input_filename, input_file_id=input_file_id,
               line_errors=[e.to_dict() for e in parsed.errors], checkpoint_every=checkpoint_every,
               completion_window_s=completion_window_s, idempotency_key=idempotency_key,
               metadata_json=metadata or {}, created_at=now, expires_at=now + timedelta(seconds=completion_window_s))
     job.requests = request_rows(parsed, annotations=annotations)
     session.add(job)
     session.flush()
-    logger.info("Job %s queued: %d requests, %d bad lines", job.id, len(job.requests), len(parsed.errors))
+    logger.info("Job %s stored (validating): %d requests, %d bad lines", job.id, len(job.requests), len(parsed.errors))
     return job
 
 
@@ -91,10 +92,21 @@ def get_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> 
 
 def list_jobs(*, session: Session, api_key_id: int | None = None, limit: int = 100) -> list[Job]:
     """Newest first; only the key's jobs when a key is given."""
-    query = select(Job).order_by(Job.created_at.desc()).limit(limit)
+    return page_jobs(session=session, api_key_id=api_key_id, limit=limit)[0]
+
+
+def page_jobs(*, session: Session, api_key_id: int | None = None, limit: int = 100,
+              after: str | None = None) -> tuple[list[Job], bool]:
+    """Newest first, after the job `after` (a cursor: JobNotFound if it is not the key's); returns (page, has_more)."""
+    query = select(Job)
     if api_key_id is not None:
         query = query.where(Job.api_key_id == api_key_id)
-    return list(session.scalars(query))
+    if after is not None:
+        cursor = get_job(session=session, job_id=after, api_key_id=api_key_id)
+        query = query.where((Job.created_at < cursor.created_at) |
+                            ((Job.created_at == cursor.created_at) & (Job.id < cursor.id)))
+    rows = list(session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,7 @@ class JobCounts:
 
     def waiting_for_a_worker(self, job: Job) -> bool:
         """Whether the live job has pending work that no worker holds."""
-        return job.status in (JobStatus.queued, JobStatus.in_progress) and bool(self.pending) and not self.in_progress
+        return job.status in (JobStatus.validating, JobStatus.in_progress) and bool(self.pending) and not self.in_progress
 
 
 def job_counts(*, session: Session, job_id: str) -> JobCounts:
@@ -333,7 +345,7 @@ def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]
 
 def active_job_ids(*, session: Session) -> list[str]:
     """Jobs that are not terminal."""
-    live = [JobStatus.queued, JobStatus.in_progress, JobStatus.cancelling]
+    live = [JobStatus.validating, JobStatus.in_progress, JobStatus.cancelling]
     return list(session.scalars(select(Job.id).where(Job.status.in_(live)).order_by(Job.created_at)))
 
 

@@ -20,7 +20,7 @@ from kombu.exceptions import KombuError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from jobs import store
+from jobs import files, store
 from jobs.batch_input import BatchFileRejected, InputLimits, ParsedBatch, parse_batch_file
 from jobs.errors import IdempotencyConflict, InvalidJob
 from jobs.models import Job
@@ -105,25 +105,34 @@ def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | N
 
 def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None, api_key_id: int | None = None,
            completion_window: str = "24h", metadata: dict[str, Any] | None = None,
-           idempotency_key: str | None = None, raise_enqueue_errors: bool = False) -> Submitted:
+           idempotency_key: str | None = None, raise_enqueue_errors: bool = False,
+           input_file_id: str | None = None, endpoint: str | None = None) -> Submitted:
     """submit_batch, saying whether the job is an earlier one returned again for its idempotency key.
 
-    A broker error after the commit is logged and the job returned, unless `raise_enqueue_errors`.
+    `input_file_id` names the stored file `data` was read from (OpenAI's batches.create); without one, `data` is
+    stored as a file of its own in the job's transaction, so every job has an input file. With an `endpoint`,
+    lines of another url are line errors. A broker error after the commit is logged and the job returned, unless
+    `raise_enqueue_errors`.
     """
     window = parse_window(completion_window)
     metadata = check_metadata(metadata)
     fingerprint = None
     if idempotency_key is not None:
         fingerprint = _fingerprint(data, model=model, filename=filename, completion_window=completion_window,
-                                   metadata=metadata)
+                                   metadata=metadata, input_file_id=input_file_id, endpoint=endpoint)
         if earlier := _earlier_job(runtime, idempotency_key, fingerprint):
             return Submitted(earlier, replayed=True)
-    parsed = _parse(runtime, data, model)
+    parsed = _parse(runtime, data, model, endpoint)
     with runtime.session() as session:
         try:
+            if input_file_id is None:
+                input_file_id = files.store_upload(session=session, pieces=_pieces(data), api_key_id=api_key_id,
+                                                   filename=filename or "batch.jsonl",
+                                                   max_bytes=runtime.settings.max_file_bytes).id
             job = create_job(session=session, parsed=parsed, model=model, api_key_id=api_key_id,
                              completion_window_s=window, checkpoint_every=runtime.settings.checkpoint_every,
-                             input_filename=filename, metadata=metadata, idempotency_key=idempotency_key)
+                             input_filename=filename, metadata=metadata, idempotency_key=idempotency_key,
+                             input_file_id=input_file_id)
             job.idempotency_fingerprint = fingerprint
             # the tasks enqueued below are the job's chains: no sweep adds one while they claim (see hold_dispatch)
             store.refresh_dispatch_hold(session=session, job=job, seconds=runtime.settings.lease_seconds)
@@ -139,7 +148,11 @@ def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = 
     return Submitted(job)
 
 
-def _parse(runtime: Runtime, data: bytes, model: str) -> ParsedBatch:
+def _pieces(data: bytes) -> list[bytes]:
+    return [data[i:i + files.CHUNK_BYTES] for i in range(0, len(data), files.CHUNK_BYTES)]
+
+
+def _parse(runtime: Runtime, data: bytes, model: str, endpoint: str | None = None) -> ParsedBatch:
     """The file's lines checked against the model; InvalidJob when the model or the file is refused."""
     try:
         tokenizer = runtime.tokenizer(model)
@@ -149,7 +162,7 @@ def _parse(runtime: Runtime, data: bytes, model: str) -> ParsedBatch:
     limits = InputLimits(max_file_bytes=runtime.settings.max_file_bytes, max_lines=runtime.settings.max_lines,
                          max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context)
     try:
-        return parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits)
+        return parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits, endpoint=endpoint)
     except BatchFileRejected as e:
         raise InvalidJob(str(e)) from e
 

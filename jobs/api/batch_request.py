@@ -1,8 +1,10 @@
-"""The body of POST /v1/batches: a multipart JSONL upload or a JSON body, read into one `Submission`.
+"""The body of POST /v1/batches, as one Submission: OpenAI's JSON `{"input_file_id", "endpoint",
+"completion_window", "metadata"}` (a file uploaded to /v1/files), or ours: a multipart JSONL upload or a JSON body
+with the requests inline.
 
-Both forms end as JSONL bytes for jobs.submission.submit_batch, so the two paths validate lines identically
-(a JSON body's request i is line i + 1). A malformed body raises InvalidJob (400) with a one-line message.
-Both read the body whole: jobs.api.limits.BodyLimit bounds it underneath (413), before and while it is read.
+Every form ends as JSONL bytes for jobs.submission.submit, so all validate lines identically (a JSON body's
+request i is line i + 1). A malformed body raises InvalidJob (400) with a one-line message naming the parameter.
+Bodies are read whole: jobs.api.limits.BodyLimit bounds them underneath (413), before and while they are read.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, Field, Json, ValidationError
 from starlette.datastructures import FormData, UploadFile
 
+from jobs.batch_input import URLS
 from jobs.errors import InvalidJob
 
 DEFAULT_WINDOW = "24h"
@@ -34,6 +37,15 @@ class BatchCreate(BatchOptions):
     metadata: dict[str, Any] | None = Field(default=None, description=METADATA)
 
 
+class BatchFromFile(BaseModel):
+    """OpenAI's batches.create body: the batch is a file uploaded with purpose `batch`; the model is its lines'."""
+
+    input_file_id: str = Field(min_length=1, description="A file of yours uploaded to /v1/files (purpose batch).")
+    endpoint: str = Field(description=f"One of {', '.join(URLS)}; every line's url must be it.")
+    completion_window: str = Field(default=DEFAULT_WINDOW, description="24h (OpenAI's), or a duration like 90m.")
+    metadata: dict[str, Any] | None = Field(default=None, description=METADATA)
+
+
 class BatchForm(BatchOptions):
     """The multipart form's text fields (the JSONL itself is the `file` field)."""
 
@@ -42,13 +54,15 @@ class BatchForm(BatchOptions):
 
 @dataclass(frozen=True)
 class Submission:
-    """A batch to submit, whichever form it came in."""
+    """A batch to submit, whichever form it came in: its bytes and model, or (OpenAI's form) the file they are in."""
 
-    data: bytes
-    model: str
+    data: bytes | None
+    model: str | None
     completion_window: str
     metadata: dict[str, Any] | None
     filename: str | None
+    input_file_id: str | None = None
+    endpoint: str | None = None
 
 
 REQUEST_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
@@ -59,7 +73,7 @@ REQUEST_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
             "model": {"type": "string"},
             "completion_window": {"type": "string", "default": DEFAULT_WINDOW},
             "metadata": {"type": "string", "description": f"{METADATA} As JSON text."}}}},
-    "application/json": {"schema": BatchCreate.model_json_schema()},
+    "application/json": {"schema": {"oneOf": [BatchFromFile.model_json_schema(), BatchCreate.model_json_schema()]}},
 }}}
 
 
@@ -72,7 +86,8 @@ async def read_submission(request: Request) -> Submission:
     if content_type.startswith("application/json"):
         return _from_json(await request.body())
     raise InvalidJob(f"unsupported content type {content_type or 'none'!r}: upload the JSONL as multipart/form-data "
-                     "(fields file, model) or send application/json {\"model\", \"requests\"}")
+                     "(fields file, model) or send application/json {\"input_file_id\", \"endpoint\"} or "
+                     "{\"model\", \"requests\"}")
 
 
 SubmissionDep = Annotated[Submission, Depends(read_submission)]
@@ -80,9 +95,11 @@ SubmissionDep = Annotated[Submission, Depends(read_submission)]
 
 def _from_json(body: bytes) -> Submission:
     try:
+        if b'"input_file_id"' in body:
+            return _from_file(BatchFromFile.model_validate_json(body))
         batch = BatchCreate.model_validate_json(body)
     except ValidationError as e:
-        raise InvalidJob(f"the JSON body is not valid: {_summary(e)}") from None
+        raise InvalidJob(f"the JSON body is not valid: {_summary(e)}", param=_param(e)) from None
     data = "\n".join(json.dumps(line) for line in batch.requests).encode()
     return Submission(data, batch.model, batch.completion_window, batch.metadata, filename=None)
 
@@ -92,12 +109,26 @@ async def _from_form(form: FormData) -> Submission:
     try:
         options = BatchForm.model_validate(fields)
     except ValidationError as e:
-        raise InvalidJob(f"the form is not valid: {_summary(e)}") from None
+        raise InvalidJob(f"the form is not valid: {_summary(e)}", param=_param(e)) from None
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
-        raise InvalidJob("the form has no 'file' field: attach the JSONL batch as a file named 'file'")
+        raise InvalidJob("the form has no 'file' field: attach the JSONL batch as a file named 'file'", param="file")
     data = await upload.read()
     return Submission(data, options.model, options.completion_window, options.metadata, filename=upload.filename)
+
+
+def _from_file(batch: BatchFromFile) -> Submission:
+    if batch.endpoint not in URLS:
+        raise InvalidJob(f"endpoint must be {' or '.join(URLS)} (got {batch.endpoint!r}); this service runs no "
+                         f"other endpoint", param="endpoint")
+    return Submission(None, None, batch.completion_window, batch.metadata, filename=None,
+                      input_file_id=batch.input_file_id, endpoint=batch.endpoint)
+
+
+def _param(error: ValidationError) -> str | None:
+    """The first field pydantic refused, dotted."""
+    first = error.errors()[0] if error.errors() else None
+    return (".".join(str(p) for p in first["loc"]) or None) if first else None
 
 
 def _summary(error: ValidationError) -> str:

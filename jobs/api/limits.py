@@ -17,6 +17,8 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jobs.api.error_body import error_response
+
 # a request body carries the JSONL file plus multipart framing and the form's text fields (model, metadata...), or
 # the same requests as a JSON array: this much room on top of SWARMBATCH_MAX_FILE_BYTES; the file itself is still
 # checked exactly once it is read (jobs.batch_input, a 400)
@@ -32,9 +34,8 @@ class ApiRefusal(Exception):
         self.status, self.kind, self.message, self.headers = status, kind, message, headers or {}
 
     def response(self) -> JSONResponse:
-        """`{"error": {"type", "message"}}`, as every error of the app."""
-        return JSONResponse({"error": {"type": self.kind, "message": self.message}}, status_code=self.status,
-                            headers=self.headers)
+        """OpenAI's error body, as every error of the app (jobs.api.error_body)."""
+        return error_response(self.status, self.kind, self.message, headers=self.headers)
 
 
 class _BodyTooLarge(Exception):

@@ -159,7 +159,7 @@ class JobWorker:
                 self.lifecycle.settle(session, job)
                 session.commit()
                 return None
-            if job.status == JobStatus.queued:
+            if job.status == JobStatus.validating:
                 self.lifecycle.start(session, job)
                 session.commit()
             return Claim(job, token, claimed)

@@ -100,12 +100,15 @@ def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, 
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["id"].startswith("batch_")
-    assert job["object"] == "batch" and job["status"] == "queued"
+    assert job["object"] == "batch" and job["status"] == "validating"
     assert job["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
-    assert job["input_file_id"] == "batch.jsonl" and job["metadata"] == {"team": "docs"}
+    assert job["input_file_id"].startswith("file-") and job["input_filename"] == "batch.jsonl"
+    assert job["metadata"] == {"team": "docs"}
+    # and the upload is kept as the batch's input file, readable through the Files API
+    assert api.get(f"/v1/files/{job['input_file_id']}/content").content == jsonl([request_line("a"), request_line("b")])
     assert job["completion_window"] == "24h" and job["errors"] is None
     assert redis.Redis.from_url(redis_url).llen("celery") >= 1  # process_job waits in the real broker
-    assert api.get(f"/v1/batches/{job['id']}").json()["status"] == "queued"
+    assert api.get(f"/v1/batches/{job['id']}").json()["status"] == "validating"
 
 
 def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client: Client, tiny_model: Path) -> None:
@@ -117,7 +120,7 @@ def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client:
 
     assert response.status_code == 200, response.text
     job = response.json()
-    assert job["status"] == "queued" and job["request_counts"]["total"] == 3
+    assert job["status"] == "validating" and job["request_counts"]["total"] == 3
     assert job["completion_window"] == "2h" and job["metadata"] == {"run": "7"}
     assert [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
 
@@ -210,7 +213,7 @@ def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime,
     job = response.json()
     assert job["request_counts"]["total"] == 2
     expected = [(2, "invalid_json"), (3, "invalid_method"), (4, "duplicate_custom_id")]
-    assert [(e["line_number"], e["code"]) for e in job["errors"]["data"]] == expected
+    assert [(e["line"], e["code"]) for e in job["errors"]["data"]] == expected
     errors = api.get(f"/v1/batches/{job['id']}/errors")
     assert errors.status_code == 200 and errors.headers["content-type"].startswith("application/jsonl")
     assert [(e["error"]["line"], e["error"]["code"]) for e in read_jsonl(errors)] == expected
@@ -247,8 +250,8 @@ def test_requests_without_a_valid_key_are_refused_with_a_hint(runtime: Runtime, 
     unknown = stranger.get("/v1/batches")
 
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
-    assert "swarmbatch keys create NAME" in missing.json()["detail"]
-    assert unknown.status_code == 401 and "unknown API key" in unknown.json()["detail"]
+    assert "swarmbatch keys create NAME" in missing.json()["error"]["message"]
+    assert unknown.status_code == 401 and "unknown API key" in unknown.json()["error"]["message"]
     assert anonymous.post("/v1/batches", json={"model": "m", "requests": []}).status_code == 401
     assert anonymous.post("/v1/batches", content=b"{not json", headers={"content-type": "application/json"}
                           ).status_code == 401  # refused before the body is read
@@ -266,9 +269,10 @@ def test_another_key_can_neither_see_nor_touch_a_job(any_store_runtime: Runtime,
                      other.get(f"/v1/batches/{job_id}/errors"), other.post(f"/v1/batches/{job_id}/cancel")):
         assert response.status_code == 404, response.text
         assert response.json()["error"]["type"] == "JobNotFound"
-    assert other.get("/v1/batches").json() == {"object": "list", "data": []}
+    assert other.get("/v1/batches").json() == {"object": "list", "data": [], "first_id": None, "last_id": None,
+                                               "has_more": False}
     # and the owner's job was not cancelled
-    assert owner.get(f"/v1/batches/{job_id}").json()["status"] == "queued"
+    assert owner.get(f"/v1/batches/{job_id}").json()["status"] == "validating"
     assert [j["id"] for j in owner.get("/v1/batches").json()["data"]] == [job_id]
 
 
@@ -279,8 +283,12 @@ def test_jobs_are_listed_newest_first_up_to_the_limit(runtime: Runtime, client: 
     listed = api.get("/v1/batches", params={"limit": 2}).json()
 
     assert listed["object"] == "list" and [j["id"] for j in listed["data"]] == ids[::-1][:2]
-    assert api.get("/v1/batches", params={"limit": 0}).status_code == 422
-    assert api.get("/v1/batches", params={"limit": 101}).status_code == 422
+    assert listed["has_more"] is True and (listed["first_id"], listed["last_id"]) == (ids[2], ids[1])
+    rest = api.get("/v1/batches", params={"limit": 2, "after": listed["last_id"]}).json()
+    assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    for limit in (0, 101):
+        refused = api.get("/v1/batches", params={"limit": limit})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "limit"
 
 
 def finish(runtime: Runtime, job_id: str, outcomes: dict[int, tuple[RequestStatus, list[int]]]) -> None:
@@ -326,7 +334,8 @@ def test_cancelling_keeps_the_completed_outputs_in_input_order(runtime: Runtime,
     assert body["choices"][0]["text"] == "out 0" and body["usage"]["completion_tokens"] == 2
     failed = read_jsonl(api.get(f"/v1/batches/{job_id}/errors"))
     assert [(e["custom_id"], e["error"]["code"], e["error"]["message"]) for e in failed] == \
-        [("r1", "request_failed", "swarm gave up")]
+        [("r1", "request_failed", "swarm gave up"),
+         ("r3", "batch_cancelled", "the batch was cancelled before this request ran")]
     assert api.get(f"/v1/batches/{job_id}").json()["status"] == "cancelled"
 
 
@@ -352,7 +361,7 @@ def test_health_and_metrics_answer_503_when_the_database_is_not_migrated(tmp_pat
 
 def test_metrics_count_jobs_requests_and_generated_tokens(any_store_runtime: Runtime, client: Client,
                                                           tiny_model: Path) -> None:
-    # Given one queued job with one completed request (3 tokens) and one pending
+    # Given one validating job with one completed request (3 tokens) and one pending
     api = client(any_store_runtime, new_key(any_store_runtime))
     job_id = upload(api, tiny_model, [request_line("a"), request_line("b")]).json()["id"]
     finish(any_store_runtime, job_id, {0: (RequestStatus.completed, [1, 2, 3])})
@@ -364,7 +373,7 @@ def test_metrics_count_jobs_requests_and_generated_tokens(any_store_runtime: Run
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                for line in response.text.splitlines() if line and not line.startswith("#")}
-    assert samples['swarmbatch_jobs{status="queued"}'] == 1.0
+    assert samples['swarmbatch_jobs{status="validating"}'] == 1.0
     assert samples['swarmbatch_jobs{status="completed"}'] == 0.0
     assert samples['swarmbatch_requests{status="completed"}'] == 1.0
     assert samples['swarmbatch_requests{status="pending"}'] == 1.0
@@ -400,7 +409,8 @@ def test_a_model_the_operator_does_not_list_is_refused_alike_whether_its_path_ex
     # Then both answers are the same 400, byte for byte, and nothing was created
     assert missing.status_code == existing.status_code == 400
     assert missing.content == existing.content
-    assert missing.json() == {"error": {"type": "InvalidJob", "message": f"model {str(elsewhere)!r} is not served "
+    assert missing.json() == {"error": {"type": "InvalidJob", "code": "invalid_job", "param": None,
+                                        "message": f"model {str(elsewhere)!r} is not served "
                                         "here; ask the operator (SWARMBATCH_API_MODELS)"}}
     assert api.get("/v1/batches").json()["data"] == []
 
@@ -426,8 +436,8 @@ def test_metrics_need_the_operators_token_when_one_is_set(make_runtime: Callable
 
     for refused in (anonymous, wrong, with_an_api_key):
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
-        assert "SWARMBATCH_METRICS_TOKEN" in refused.json()["detail"] and "scrape-me" not in refused.text
-    assert right.status_code == 200 and 'swarmbatch_jobs{status="queued"} 0.0' in right.text
+        assert "SWARMBATCH_METRICS_TOKEN" in refused.json()["error"]["message"] and "scrape-me" not in refused.text
+    assert right.status_code == 200 and 'swarmbatch_jobs{status="validating"} 0.0' in right.text
     assert client(runtime).get("/healthz").status_code == 200  # health stays open to the orchestrator
 
 
@@ -440,13 +450,13 @@ def test_a_burst_of_scrapes_reads_the_store_once_per_cache_period(make_runtime: 
     monkeypatch.setattr(clock, "now", lambda: now[0])
     runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], metrics_cache_seconds=5)
     scraper = client(runtime)
-    assert 'swarmbatch_jobs{status="queued"} 0.0' in scraper.get("/metrics").text
+    assert 'swarmbatch_jobs{status="validating"} 0.0' in scraper.get("/metrics").text
     # When a job is queued, Then scrapes within the 5 s show the first read, and the first one after shows the job
     upload(client(runtime, new_key(runtime)), tiny_model, [request_line("a")])
     now[0] = t0 + timedelta(seconds=4.9)
-    assert 'swarmbatch_jobs{status="queued"} 0.0' in scraper.get("/metrics").text
+    assert 'swarmbatch_jobs{status="validating"} 0.0' in scraper.get("/metrics").text
     now[0] = t0 + timedelta(seconds=5)
-    assert 'swarmbatch_jobs{status="queued"} 1.0' in scraper.get("/metrics").text
+    assert 'swarmbatch_jobs{status="validating"} 1.0' in scraper.get("/metrics").text
 
 
 # ---- bounded inputs: body size, prompt length, concurrent submissions -------------------------------------------------
@@ -541,7 +551,7 @@ def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(
     job = response.json()
     assert job["request_counts"]["total"] == 1
     [error] = job["errors"]["data"]
-    assert (error["line_number"], error["code"]) == (2, "context_length_exceeded")
+    assert (error["line"], error["code"]) == (2, "context_length_exceeded")
     assert f"the prompt is {len(huge)} characters" in error["message"]
     print(f"10 MB prompt refused in {elapsed:.2f} s (upload, parse and store included)")
 
@@ -592,7 +602,7 @@ def test_a_job_whose_enqueue_fails_after_commit_is_returned_once_and_the_sweep_d
     # Then the stored job is returned, once, with one line saying why its work waits
     assert response.status_code == 200, response.text
     job = response.json()
-    assert job["status"] == "queued" and [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
+    assert job["status"] == "validating" and [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
     [record] = [r for r in caplog.records if job["id"] in r.getMessage()]
     assert "sweep" in record.getMessage() and "\n" not in record.getMessage()
     # and a worker's sweep, with a working broker, dispatches it

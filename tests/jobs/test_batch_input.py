@@ -201,7 +201,8 @@ def test_messages_the_chat_template_refuses_are_invalid_messages(tiny_model: Pat
 
 def test_a_line_error_serializes_to_a_plain_dict() -> None:
     error = LineError(3, "x", "invalid_url", "url must be ...")
-    assert error.to_dict() == {"line_number": 3, "custom_id": "x", "code": "invalid_url", "message": "url must be ..."}
+    assert error.to_dict() == {"line_number": 3, "custom_id": "x", "code": "invalid_url", "message": "url must be ...",
+                               "param": None}
 
 
 def test_the_endpoint_is_the_url_most_good_lines_use(tokenizer: Any) -> None:

@@ -58,16 +58,17 @@ def test_submit_status_jobs_cancel_and_results_on_the_embedded_store(embedded_ho
     code, out, err = invoke("submit", str(batch), "--model", str(tiny_model), "--json")
     assert code == 0, err
     job = json.loads(out)
-    assert job["status"] == "queued" and job["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert job["status"] == "validating" and job["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
     code, out, _ = invoke("status", job["id"])
-    assert code == 0 and job["id"] in out and "queued" in out and "1 bad input lines" in out
+    assert code == 0 and job["id"] in out and "validating" in out and "1 bad input lines" in out
     code, out, _ = invoke("jobs", "--json")
     assert [j["id"] for j in json.loads(out)["data"]] == [job["id"]]
     code, out, _ = invoke("cancel", job["id"], "--json")
     assert code == 0 and json.loads(out)["status"] == "cancelled"
     code, out, _ = invoke("results", job["id"], "--errors", "-o", str(tmp_path / "errors.jsonl"))
     errors = [json.loads(line) for line in (tmp_path / "errors.jsonl").read_text().splitlines()]
-    assert code == 0 and [(e["error"]["line"], e["error"]["code"]) for e in errors] == [(2, "invalid_json")]
+    assert code == 0 and [(e["error"]["line"], e["error"]["code"]) for e in errors] == \
+        [(2, "invalid_json"), (1, "batch_cancelled"), (3, "batch_cancelled")]
 
 
 def test_a_file_without_a_good_line_is_refused_with_one_line(embedded_home: Path, tiny_model: Path,
@@ -186,7 +187,7 @@ def test_keys_list_and_revoke_and_the_revoked_key_gets_401_at_once(embedded_home
     # Then her next call, on the same connection, is refused, and bob's key still works
     assert code == 0 and out.startswith(f"key {listed[0]['id']} (alice) revoked at ")
     refused = as_alice.get("/v1/batches")
-    assert refused.status_code == 401 and "revoked" in refused.json()["detail"]
+    assert refused.status_code == 401 and "revoked" in refused.json()["error"]["message"]
     assert as_bob.get("/v1/batches").status_code == 200
     code, out, _ = invoke("keys", "list")
     assert code == 0 and "revoked 20" in out.splitlines()[0] and out.splitlines()[1].endswith("live")

@@ -201,7 +201,7 @@ def test_a_job_waits_for_missing_blocks_and_says_so(
                     reason = session.scalar(select(Job.blocked_reason).where(Job.id == job.id))
                 return bool(reason and "3:6" in reason)
             wait_for(blocked, 120, "the job to report the missing blocks")
-            assert job_status(runtime, job.id) in ("queued", "in_progress")
+            assert job_status(runtime, job.id) in ("validating", "in_progress")
             swarm.start_server(3, 6)
             wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
         finally:

@@ -53,7 +53,7 @@ def test_metrics_report_a_real_jobs_counts_tokens_and_rate(
     tokens = sum(len(r.generated_ids) for r in requests_of(runtime, job.id))
     now[0] = T0 + timedelta(seconds=10)
     after = scrape(url)
-    assert after['swarmbatch_jobs{status="completed"}'] == 1 and after['swarmbatch_jobs{status="queued"}'] == 0
+    assert after['swarmbatch_jobs{status="completed"}'] == 1 and after['swarmbatch_jobs{status="validating"}'] == 0
     assert after['swarmbatch_requests{status="completed"}'] == 4 and after['swarmbatch_requests{status="failed"}'] == 0
     assert after["swarmbatch_tokens_generated_total"] == tokens > 0
     assert after["swarmbatch_tokens_per_second"] == pytest.approx(tokens / 10)

@@ -18,7 +18,8 @@ from jobs.migrate import downgrade, upgrade
 from jobs.models import Base, Job, JobKind, UTCDateTime
 from jobs.store import create_job
 
-TABLES = {"api_keys", "jobs", "requests", "document_summaries", "summary_runs", "worker_heartbeats", "maintenance_slots"}
+TABLES = {"api_keys", "jobs", "requests", "document_summaries", "summary_runs", "worker_heartbeats", "maintenance_slots",
+          "files", "file_chunks"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -117,7 +117,7 @@ def test_create_job_stores_one_pending_request_per_good_line_in_input_order(runt
         job_id = job.id
     # Then the job is queued, keeps the line error, and expires one window after its creation
     job = load_job(runtime, job_id)
-    assert job.status == JobStatus.queued
+    assert job.status == JobStatus.validating
     assert job.line_errors == [error.to_dict()]
     assert job.endpoint == COMPLETIONS_URL and job.input_filename == "in.jsonl"
     assert job.expires_at - job.created_at == timedelta(seconds=7200)
@@ -497,7 +497,7 @@ def test_settle_job_leaves_a_job_with_unfinished_requests_alone(runtime: Runtime
 
     job = settle(runtime, job_id)
 
-    assert job.status == JobStatus.queued and job.finalizing_at is None
+    assert job.status == JobStatus.validating and job.finalizing_at is None
 
 
 def test_a_lifecycle_without_hooks_for_every_job_kind_is_refused() -> None:
@@ -558,7 +558,7 @@ def test_sweep_before_the_deadline_does_not_expire_the_job(runtime: Runtime, mon
 
     assert sweep_store(runtime) == [job_id]
 
-    assert load_job(runtime, job_id).status == JobStatus.queued
+    assert load_job(runtime, job_id).status == JobStatus.validating
     assert load_requests(runtime, job_id)[0].status == RequestStatus.pending
 
 
@@ -658,12 +658,12 @@ def test_create_job_flushes_ids_but_the_job_exists_for_others_only_after_the_com
             store.get_job(session=other, job_id=job.id)
         session.commit()
 
-    assert load_job(runtime, job.id).status == JobStatus.queued
+    assert load_job(runtime, job.id).status == JobStatus.validating
 
 
 # ---- status columns -----------------------------------------------------------------------------------------------
 def test_status_columns_load_as_their_enums_and_store_the_plain_values(runtime: Runtime) -> None:
-    # Given a queued job whose request is claimed
+    # Given a validating job whose request is claimed
     job_id = new_job(runtime, 1)
     _, (request_id,) = claim(runtime, job_id)
     # Then the ORM hands back enum members
@@ -674,7 +674,7 @@ def test_status_columns_load_as_their_enums_and_store_the_plain_values(runtime: 
         # And the database holds the values themselves, as the plain string columns did
         raw = session.execute(text("SELECT jobs.status, requests.status FROM jobs JOIN requests ON "
                                    "requests.job_id = jobs.id WHERE jobs.id = :id"), {"id": job_id}).one()
-    assert tuple(raw) == ("queued", "in_progress")
+    assert tuple(raw) == ("validating", "in_progress")
 
 
 def test_a_status_that_is_no_member_is_refused(runtime: Runtime) -> None:
@@ -768,7 +768,7 @@ def test_a_job_of_another_key_is_not_found(runtime: Runtime) -> None:
         assert [j.id for j in store.list_jobs(session=session, api_key_id=owner.id)] == [job_id]
         assert store.list_jobs(session=session, api_key_id=stranger.id) == []
         session.commit()
-    assert load_job(runtime, job_id).status == JobStatus.queued
+    assert load_job(runtime, job_id).status == JobStatus.validating
 
 
 def test_get_job_of_an_unknown_id_raises_job_not_found(runtime: Runtime) -> None:

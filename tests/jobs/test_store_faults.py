@@ -290,5 +290,5 @@ def test_a_night_whose_enqueue_fails_is_stored_and_dispatched_by_the_next_sweep(
     runtime = make_runtime(broker_url=f"redis://127.0.0.1:{free_port()}/0")
     # When the night fires, then it returns its job (no error), and the workers' next sweep dispatches it
     firing = fire_now(runtime, schedule)
-    assert firing.job_id is not None and job_status(runtime, firing.job_id) == "queued"
+    assert firing.job_id is not None and job_status(runtime, firing.job_id) == "validating"
     assert sweep_store(runtime) == [firing.job_id]

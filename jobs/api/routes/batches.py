@@ -5,12 +5,16 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session
 
-from jobs import outputs, store
-from jobs.api.batch_request import REQUEST_BODY, SubmissionDep
+from jobs import files, outputs, store
+from jobs.api.batch_request import REQUEST_BODY, Submission, SubmissionDep
 from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep, require_served_model
 from jobs.api.limits import SubmissionSlotDep
+from jobs.batch_input import batch_model
 from jobs.errors import InvalidJob
+from jobs.models import ApiKey, FilePurpose
+from jobs.settings import Settings
 from jobs.submission import submit
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -22,6 +26,7 @@ ERRORS: Responses = {400: {"description": "InvalidJob: the batch is refused whol
           401: {"description": "No API key, or an unknown one."}}
 SUBMIT_ERRORS: Responses = {
     **ERRORS,
+    404: {"description": "FileNotFound: input_file_id is no file of this API key."},
     409: {"description": "IdempotencyConflict: the Idempotency-Key was first used with another batch."},
     413: {"description": "RequestTooLarge: the body is over SWARMBATCH_MAX_FILE_BYTES (+64 KiB for the form); "
                          "refused before it is read, or as soon as a streamed body passes the limit."},
@@ -49,33 +54,58 @@ def idempotency_key(key: ApiKeyDep, header: Annotated[str | None, Header(
 def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idempotency_key)],
                  _slot: SubmissionSlotDep, submission: SubmissionDep, runtime: RuntimeDep, session: SessionDep,
                  response: Response) -> dict[str, Any]:
-    """Submit a JSONL batch (multipart `file` + `model`) or inline requests (JSON); returns the queued job.
+    """Create a batch: OpenAI's `{"input_file_id", "endpoint", "completion_window", "metadata"}` (a file uploaded
+    to /v1/files; the model is the lines' `body.model`, else the first of SWARMBATCH_API_MODELS), a JSONL upload
+    (multipart `file` + `model`), or inline requests (JSON `model` + `requests`); returns the batch object.
 
     With an `Idempotency-Key` header, a repeat of the same batch returns the first job (with the response header
     `Idempotent-Replayed: true`); the same key with another batch is a 409.
     """
     # the key, then a submission slot, come first among the parameters: an anonymous caller is refused, and a
     # caller over the concurrency bound gets its 429, before the body is read
-    require_served_model(runtime.settings, submission.model)  # before any lookup of the model on this server
-    submitted = submit(runtime, submission.data, model=submission.model, filename=submission.filename,
-                       api_key_id=key.id, completion_window=submission.completion_window,
-                       metadata=submission.metadata, idempotency_key=scoped_key)
+    data, model, filename = _batch_input(session, key, submission, runtime.settings)
+    require_served_model(runtime.settings, model)  # before any lookup of the model on this server
+    submitted = submit(runtime, data, model=model, filename=filename, api_key_id=key.id,
+                       completion_window=submission.completion_window, metadata=submission.metadata,
+                       idempotency_key=scoped_key, input_file_id=submission.input_file_id,
+                       endpoint=submission.endpoint)
     if submitted.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return outputs.job_public(session=session, job=store.get_job(session=session, job_id=submitted.job.id))
 
 
+def _batch_input(session: Session, key: ApiKey, submission: Submission, settings: Settings
+                 ) -> tuple[bytes, str, str | None]:
+    """The batch's bytes, model and file name: as sent, or read from the caller's uploaded file."""
+    if submission.input_file_id is None:
+        assert submission.data is not None and submission.model is not None  # read_submission sets both
+        return submission.data, submission.model, submission.filename
+    row = files.get_file(session=session, file_id=submission.input_file_id, api_key_id=key.id)
+    if row.purpose != FilePurpose.batch or row.job_id is not None:
+        raise InvalidJob(f"file {row.id} has purpose {row.purpose}; a batch's input is a file uploaded with "
+                         f"purpose 'batch'", param="input_file_id")
+    data = files.read_upload(session=session, row=row)
+    return data, batch_model(data) or settings.api_models[0], row.filename
+
+
 @router.get("")
-def list_batches(session: SessionDep, key: ApiKeyDep, limit: int = Query(default=20, ge=1, le=100)
+def list_batches(session: SessionDep, key: ApiKeyDep, limit: int = Query(default=20, ge=1, le=100),
+                 after: str | None = Query(default=None, description="A batch id: the page starts after it.")
                  ) -> dict[str, Any]:
-    """The key's jobs, newest first."""
-    jobs = store.list_jobs(session=session, api_key_id=key.id, limit=limit)
-    return {"object": "list", "data": [outputs.job_public(session=session, job=job) for job in jobs]}
+    """The key's jobs, newest first, a page at a time (`after` the last id of the previous page)."""
+    jobs, has_more = store.page_jobs(session=session, api_key_id=key.id, limit=limit, after=after)
+    return page([outputs.job_public(session=session, job=job) for job in jobs], has_more)
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
 @router.get("/{job_id}", responses=NOT_FOUND)
 def get_batch(job_id: str, session: SessionDep, key: ApiKeyDep) -> dict[str, Any]:
-    """One job: status, request counts, line errors, timestamps."""
+    """One job: status, request counts, line errors, timestamps, its files."""
     return outputs.job_public(session=session, job=store.get_job(session=session, job_id=job_id, api_key_id=key.id))
 
 
