@@ -6,7 +6,8 @@ The batch core (this package):
                  SummaryRun, DocumentSummary, WorkerHeartbeat, MaintenanceSlot
     db, migrate  engines and sessions, the store's retry policy (retry_store); Alembic from code
     errors       the JobsError tree
-    batch_input  OpenAI batch JSONL -> validated requests + per-line errors
+    batch_input  OpenAI batch JSONL -> validated requests + per-line errors (naming the parameter at fault)
+    files        the Files API's store: uploads as SQL chunks; a job's output/error files, rendered from its requests
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
     liveness     worker heartbeats and the maintenance slot (one sweep per interval across all workers)
@@ -14,7 +15,7 @@ The batch core (this package):
                  each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
     submission   submit_batch: validate against the model (and the user's metadata), store, enqueue (idempotency
                  keys; a failed enqueue is left to the sweep)
-    outputs      results / errors JSONL and the job object, in the OpenAI shapes
+    outputs      results / errors JSONL and the batch object, in the OpenAI shapes
     runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients)
     client       StoreClient / ApiClient: how the CLI reaches jobs
     progress     status lines and the live progress bar

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from jobs.batch_input import BatchFileRejected, InputLimits, LineError, ParsedBatch, max_chars_per_token, parse_batch_file
+from jobs.batch_input import (
+    BatchFileRejected,
+    InputLimits,
+    LineError,
+    ParsedBatch,
+    batch_model,
+    max_chars_per_token,
+    parse_batch_file,
+)
 from swarmclient.textgen import load_tokenizer
 
 MODEL = "tiny-llama"
@@ -344,3 +352,51 @@ def test_a_tokenizer_that_may_shorten_or_drop_text_gets_no_character_bound(tiny_
     assert max_chars_per_token(altered) is None
     # and so a long prompt is measured in tokens, as before
     assert "tokens and max_tokens" in only_error(altered, completion("x", prompt="word " * 2000)).message
+
+
+# ---- parameters are never silently ignored ---------------------------------------------------------------------------
+@pytest.mark.parametrize(("line", "param"), [
+    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools"),
+    (chat(response_format={"type": "json_object"}), "body.response_format"),
+    (completion(logit_bias={"50": 5}), "body.logit_bias"),
+    (completion(presence_penalty=0.5), "body.presence_penalty"),
+    (completion(stream=True), "body.stream"),
+    (completion(stream=0), "body.stream"),        # a number is not false
+    (completion(best_of=3), "body.best_of"),
+    (chat(frobnicate="yes"), "body.frobnicate"),  # a key OpenAI does not know either
+    (chat(prompt="text"), "body.prompt"),         # the other endpoint's parameter
+])
+def test_a_parameter_the_service_does_not_honour_is_a_line_error_naming_it(tokenizer: Any, line: dict[str, Any],
+                                                                          param: str) -> None:
+    error = only_error(tokenizer, {**line, "custom_id": "bad"})
+    assert (error.code, error.param, error.custom_id) == ("unsupported_parameter", param, "bad")
+    assert param in error.message and "\n" not in error.message
+
+
+def test_parameters_with_the_value_that_changes_nothing_are_accepted(tokenizer: Any) -> None:
+    neutral = dict(n=1, stream=False, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[],
+                   response_format={"type": "text"}, tool_choice=None, user="u-1", logprobs=False)
+    batch = parse(tokenizer, jsonl(chat("a", **neutral)))
+    assert batch.errors == [] and [r.custom_id for r in batch.requests] == ["a"]
+
+
+def test_a_bad_parameter_names_itself_in_the_line_error(tokenizer: Any) -> None:
+    assert only_error(tokenizer, completion("t", temperature=3)).param == "body.temperature"
+    assert only_error(tokenizer, completion("m", model="other")).param == "body.model"
+    assert only_error(tokenizer, {**completion("u"), "url": "/v1/embeddings"}).param == "url"
+
+
+def test_with_an_endpoint_a_line_of_the_other_url_is_an_error(tokenizer: Any) -> None:
+    batch = parse_batch_file(jsonl(chat("a"), completion("b")), tokenizer=tokenizer, model_name=MODEL, limits=LIMITS,
+                             endpoint="/v1/chat/completions")
+    assert [r.custom_id for r in batch.requests] == ["a"] and batch.endpoint == "/v1/chat/completions"
+    [error] = batch.errors
+    assert (error.line_number, error.code, error.param) == (2, "invalid_url", "url")
+    assert "/v1/chat/completions" in error.message
+
+
+def test_the_model_of_a_batch_file_is_the_first_line_that_names_one() -> None:
+    no_model = {"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "p"}}
+    assert batch_model(jsonl("{broken", no_model, completion("a", model="first"), completion("b", model="second"))) \
+        == "first"
+    assert batch_model(jsonl(no_model)) is None

@@ -1,0 +1,296 @@
+"""The official `openai` SDK, unchanged but for its base_url, against swarmbatch: Files + Batch APIs.
+
+Every object the SDK gets back is validated against the SDK's own pydantic models in strict mode (from the raw
+JSON), so a missing or mistyped field fails here, not in a user's code. The fast tests serve the API in this
+process (real uvicorn on 127.0.0.1, real store and Redis broker, no worker) and finish requests with the store's
+own verbs as a worker would; the swarm test runs `swarmbatch api` and `swarmbatch worker` processes on a real
+tiny-model swarm.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from openai import OpenAI
+from openai.types import Batch, FileDeleted, FileObject
+from ports import free_port
+from transformers import AutoModelForCausalLM
+
+from jobs import store
+from jobs.models import RequestStatus
+from jobs.runtime import Runtime
+from launch.local_swarm import LocalSwarm
+from launch.local_worker import settings_env, start_local_worker
+from launch.processes import ManagedProcess, cli_command
+from swarmclient.textgen import load_tokenizer
+
+# the SDK's first request reads platform.uname().processor, which runs `uname -p` (a child process): read it here, at
+# collection, so that the fast tier's tests do not start one
+platform.uname().processor  # noqa: B018
+
+PROMPTS = ["The city council voted", "Once upon a time", "Rain fell on the", "My favourite number is"]
+
+
+def line(custom_id: str, prompt: str, model: str, *, url: str = "/v1/completions", **body: Any) -> dict[str, Any]:
+    """One OpenAI batch request line."""
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": model, "prompt": prompt, "max_tokens": 6, **body}}
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines).encode() + b"\n"
+
+
+def strict_batch(client: OpenAI, batch_id: str) -> Batch:
+    """batches.retrieve, its raw JSON validated strictly by the SDK's Batch model."""
+    raw = client.batches.with_raw_response.retrieve(batch_id)
+    return Batch.model_validate_json(raw.text, strict=True)
+
+
+def strict_file(client: OpenAI, file_id: str) -> FileObject:
+    """files.retrieve, its raw JSON validated strictly by the SDK's FileObject model."""
+    return FileObject.model_validate_json(client.files.with_raw_response.retrieve(file_id).text, strict=True)
+
+
+def new_key(runtime: Runtime, name: str = "sdk-user") -> str:
+    with runtime.session() as session:
+        _, plain = store.create_api_key(session=session, name=name)
+        session.commit()
+    return plain
+
+
+@pytest.fixture
+def runtime(make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Path) -> Runtime:
+    """SQLite store, real Redis broker; the API serves the tiny model (the lines' body.model)."""
+    return make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], max_file_bytes=20_000)
+
+
+@pytest.fixture
+def sdk(serve: Callable[[Runtime], str]) -> Iterator[Callable[[Runtime, str], OpenAI]]:
+    """An `openai.OpenAI` client of the API serving a runtime, with a key; only base_url differs from OpenAI's."""
+    made: list[OpenAI] = []
+
+    def make(runtime: Runtime, key: str) -> OpenAI:
+        made.append(OpenAI(base_url=f"{serve(runtime)}/v1", api_key=key, max_retries=0))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def upload_batch(client: OpenAI, lines: list[Any], name: str = "batch.jsonl") -> FileObject:
+    created = client.files.with_raw_response.create(file=(name, jsonl(lines)), purpose="batch")
+    return FileObject.model_validate_json(created.text, strict=True)
+
+
+def create_batch(client: OpenAI, file_id: str, **options: Any) -> Batch:
+    raw = client.batches.with_raw_response.create(input_file_id=file_id, endpoint="/v1/completions",
+                                                  completion_window="24h", **options)
+    return Batch.model_validate_json(raw.text, strict=True)
+
+
+def test_the_sdk_uploads_a_file_and_creates_a_batch_from_it(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                            tiny_model: Path) -> None:
+    client = sdk(runtime, new_key(runtime))
+    model = str(tiny_model)
+    lines = [line("a", PROMPTS[0], model), "{broken", line("b", PROMPTS[1], model, tools=[{"type": "function"}]),
+             line("c", PROMPTS[2], model, url="/v1/chat/completions"), line("d", PROMPTS[3], model)]
+
+    # When a file is uploaded with purpose batch and a batch is created from it
+    uploaded = upload_batch(client, lines)
+    batch = create_batch(client, uploaded.id, metadata={"team": "docs"})
+
+    # Then the file is OpenAI's file object, and its content is what was uploaded
+    assert uploaded.id.startswith("file-") and uploaded.purpose == "batch" and uploaded.filename == "batch.jsonl"
+    assert uploaded.bytes == len(jsonl(lines)) and strict_file(client, uploaded.id) == uploaded
+    assert client.files.content(uploaded.id).content == jsonl(lines)
+    # and the batch is OpenAI's batch object: validating, its input file, the bad lines as errors naming line and param
+    assert (batch.status, batch.input_file_id, batch.endpoint, batch.completion_window) == (
+        "validating", uploaded.id, "/v1/completions", "24h")
+    assert batch.metadata == {"team": "docs"} and batch.model == model
+    assert batch.request_counts is not None and batch.request_counts.total == 2
+    assert batch.output_file_id is None and batch.error_file_id is None and batch.expires_at is not None
+    assert batch.errors is not None and [(e.line, e.code, e.param) for e in batch.errors.data or []] == [
+        (2, "invalid_json", None), (3, "unsupported_parameter", "body.tools"), (4, "invalid_url", "url")]
+    assert strict_batch(client, batch.id) == batch
+
+
+def test_the_sdks_auto_paging_ends_and_yields_each_batch_and_file_once(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                                       tiny_model: Path) -> None:
+    # Given five batches (and five input files) of one key
+    client = sdk(runtime, new_key(runtime))
+    uploaded = [upload_batch(client, [line("a", PROMPTS[0], str(tiny_model))]) for _ in range(5)]
+    made = [create_batch(client, f.id).id for f in uploaded]
+
+    # When the SDK pages through them two at a time
+    batches = [b.id for b in client.batches.list(limit=2)]
+    files = [f.id for f in client.files.list(limit=2)]
+
+    # Then it stops, with each once, newest first
+    assert batches == made[::-1]
+    assert files == [f.id for f in uploaded][::-1]
+    first = client.batches.list(limit=2)
+    assert first.has_more is True and [b.id for b in first.data] == made[:2:-1]
+
+
+def test_another_key_gets_not_found_for_every_id_of_the_first(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                               tiny_model: Path) -> None:
+    owner, stranger = sdk(runtime, new_key(runtime, "owner")), sdk(runtime, new_key(runtime, "stranger"))
+    uploaded = upload_batch(owner, [line("a", PROMPTS[0], str(tiny_model))])
+    batch = create_batch(owner, uploaded.id)
+
+    for call in (lambda: stranger.batches.retrieve(batch.id), lambda: stranger.batches.cancel(batch.id),
+                 lambda: stranger.files.retrieve(uploaded.id), lambda: stranger.files.content(uploaded.id),
+                 lambda: stranger.files.delete(uploaded.id), lambda: create_batch(stranger, uploaded.id)):
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert "no job" in refused.value.message or "no file" in refused.value.message
+    assert list(stranger.batches.list()) == [] and list(stranger.files.list()) == []
+    assert strict_batch(owner, batch.id).status == "validating" and strict_file(owner, uploaded.id).id == uploaded.id
+
+
+def test_the_sdks_exceptions_carry_our_message_and_the_parameter(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                                 tiny_model: Path) -> None:
+    client = sdk(runtime, new_key(runtime))
+    good = upload_batch(client, [line("a", PROMPTS[0], str(tiny_model))])
+
+    with pytest.raises(openai.BadRequestError) as purpose:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as endpoint:
+        client.batches.create(input_file_id=good.id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.APIStatusError) as too_large:
+        client.files.create(file=("big.jsonl", b"x" * 20_001), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as unserved:
+        create_batch(client, upload_batch(client, [line("a", PROMPTS[0], "gpt-4o-mini")]).id)
+
+    assert purpose.value.param == "purpose" and "purpose must be 'batch'" in purpose.value.message
+    assert endpoint.value.param == "endpoint" and "/v1/embeddings" in endpoint.value.message
+    assert too_large.value.status_code == 413 and "SWARMBATCH_MAX_FILE_BYTES" in too_large.value.message
+    assert "'gpt-4o-mini' is not served here" in unserved.value.message
+    assert [f.filename for f in client.files.list()] == ["batch.jsonl", "batch.jsonl"]  # nothing else was stored
+
+
+def finish_first(runtime: Runtime, batch_id: str, tokens: list[int]) -> None:
+    """As a worker would: claim the first request and complete it with these token ids."""
+    with runtime.session() as session:
+        token, [row, *_] = store.claim_requests(session=session, job_id=batch_id, worker="test", limit=1,
+                                                lease_seconds=60, max_attempts=5)
+        store.finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.completed,
+                             generated=tokens, finish_reason="length", output_text="partial out")
+        session.commit()
+
+
+def test_a_cancelled_batch_gets_partial_output_and_error_files_that_can_be_deleted(
+        runtime: Runtime, sdk: Callable[..., OpenAI], tiny_model: Path) -> None:
+    # Given a batch of three good lines and a bad one, whose first request completed
+    client = sdk(runtime, new_key(runtime))
+    lines = [line(c, PROMPTS[i], str(tiny_model)) for i, c in enumerate("abc")] + ["{broken"]
+    batch = create_batch(client, upload_batch(client, lines).id)
+    finish_first(runtime, batch.id, [5, 6, 7])
+
+    # When it is cancelled
+    cancelled = Batch.model_validate_json(client.batches.with_raw_response.cancel(batch.id).text, strict=True)
+
+    # Then it ends cancelled with an output file of the finished request, in OpenAI's line shape
+    assert cancelled.status == "cancelled" and cancelled.cancelled_at is not None
+    assert cancelled.cancelling_at is not None and cancelled.output_file_id and cancelled.error_file_id
+    output = client.files.content(cancelled.output_file_id).text
+    [result] = [json.loads(x) for x in output.splitlines()]
+    assert result["custom_id"] == "a" and result["error"] is None and result["response"]["status_code"] == 200
+    body = result["response"]["body"]
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "partial out"
+    assert body["usage"]["completion_tokens"] == 3
+    # and an error file of the bad line and the requests the cancel stopped
+    errors = [json.loads(x) for x in client.files.content(cancelled.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (None, "invalid_json"), ("b", "batch_cancelled"), ("c", "batch_cancelled")]
+    # and both are files of the key, purpose batch_output, whose bytes are their content's length
+    out_file = strict_file(client, cancelled.output_file_id)
+    assert out_file.purpose == "batch_output" and out_file.bytes == len(output.encode())
+    assert {f.id for f in client.files.list(purpose="batch_output")} == {cancelled.output_file_id,
+                                                                          cancelled.error_file_id}
+    # When the output file is deleted, Then it is gone
+    deleted = client.files.with_raw_response.delete(cancelled.output_file_id)
+    assert FileDeleted.model_validate_json(deleted.text, strict=True).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(cancelled.output_file_id)
+
+
+# ---- end to end: `swarmbatch api` + `swarmbatch worker` processes on a tiny-model swarm ----------------------------
+def reference_text(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
+    """Local greedy generation with transformers, decoded as the service decodes."""
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return str(tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True))
+
+
+def start_api(runtime: Runtime, log_dir: Path) -> tuple[ManagedProcess, str]:
+    """A `swarmbatch api` process on the runtime's store and broker; returns it and its base URL once it answers."""
+    port = free_port()
+    api = ManagedProcess(cli_command("api", "--host", "127.0.0.1", "--port", str(port)), name="api",
+                         log_dir=log_dir, env=settings_env(runtime.settings))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return api, url
+        except httpx.HTTPError:
+            pass
+        if api.proc.poll() is not None or time.monotonic() > deadline:
+            api.terminate()
+            raise RuntimeError(f"swarmbatch api did not answer; see {api.log_path}")
+        time.sleep(0.2)
+
+
+def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, shared_swarm: LocalSwarm,
+                                                           tiny_model: Path, tmp_path: Path) -> None:
+    # Given `swarmbatch api` and `swarmbatch worker` processes on one store, and the tiny model's swarm
+    settings = runtime.settings.model_copy(update={"initial_peers": shared_swarm.initial_peers,
+                                                   "worker_batch_size": 4, "sweep_interval": 2.0})
+    api, url = start_api(runtime, tmp_path)
+    worker = start_local_worker(settings, log_dir=tmp_path, name="worker")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key=new_key(runtime), max_retries=0)
+        model = str(tiny_model)
+        lines = [line(f"req-{i}", p, model) for i, p in enumerate(PROMPTS)] + [line("bad", "x", model, n=0, stream=True)]
+
+        # When a user runs OpenAI's documented batch flow
+        uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 240
+        while (batch := strict_batch(client, batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"the batch did not end: {batch.status}; see {worker.log_path}"
+            time.sleep(1)
+
+        # Then it completes, stamped at each step
+        assert batch.status == "completed", batch
+        assert batch.in_progress_at and batch.finalizing_at and batch.completed_at and batch.output_file_id
+        assert batch.request_counts is not None and (batch.request_counts.completed, batch.request_counts.failed) \
+            == (len(PROMPTS), 0)
+        # and its output file holds every request once, texts equal to local greedy generation
+        results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        assert [r["custom_id"] for r in results] == [f"req-{i}" for i in range(len(PROMPTS))]
+        for result, prompt in zip(results, PROMPTS, strict=True):
+            assert result["response"]["body"]["choices"][0]["text"] == reference_text(tiny_model, prompt, 6)
+        # and its error file holds the bad line, naming the parameter
+        assert batch.error_file_id is not None
+        [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+        assert (error["custom_id"], error["error"]["code"], error["error"]["param"]) == (
+            "bad", "unsupported_parameter", "body.n")
+        client.close()
+    finally:
+        worker.terminate()
+        api.terminate()
