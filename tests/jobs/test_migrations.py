@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from jobs.batch_input import COMPLETIONS_URL, ParsedBatch, ParsedRequest
 from jobs.migrate import downgrade, upgrade
-from jobs.models import Base, Job, JobKind, UTCDateTime
+from jobs.models import Base, Job, JobKind, JobStatus, UTCDateTime
 from jobs.store import create_job
 
 TABLES = {"api_keys", "jobs", "requests", "document_summaries", "summary_runs", "worker_heartbeats", "maintenance_slots",
@@ -206,3 +206,21 @@ def test_0007_moves_a_summary_jobs_state_out_of_the_metadata_and_back(database_u
                           "batch_plain": {"team": "docs"}}
     assert "summary_runs" not in table_names(engine)
     assert "kind" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+
+def test_0010_makes_queued_jobs_validating_and_back(database_url: str, engine: Engine) -> None:
+    # Given a database at 0009 with a job that waits for its first claim (queued, as the code before 0010 said)
+    upgrade(database_url, "0009_verification_counts")
+    with engine.begin() as connection:
+        connection.execute(old_jobs.insert(), [{**old_job("batch_waiting", {}), "status": "queued",
+                                                "completed_at": None}, old_job("batch_done", {})])
+    # When it is upgraded, Then it is validating (OpenAI's first status), with no files yet, and the other unchanged
+    upgrade(database_url)
+    with Session(engine) as session:
+        waiting, done = session.get(Job, "batch_waiting"), session.get(Job, "batch_done")
+        assert waiting is not None and waiting.status == JobStatus.validating and waiting.input_file_id is None
+        assert done is not None and done.status == JobStatus.completed
+    # and a downgrade gives the old status back
+    downgrade(database_url, "0009_verification_counts")
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT status FROM jobs ORDER BY id")).scalars().all() == ["completed", "queued"]

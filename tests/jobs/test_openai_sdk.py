@@ -22,10 +22,11 @@ import torch
 from openai import OpenAI
 from openai.types import Batch, FileDeleted, FileObject
 from ports import free_port
+from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM
 
-from jobs import store
-from jobs.models import RequestStatus
+from jobs import files, store
+from jobs.models import FileChunk, RequestStatus
 from jobs.runtime import Runtime
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import settings_env, start_local_worker
@@ -177,6 +178,31 @@ def test_the_sdks_exceptions_carry_our_message_and_the_parameter(runtime: Runtim
     assert too_large.value.status_code == 413 and "SWARMBATCH_MAX_FILE_BYTES" in too_large.value.message
     assert "'gpt-4o-mini' is not served here" in unserved.value.message
     assert [f.filename for f in client.files.list()] == ["batch.jsonl", "batch.jsonl"]  # nothing else was stored
+
+
+def test_an_upload_of_several_chunks_is_stored_in_pieces_and_read_back_byte_for_byte(
+        make_runtime: Callable[..., Runtime], redis_url: str, sdk: Callable[..., OpenAI]) -> None:
+    runtime = make_runtime(broker_url=redis_url, max_file_bytes=3 * files.CHUNK_BYTES)
+    client = sdk(runtime, new_key(runtime))
+    data = bytes(range(256)) * (files.CHUNK_BYTES * 5 // 2 // 256)
+
+    uploaded = client.files.create(file=("big.jsonl", data), purpose="batch")
+
+    assert uploaded.bytes == len(data) and client.files.content(uploaded.id).content == data
+    with runtime.session() as session:
+        sizes = session.scalars(select(func.length(FileChunk.data)).where(FileChunk.file_id == uploaded.id)
+                                .order_by(FileChunk.seq)).all()
+    assert sizes == [files.CHUNK_BYTES, files.CHUNK_BYTES, len(data) - 2 * files.CHUNK_BYTES]
+
+
+def test_every_error_answer_has_openais_body(runtime: Runtime, serve: Callable[[Runtime], str]) -> None:
+    url = serve(runtime)
+    answers = [httpx.get(f"{url}/v1/nothing-here"), httpx.delete(f"{url}/v1/batches"),
+               httpx.get(f"{url}/v1/files"), httpx.get(f"{url}/v1/files", headers={"Authorization": "Bearer x"})]
+    assert [a.status_code for a in answers] == [404, 405, 401, 401]
+    for answer in answers:
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], answer.text
 
 
 def finish_first(runtime: Runtime, batch_id: str, tokens: list[int]) -> None:
