@@ -8,7 +8,8 @@ invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_e
 
 Defaults of omitted (or null) body parameters: max_tokens 256 (lowered to the cap and to what the model's
 context leaves after the prompt), temperature 0.0 (greedy decoding, unlike OpenAI's 1.0), top_p 1.0,
-seed 0, stop []. `max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
+seed 0, stop [], n 1 (up to MAX_CHOICES choices, each sampled with a seed of its own).
+`max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
 No parameter is silently ignored: a body key this service does not honour (`tools`, `response_format`,
 `logit_bias`, `presence_penalty`…) is an `unsupported_parameter` line error naming it, unless its value is the one
 that changes nothing (`stream: false`, `presence_penalty: 0`, `tools: []`…; see NEUTRAL_VALUES). `user` is kept
@@ -35,6 +36,7 @@ URLS = (COMPLETIONS_URL, CHAT_URL)
 ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_SEQUENCES = 4
+MAX_CHOICES = 16  # n: each choice is a request of its own, generated (and resumed) on its own
 SEED_LIMIT = 2**63
 MAX_CUSTOM_ID_CHARS = 500  # jobs.models.Request.custom_id is String(500)
 SUMMARIZED_ERRORS = 3
@@ -65,6 +67,7 @@ class ParsedRequest:
     top_p: float
     seed: int
     stop: list[str]
+    n: int = 1  # choices: the line becomes n requests (jobs.store.request_rows), its response has n choices
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
     _refuse_beyond_context(len(text), requested, context)
     prompt_ids = _prompt_ids(text, context.tokenizer, chat=isinstance(prompt, list))
     max_tokens = _fit_max_tokens(requested, len(prompt_ids), context.limits)
-    return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling)
+    return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling, n=_choices(body))
 
 
 def _url(line: dict[str, Any], endpoint: str | None) -> str:
@@ -268,11 +271,11 @@ def _body(line: dict[str, Any], model_name: str) -> dict[str, Any]:
 
 
 # body keys honoured by endpoint (`user` names the caller's end user: kept, it changes no output)
-COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user"}
+COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user", "n"}
 BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages"}, COMPLETIONS_URL: COMMON_KEYS | {"prompt"}}
 # parameters we do not honour, accepted only with the value that asks for nothing (null is accepted for any key)
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
     "function_call": ("none",), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
     "suffix": ("",), "parallel_tool_calls": (False, True),
@@ -393,6 +396,16 @@ def _number(body: dict[str, Any], name: str, default: float, valid: Callable[[fl
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
         raise _invalid(name, rule, value)
     return float(value)
+
+
+def _choices(body: dict[str, Any]) -> int:
+    """n: how many choices to generate, 1 to MAX_CHOICES; 1 when omitted."""
+    value = body.get("n")
+    if value is None:
+        return 1
+    if not _is_int(value) or not 1 <= value <= MAX_CHOICES:
+        raise _invalid("n", f"an integer from 1 to {MAX_CHOICES}", value)
+    return int(value)
 
 
 def _seed(body: dict[str, Any]) -> int:

@@ -170,7 +170,7 @@ class Request(Base):
 
     __tablename__ = "requests"
     __table_args__ = (
-        UniqueConstraint("job_id", "custom_id", name="uq_requests_job_custom_id"),
+        UniqueConstraint("job_id", "custom_id", "choice", name="uq_requests_job_custom_id_choice"),
         Index("ix_requests_job_status", "job_id", "status"),
         # covers GET /metrics' one query over requests (counts and tokens by status): read without the rows
         Index("ix_requests_status_generated_count", "status", "generated_count"),
@@ -178,9 +178,12 @@ class Request(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    index: Mapped[int] = mapped_column(Integer)          # 0-based position among the job's good lines
+    index: Mapped[int] = mapped_column(Integer)          # 0-based position among the job's requests (input order)
     line_number: Mapped[int] = mapped_column(Integer)    # 1-based line in the input file
     custom_id: Mapped[str] = mapped_column(String(500))
+    # which of its line's `n` choices this request generates (0 for n = 1); a line's choices are consecutive
+    # requests, each with a seed of its own (jobs.store.choice_seed), joined again into one response (jobs.outputs)
+    choice: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     body: Mapped[dict[str, Any]] = mapped_column()
     prompt_ids: Mapped[list[Any]] = mapped_column()
     max_tokens: Mapped[int] = mapped_column(Integer)

@@ -15,41 +15,53 @@ from jobs.models import Job, JobKind, Request, RequestStatus
 from jobs.store import JobCounts, job_counts
 
 OUTPUT_STATUSES = (RequestStatus.completed, RequestStatus.cancelled, RequestStatus.expired)
-
-
-def response_body(job: Job, request: Request) -> dict[str, Any]:
-    """A chat.completion or text_completion object for a request's output (partial when cancelled/expired)."""
-    created = int((request.completed_at or request.created_at).timestamp())
-    finish = request.finish_reason or ("cancelled" if request.status == RequestStatus.cancelled else "length")
-    text = request.output_text or ""
-    usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": len(request.generated_ids),
-             "total_tokens": len(request.prompt_ids) + len(request.generated_ids)}
-    if request.body.get("url") == CHAT_URL:
-        return {"id": f"chatcmpl-{request.id}", "object": "chat.completion", "created": created, "model": job.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish}], "usage": usage}
-    return {"id": f"cmpl-{request.id}", "object": "text_completion", "created": created, "model": job.model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": usage}
-
-
-def result_line(job: Job, request: Request) -> dict[str, Any]:
-    """One output line: {"id", "custom_id", "response": {"status_code", "body"}, "error"}."""
-    return {"id": f"batch_req_{request.id}", "custom_id": request.custom_id,
-            "response": {"status_code": 200, "request_id": f"req_{request.id}", "body": response_body(job, request)},
-            "error": None}
-
-
+FINISH_REASONS = ("stop", "length")  # OpenAI's; an output cut short by a cancel or the deadline reads "length"
 # what an unfinished request without output says in the error file when its job was cancelled or expired
 UNFINISHED = {RequestStatus.cancelled: ("batch_cancelled", "the batch was cancelled before this request ran"),
               RequestStatus.expired: ("batch_expired", "the batch's completion window ended before this request ran")}
 ROWS_PER_READ = 200  # requests read per round trip while streaming a file: memory stays this many rows
 
 
-def error_line(job: Job, request: Request) -> dict[str, Any]:
-    """One error line for a failed request, or for a cancelled or expired one that produced nothing."""
-    code, message = UNFINISHED.get(request.status, ("request_failed", request.last_error or "failed"))
-    return {"id": f"batch_req_{request.id}", "custom_id": request.custom_id, "response": None,
-            "error": {"code": code, "message": message, "param": None, "line": request.line_number}}
+def response_body(job: Job, line: list[Request]) -> dict[str, Any]:
+    """A chat.completion or text_completion object for a line's requests, one choice each (partial when
+    cancelled/expired)."""
+    first = line[0]
+    created = int(max((r.completed_at or r.created_at) for r in line).timestamp())
+    completion_tokens = sum(len(r.generated_ids) for r in line)
+    usage = {"prompt_tokens": len(first.prompt_ids), "completion_tokens": completion_tokens,
+             "total_tokens": len(first.prompt_ids) + completion_tokens}
+    chat = first.body.get("url") == CHAT_URL
+    choices = [_choice(request, chat=chat) for request in line]
+    if chat:
+        return {"id": f"chatcmpl-{first.id}", "object": "chat.completion", "created": created, "model": job.model,
+                "choices": choices, "usage": usage}
+    return {"id": f"cmpl-{first.id}", "object": "text_completion", "created": created, "model": job.model,
+            "choices": choices, "usage": usage}
+
+
+def _choice(request: Request, *, chat: bool) -> dict[str, Any]:
+    """One choice: its index among the line's n, its text or message, why it ended, and its logprobs (none)."""
+    finish = request.finish_reason if request.finish_reason in FINISH_REASONS else "length"
+    text = request.output_text or ""
+    output: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"index": request.choice, **output, "finish_reason": finish, "logprobs": None}
+
+
+def result_line(job: Job, line: list[Request]) -> dict[str, Any]:
+    """One output line: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}."""
+    first = line[0]
+    return {"id": f"batch_req_{first.id}", "custom_id": first.custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{first.id}", "body": response_body(job, line)},
+            "error": None}
+
+
+def error_line(job: Job, line: list[Request]) -> dict[str, Any]:
+    """One error line: for a line with a failed request, or cancelled or expired ones that produced nothing."""
+    failed = next((r for r in line if r.status == RequestStatus.failed), None)
+    first = failed or line[0]
+    code, message = UNFINISHED.get(first.status, ("request_failed", first.last_error or "failed"))
+    return {"id": f"batch_req_{first.id}", "custom_id": first.custom_id, "response": None,
+            "error": {"code": code, "message": message, "param": None, "line": first.line_number}}
 
 
 def line_error(error: dict[str, Any]) -> dict[str, Any]:
@@ -59,30 +71,47 @@ def line_error(error: dict[str, Any]) -> dict[str, Any]:
 
 
 def iter_results(*, session: Session, job: Job) -> Iterator[str]:
-    """JSONL of finished outputs in input order (partial outputs of cancelled/expired requests included)."""
-    query = select(Request).where(Request.job_id == job.id, Request.status.in_(OUTPUT_STATUSES)).order_by(Request.index)
-    for request in session.scalars(query.execution_options(yield_per=ROWS_PER_READ)):
-        if _has_output(request):
-            yield json.dumps(result_line(job, request)) + "\n"
+    """JSONL of finished lines in input order (partial outputs of cancelled/expired requests included)."""
+    for line in _lines(session, job, OUTPUT_STATUSES):
+        if _outcome(line) == "output":
+            yield json.dumps(result_line(job, line)) + "\n"
 
 
 def iter_errors(*, session: Session, job: Job) -> Iterator[str]:
-    """JSONL of input line errors (by line number), then failed requests, and cancelled or expired ones that
-    produced nothing, in input order."""
+    """JSONL of input line errors (by line number), then lines with a failed request, or whose cancelled or
+    expired requests produced nothing, in input order."""
     for error in job.line_errors:
         yield json.dumps({"id": None, "custom_id": error.get("custom_id"), "response": None,
                           "error": line_error(error)}) + "\n"
-    query = select(Request).where(Request.job_id == job.id, Request.status.in_(
-        [RequestStatus.failed, *UNFINISHED])).order_by(Request.index)
-    for request in session.scalars(query.execution_options(yield_per=ROWS_PER_READ)):
-        if request.status == RequestStatus.failed or not _has_output(request):
-            yield json.dumps(error_line(job, request)) + "\n"
+    for line in _lines(session, job, (RequestStatus.failed, *UNFINISHED)):
+        if _outcome(line) == "error":
+            yield json.dumps(error_line(job, line)) + "\n"
 
 
-def _has_output(request: Request) -> bool:
-    """A completed request, or a cancelled or expired one with partial output (it goes to the output file)."""
-    return request.status == RequestStatus.completed or (request.status != RequestStatus.failed and
-                                                         bool(request.generated_ids))
+def _lines(session: Session, job: Job, statuses: tuple[RequestStatus, ...]) -> Iterator[list[Request]]:
+    """The requests of the job's lines that have one in `statuses`, a line's choices together, in input order,
+    read ROWS_PER_READ at a time."""
+    wanted = select(Request.custom_id).where(Request.job_id == job.id, Request.status.in_(statuses))
+    query = (select(Request).where(Request.job_id == job.id, Request.custom_id.in_(wanted)).order_by(Request.index)
+             .execution_options(yield_per=ROWS_PER_READ))
+    line: list[Request] = []
+    for request in session.scalars(query):
+        if line and request.custom_id != line[0].custom_id:
+            yield line
+            line = []
+        line.append(request)
+    if line:
+        yield line
+
+
+def _outcome(line: list[Request]) -> str | None:
+    """Where a line goes once all its requests are terminal: the output file or the error file (None before)."""
+    if not all(r.status.terminal for r in line):
+        return None
+    if any(r.status == RequestStatus.failed for r in line):
+        return "error"
+    has_output = all(r.status == RequestStatus.completed for r in line) or any(r.generated_ids for r in line)
+    return "output" if has_output else "error"
 
 
 def unix(value: Any) -> int | None:

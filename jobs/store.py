@@ -61,12 +61,24 @@ def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id:
 
 def request_rows(parsed: ParsedBatch, *, first_index: int = 0,
                  annotations: Mapping[str, dict[str, Any]] | None = None) -> list[Request]:
-    """Pending Request rows for parsed lines, numbered from `first_index`."""
+    """Pending Request rows for parsed lines, numbered from `first_index`: one per choice of each line (its `n`)."""
     annotations = annotations or {}
-    return [Request(index=i, line_number=r.line_number, custom_id=r.custom_id, body={"url": r.url, **r.body},
-                    prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
-                    seed=r.seed, stop=list(r.stop), **annotations.get(r.custom_id, {}))
-            for i, r in enumerate(parsed.requests, first_index)]
+    choices = [(r, choice) for r in parsed.requests for choice in range(r.n)]
+    return [Request(index=i, line_number=r.line_number, custom_id=r.custom_id, choice=choice,
+                    body={"url": r.url, **r.body}, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens,
+                    temperature=r.temperature, top_p=r.top_p, seed=choice_seed(r.seed, choice), stop=list(r.stop),
+                    **annotations.get(r.custom_id, {}))
+            for i, (r, choice) in enumerate(choices, first_index)]
+
+
+SEED_MASK = 2**63 - 1
+CHOICE_SEED_STEP = 0x9E3779B97F4A7C15  # the golden-ratio increment (splitmix64): choices' seeds far apart
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a line's choice: the line's own for choice 0 (so n = 1 changes nothing), a fixed function of
+    (seed, choice) for the others, so every choice samples differently and resumes exactly."""
+    return (seed + choice * CHOICE_SEED_STEP) & SEED_MASK
 
 
 def add_requests(*, session: Session, job: Job, parsed: ParsedBatch,
@@ -126,15 +138,33 @@ class JobCounts:
 
 
 def job_counts(*, session: Session, job_id: str) -> JobCounts:
-    """Counts by request status, and generated tokens so far."""
-    rows = session.execute(select(Request.status, func.count()).where(Request.job_id == job_id)
-                           .group_by(Request.status)).all()
-    by_status: dict[RequestStatus, int] = {status: count for status, count in rows}
+    """Counts of a job's lines (total, completed, failed: what OpenAI's request_counts count), of its requests
+    (pending, in_progress: what workers still have to do), and generated tokens so far.
+
+    A line of n choices is n requests: it is completed once all are, failed (or expired) once one is.
+    """
+    rows = session.execute(select(Request.status, Request.choice == 0, func.count()).where(Request.job_id == job_id)
+                           .group_by(Request.status, Request.choice == 0)).all()
+    by_status: dict[RequestStatus, int] = {}
+    for status, _, count in rows:
+        by_status[status] = by_status.get(status, 0) + count
     tokens = generated_tokens(session=session, job_id=job_id)
-    return JobCounts(total=sum(by_status.values()), completed=by_status.get(RequestStatus.completed, 0),
-                     failed=by_status.get(RequestStatus.failed, 0) + by_status.get(RequestStatus.expired, 0),
-                     pending=by_status.get(RequestStatus.pending, 0),
-                     in_progress=by_status.get(RequestStatus.in_progress, 0), tokens=tokens)
+    pending, in_progress = by_status.get(RequestStatus.pending, 0), by_status.get(RequestStatus.in_progress, 0)
+    if all(first for _, first, _ in rows):  # one choice per line: requests are lines
+        return JobCounts(total=sum(by_status.values()), completed=by_status.get(RequestStatus.completed, 0),
+                         failed=by_status.get(RequestStatus.failed, 0) + by_status.get(RequestStatus.expired, 0),
+                         pending=pending, in_progress=in_progress, tokens=tokens)
+    total = sum(count for _, first, count in rows if first)
+    return JobCounts(total=total, completed=total - _lines_where(session, job_id, Request.status != RequestStatus.completed),
+                     failed=_lines_where(session, job_id, Request.status.in_([RequestStatus.failed,
+                                                                              RequestStatus.expired])),
+                     pending=pending, in_progress=in_progress, tokens=tokens)
+
+
+def _lines_where(session: Session, job_id: str, condition: Any) -> int:
+    """How many of the job's lines have a request (a choice) matching `condition`."""
+    return int(session.scalar(select(func.count(func.distinct(Request.custom_id)))
+                              .where(Request.job_id == job_id, condition)) or 0)
 
 
 def generated_tokens(*, session: Session, job_id: str | None = None) -> int:

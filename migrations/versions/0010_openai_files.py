@@ -1,4 +1,5 @@
-"""OpenAI drop-in: the Files API (files, file_chunks), a job's input/output/error file ids, `queued` -> `validating`
+"""OpenAI drop-in: the Files API (files, file_chunks), a job's input/output/error file ids, `queued` -> `validating`,
+a request's choice (n choices of one line are n requests)
 
 Revision ID: 0010_openai_files
 Revises: 0010_job_pipeline
@@ -46,12 +47,21 @@ def upgrade() -> None:
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         for name in FILE_COLUMNS:
             batch_op.add_column(sa.Column(name, sa.String(length=40), nullable=True))
+    with op.batch_alter_table('requests', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('choice', sa.Integer(), nullable=False, server_default='0'))
+        batch_op.drop_constraint('uq_requests_job_custom_id', type_='unique')
+        batch_op.create_unique_constraint('uq_requests_job_custom_id_choice', ['job_id', 'custom_id', 'choice'])
     # OpenAI's first status: a stored job waits for its first claim as `validating` (there is no `queued`)
     op.execute("UPDATE jobs SET status = 'validating' WHERE status = 'queued'")
 
 
 def downgrade() -> None:
     op.execute("UPDATE jobs SET status = 'queued' WHERE status = 'validating'")
+    op.execute("DELETE FROM requests WHERE choice > 0")  # a line's further choices have no place in the old schema
+    with op.batch_alter_table('requests', schema=None) as batch_op:
+        batch_op.drop_constraint('uq_requests_job_custom_id_choice', type_='unique')
+        batch_op.create_unique_constraint('uq_requests_job_custom_id', ['job_id', 'custom_id'])
+        batch_op.drop_column('choice')
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         for name in reversed(FILE_COLUMNS):
             batch_op.drop_column(name)

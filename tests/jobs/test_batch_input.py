@@ -400,3 +400,11 @@ def test_the_model_of_a_batch_file_is_the_first_line_that_names_one() -> None:
     assert batch_model(jsonl("{broken", no_model, completion("a", model="first"), completion("b", model="second"))) \
         == "first"
     assert batch_model(jsonl(no_model)) is None
+
+
+def test_n_asks_for_that_many_choices_from_1_to_16(tokenizer: Any) -> None:
+    [request] = parse(tokenizer, jsonl(completion(n=3))).requests
+    assert request.n == 3 and parse(tokenizer, jsonl(completion())).requests[0].n == 1
+    for bad in (0, 17, True, 2.5, "3"):
+        error = only_error(tokenizer, completion("bad", n=bad))
+        assert (error.code, error.param) == ("invalid_parameter", "body.n"), bad

@@ -20,7 +20,8 @@ import openai
 import pytest
 import torch
 from openai import OpenAI
-from openai.types import Batch, FileDeleted, FileObject
+from openai.types import Batch, Completion, FileDeleted, FileObject
+from openai.types.chat import ChatCompletion
 from ports import free_port
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM
@@ -251,6 +252,37 @@ def test_a_cancelled_batch_gets_partial_output_and_error_files_that_can_be_delet
         client.files.retrieve(cancelled.output_file_id)
 
 
+def test_a_line_of_n_choices_answers_one_chat_completion_with_n_choices(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                                        tiny_model: Path) -> None:
+    # Given a chat batch whose one line asks for 2 choices, both generated (as a worker would) and the job settled
+    client = sdk(runtime, new_key(runtime))
+    chat = {"custom_id": "two", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": str(tiny_model), "messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                     "temperature": 1.0, "max_tokens": 3}}
+    raw = client.batches.with_raw_response.create(input_file_id=upload_batch(client, [chat]).id,
+                                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = Batch.model_validate_json(raw.text, strict=True)
+    assert batch.request_counts is not None and batch.request_counts.total == 1
+    with runtime.session() as session:
+        token, rows = store.claim_requests(session=session, job_id=batch.id, worker="test", limit=2,
+                                           lease_seconds=60, max_attempts=5)
+        for row, tokens in zip(rows, ([5, 6, 7], [8, 9]), strict=True):
+            store.finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.completed,
+                                 generated=tokens, finish_reason="stop", output_text=f"choice {row.choice}")
+        runtime.lifecycle.settle(session, store.get_job(session=session, job_id=batch.id))
+        session.commit()
+
+    # Then the batch completed one line, whose response is one chat.completion with both choices
+    done = strict_batch(client, batch.id)
+    assert done.status == "completed" and done.request_counts is not None and done.request_counts.completed == 1
+    assert done.output_file_id is not None and done.error_file_id is None
+    [result] = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    body = ChatCompletion.model_validate_json(json.dumps(result["response"]["body"]), strict=True)
+    assert [(c.index, c.message.content, c.finish_reason) for c in body.choices] == [
+        (0, "choice 0", "stop"), (1, "choice 1", "stop")]
+    assert body.usage is not None and body.usage.completion_tokens == 5
+
+
 # ---- end to end: `swarmbatch api` + `swarmbatch worker` processes on a tiny-model swarm ----------------------------
 def reference_text(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
     """Local greedy generation with transformers, decoded as the service decodes."""
@@ -291,7 +323,11 @@ def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, sh
     try:
         client = OpenAI(base_url=f"{url}/v1", api_key=new_key(runtime), max_retries=0)
         model = str(tiny_model)
-        lines = [line(f"req-{i}", p, model) for i, p in enumerate(PROMPTS)] + [line("bad", "x", model, n=0, stream=True)]
+        sampled = {"temperature": 1.0, "top_p": 0.9}
+        lines = [line(f"req-{i}", p, model) for i, p in enumerate(PROMPTS)] + [
+            line("bad", "x", model, stream=True),
+            line("three", PROMPTS[0], model, n=3, seed=7, **sampled),
+            *(line(f"alone-{c}", PROMPTS[0], model, seed=store.choice_seed(7, c), **sampled) for c in range(3))]
 
         # When a user runs OpenAI's documented batch flow
         uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
@@ -305,17 +341,24 @@ def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, sh
         assert batch.status == "completed", batch
         assert batch.in_progress_at and batch.finalizing_at and batch.completed_at and batch.output_file_id
         assert batch.request_counts is not None and (batch.request_counts.completed, batch.request_counts.failed) \
-            == (len(PROMPTS), 0)
-        # and its output file holds every request once, texts equal to local greedy generation
-        results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-        assert [r["custom_id"] for r in results] == [f"req-{i}" for i in range(len(PROMPTS))]
-        for result, prompt in zip(results, PROMPTS, strict=True):
-            assert result["response"]["body"]["choices"][0]["text"] == reference_text(tiny_model, prompt, 6)
+            == (len(PROMPTS) + 4, 0)
+        # and its output file holds every line once, in OpenAI's text_completion shape
+        results = {(r := json.loads(x))["custom_id"]: r for x in client.files.content(batch.output_file_id).text.splitlines()}
+        assert list(results) == [f"req-{i}" for i in range(len(PROMPTS))] + ["three", "alone-0", "alone-1", "alone-2"]
+        bodies = {custom_id: Completion.model_validate_json(json.dumps(r["response"]["body"]), strict=True)
+                  for custom_id, r in results.items()}
+        # with greedy texts equal to local generation
+        for i, prompt in enumerate(PROMPTS):
+            assert bodies[f"req-{i}"].choices[0].text == reference_text(tiny_model, prompt, 6)
+        # and n=3 as three seeded choices, each what a request of its own with the choice's seed generates
+        three = [choice.text for choice in bodies["three"].choices]
+        assert [c.index for c in bodies["three"].choices] == [0, 1, 2] and len(set(three)) > 1
+        assert three == [bodies[f"alone-{c}"].choices[0].text for c in range(3)]
         # and its error file holds the bad line, naming the parameter
         assert batch.error_file_id is not None
         [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
         assert (error["custom_id"], error["error"]["code"], error["error"]["param"]) == (
-            "bad", "unsupported_parameter", "body.n")
+            "bad", "unsupported_parameter", "body.stream")
         client.close()
     finally:
         worker.terminate()

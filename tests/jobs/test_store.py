@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -774,3 +775,40 @@ def test_a_job_of_another_key_is_not_found(runtime: Runtime) -> None:
 def test_get_job_of_an_unknown_id_raises_job_not_found(runtime: Runtime) -> None:
     with runtime.session() as session, pytest.raises(JobNotFound):
         store.get_job(session=session, job_id="batch_missing")
+
+
+# ---- n: a line of n choices is n requests ------------------------------------------------------------------------------
+def test_a_line_of_n_choices_becomes_n_consecutive_requests_with_seeds_of_their_own(runtime: Runtime) -> None:
+    # Given a batch whose middle line asks for 3 choices
+    parsed = ParsedBatch([parsed_request(1, "a"), replace(parsed_request(2, "b"), n=3), parsed_request(3, "c")], [],
+                         COMPLETIONS_URL)
+    with runtime.session() as session:
+        job_id = store.create_job(session=session, parsed=parsed, model="tiny").id
+        session.commit()
+    # Then it is three requests, in input order, choice 0 with the line's seed and the others with derived ones
+    rows = load_requests(runtime, job_id)
+    assert [(r.index, r.custom_id, r.choice) for r in rows] == [(0, "a", 0), (1, "b", 0), (2, "b", 1), (3, "b", 2),
+                                                                (4, "c", 0)]
+    seeds = [r.seed for r in rows if r.custom_id == "b"]
+    assert seeds == [2, store.choice_seed(2, 1), store.choice_seed(2, 2)] and len(set(seeds)) == 3
+    assert all(0 <= seed < 2**63 for seed in seeds)
+    # and the job counts lines, not requests
+    with runtime.session() as session:
+        counts = store.job_counts(session=session, job_id=job_id)
+    assert (counts.total, counts.completed, counts.failed, counts.pending) == (3, 0, 0, 5)
+
+
+def test_a_line_of_n_choices_is_completed_once_all_are_and_failed_once_one_is(runtime: Runtime) -> None:
+    parsed = ParsedBatch([replace(parsed_request(1, "a"), n=2), replace(parsed_request(2, "b"), n=2)], [],
+                         COMPLETIONS_URL)
+    with runtime.session() as session:
+        job_id = store.create_job(session=session, parsed=parsed, model="tiny").id
+        token, rows = store.claim_requests(session=session, job_id=job_id, worker="w", limit=4, lease_seconds=LEASE,
+                                           max_attempts=MAX_ATTEMPTS)
+        # When a's two choices and b's first complete, and b's second fails
+        for row, status in zip(rows, [RequestStatus.completed] * 3 + [RequestStatus.failed], strict=True):
+            store.finish_request(session=session, request_id=row.id, token=token, status=status, generated=[5])
+        session.commit()
+        counts = store.job_counts(session=session, job_id=job_id)
+    # Then a is one completed line and b one failed line
+    assert (counts.total, counts.completed, counts.failed, counts.pending, counts.in_progress) == (2, 1, 1, 0, 0)
