@@ -1,7 +1,7 @@
 """Submitting a batch file: validate every line against the model, create the job, enqueue its work.
 
 The job is committed before its work is enqueued. If the broker then fails, `submit` (the REST API) returns the job
-all the same, since it exists: the workers' sweep dispatches a queued job with pending requests and no dispatch hold
+all the same, since it exists: the workers' sweep dispatches a validating job with pending requests and no dispatch hold
 (jobs.worker.sweep); `submit_batch` (the CLI, the demo) raises, so the CLI still says the broker is down (exit 3). A
 submission under an idempotency key returns the job first stored under it instead of making another, so a client
 retrying after a lost answer gets its job once; the same key with a different batch is an IdempotencyConflict.

@@ -208,9 +208,9 @@ def test_0007_moves_a_summary_jobs_state_out_of_the_metadata_and_back(database_u
     assert "kind" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
 
-def test_0010_makes_queued_jobs_validating_and_back(database_url: str, engine: Engine) -> None:
-    # Given a database at 0009 with a job that waits for its first claim (queued, as the code before 0010 said)
-    upgrade(database_url, "0009_verification_counts")
+def test_0011_makes_queued_jobs_validating_and_back(database_url: str, engine: Engine) -> None:
+    # Given a database at 0010 with a job that waits for its first claim (queued, as the code before 0011 said)
+    upgrade(database_url, "0010_job_pipeline")
     with engine.begin() as connection:
         connection.execute(old_jobs.insert(), [{**old_job("batch_waiting", {}), "status": "queued",
                                                 "completed_at": None}, old_job("batch_done", {})])
@@ -221,6 +221,6 @@ def test_0010_makes_queued_jobs_validating_and_back(database_url: str, engine: E
         assert waiting is not None and waiting.status == JobStatus.validating and waiting.input_file_id is None
         assert done is not None and done.status == JobStatus.completed
     # and a downgrade gives the old status back
-    downgrade(database_url, "0009_verification_counts")
+    downgrade(database_url, "0010_job_pipeline")
     with engine.connect() as connection:
         assert connection.execute(text("SELECT status FROM jobs ORDER BY id")).scalars().all() == ["completed", "queued"]

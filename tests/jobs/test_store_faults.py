@@ -126,7 +126,7 @@ def test_a_database_blip_during_a_checkpoint_is_retried_and_costs_no_attempt(
 
 def test_a_blip_right_after_a_claim_committed_claims_nothing_twice(
         runtime: Runtime, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
-    # Given a job whose claim commits, and whose next statement in the same step (queued -> in_progress) fails once
+    # Given a job whose claim commits, and whose next statement in the same step (validating -> in_progress) fails once
     job = submit_batch(runtime, batch(4, max_tokens=8), model=str(tiny_model))
     blip = Blip(runtime, monkeypatch, r"^UPDATE jobs SET status=", disconnect(runtime))
     blip.once()

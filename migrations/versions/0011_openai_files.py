@@ -1,7 +1,7 @@
 """OpenAI drop-in: the Files API (files, file_chunks), a job's input/output/error file ids, `queued` -> `validating`,
 a request's choice (n choices of one line are n requests)
 
-Revision ID: 0010_openai_files
+Revision ID: 0011_openai_files
 Revises: 0010_job_pipeline
 Create Date: 2026-12-03 20:30:00
 """
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 
-revision = '0010_openai_files'
+revision = '0011_openai_files'
 down_revision = '0010_job_pipeline'
 branch_labels = None
 depends_on = None
