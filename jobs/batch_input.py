@@ -8,7 +8,7 @@ invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_e
 
 Defaults of omitted (or null) body parameters: max_tokens 256 (lowered to the cap and to what the model's
 context leaves after the prompt), temperature 0.0 (greedy decoding, unlike OpenAI's 1.0), top_p 1.0,
-seed 0, stop [], n 1 (up to MAX_CHOICES choices, each sampled with a seed of its own).
+seed 0, stop [], n 1 (up to MAX_CHOICES choices, each sampled with a seed of its own), no logprobs.
 `max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
 No parameter is silently ignored: a body key this service does not honour (`tools`, `response_format`,
 `logit_bias`, `presence_penalty`…) is an `unsupported_parameter` line error naming it, unless its value is the one
@@ -37,6 +37,7 @@ ROLES = ("system", "user", "assistant")
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_SEQUENCES = 4
 MAX_CHOICES = 16  # n: each choice is a request of its own, generated (and resumed) on its own
+MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's bounds: chat top_logprobs, completions logprobs
 SEED_LIMIT = 2**63
 MAX_CUSTOM_ID_CHARS = 500  # jobs.models.Request.custom_id is String(500)
 SUMMARIZED_ERRORS = 3
@@ -68,6 +69,7 @@ class ParsedRequest:
     seed: int
     stop: list[str]
     n: int = 1  # choices: the line becomes n requests (jobs.store.request_rows), its response has n choices
+    top_logprobs: int | None = None  # logprobs asked: None for none, else how many likely tokens with each one
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,8 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
     _refuse_beyond_context(len(text), requested, context)
     prompt_ids = _prompt_ids(text, context.tokenizer, chat=isinstance(prompt, list))
     max_tokens = _fit_max_tokens(requested, len(prompt_ids), context.limits)
-    return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling, n=_choices(body))
+    return ParsedRequest(number, custom_id, url, body, prompt_ids, max_tokens, *sampling, n=_choices(body),
+                         top_logprobs=_top_logprobs(body, url))
 
 
 def _url(line: dict[str, Any], endpoint: str | None) -> str:
@@ -272,11 +275,12 @@ def _body(line: dict[str, Any], model_name: str) -> dict[str, Any]:
 
 # body keys honoured by endpoint (`user` names the caller's end user: kept, it changes no output)
 COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user", "n"}
-BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages"}, COMPLETIONS_URL: COMMON_KEYS | {"prompt"}}
+BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages", "logprobs", "top_logprobs"},
+             COMPLETIONS_URL: COMMON_KEYS | {"prompt", "logprobs"}}
 # parameters we do not honour, accepted only with the value that asks for nothing (null is accepted for any key)
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "logprobs": (False,), "top_logprobs": (0,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",),
     "function_call": ("none",), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
     "suffix": ("",), "parallel_tool_calls": (False, True),
 }
@@ -406,6 +410,25 @@ def _choices(body: dict[str, Any]) -> int:
     if not _is_int(value) or not 1 <= value <= MAX_CHOICES:
         raise _invalid("n", f"an integer from 1 to {MAX_CHOICES}", value)
     return int(value)
+
+
+def _top_logprobs(body: dict[str, Any], url: str) -> int | None:
+    """The logprobs asked, as OpenAI takes them: chat `logprobs: true` with `top_logprobs` 0 to 20; completions
+    `logprobs` 0 to 5 (the chosen token's and that many likely tokens'). None when not asked."""
+    if url == COMPLETIONS_URL:
+        value = body.get("logprobs")
+        if value is not None and (not _is_int(value) or not 0 <= value <= MAX_COMPLETION_LOGPROBS):
+            raise _invalid("logprobs", f"an integer from 0 to {MAX_COMPLETION_LOGPROBS}", value)
+        return value
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise _invalid("logprobs", "true or false", asked)
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise _invalid("top_logprobs", f"an integer from 0 to {MAX_TOP_LOGPROBS}", top)
+    if top is not None and not asked:
+        raise _LineProblem("invalid_parameter", "body.top_logprobs needs body.logprobs set to true",
+                           "body.top_logprobs")
+    return (top or 0) if asked else None
 
 
 def _seed(body: dict[str, Any]) -> int:

@@ -191,8 +191,13 @@ class Request(Base):
     top_p: Mapped[float] = mapped_column(default=1.0)
     seed: Mapped[int] = mapped_column(BigInteger, default=0)
     stop: Mapped[list[Any]] = mapped_column(default=list)
+    # logprobs asked (OpenAI's chat `top_logprobs`, or completions' `logprobs`): None for none, else how many of the
+    # most likely tokens to report with each generated one
+    top_logprobs: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[RequestStatus] = mapped_column(status_column(RequestStatus), default=RequestStatus.pending)
     generated_ids: Mapped[list[Any]] = mapped_column(default=list)
+    # with top_logprobs: one entry per generated id, [token text, logprob, [[text, logprob], ...]], committed with them
+    generated_logprobs: Mapped[list[Any] | None] = mapped_column(JSON)
     # len(generated_ids), written with it by the store: totals sum this instead of parsing every row's JSON
     generated_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     finish_reason: Mapped[str | None] = mapped_column(String(20))

@@ -40,11 +40,31 @@ def response_body(job: Job, line: list[Request]) -> dict[str, Any]:
 
 
 def _choice(request: Request, *, chat: bool) -> dict[str, Any]:
-    """One choice: its index among the line's n, its text or message, why it ended, and its logprobs (none)."""
+    """One choice: its index among the line's n, its text or message, why it ended, and its logprobs (if asked)."""
     finish = request.finish_reason if request.finish_reason in FINISH_REASONS else "length"
     text = request.output_text or ""
     output: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    return {"index": request.choice, **output, "finish_reason": finish, "logprobs": None}
+    entries = request.generated_logprobs if request.top_logprobs is not None else None
+    logprobs = None if entries is None else chat_logprobs(entries) if chat else completion_logprobs(entries)
+    return {"index": request.choice, **output, "finish_reason": finish, "logprobs": logprobs}
+
+
+def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
+    """A chat choice's logprobs, OpenAI's shape, from the stored [text, logprob, [[text, logprob], ...]] entries."""
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**token(text, logprob), "top_logprobs": [token(t, lp) for t, lp in top]}
+                        for text, logprob, top in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[Any]) -> dict[str, Any]:
+    """A text completion choice's logprobs, OpenAI's legacy shape (tokens, token_logprobs, top_logprobs, text_offset)."""
+    offsets, at = [], 0
+    for text, _, _ in entries:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": [{t: lp for t, lp in top} for _, _, top in entries], "text_offset": offsets}
 
 
 def result_line(job: Job, line: list[Request]) -> dict[str, Any]:

@@ -67,6 +67,7 @@ def request_rows(parsed: ParsedBatch, *, first_index: int = 0,
     return [Request(index=i, line_number=r.line_number, custom_id=r.custom_id, choice=choice,
                     body={"url": r.url, **r.body}, prompt_ids=list(r.prompt_ids), max_tokens=r.max_tokens,
                     temperature=r.temperature, top_p=r.top_p, seed=choice_seed(r.seed, choice), stop=list(r.stop),
+                    top_logprobs=r.top_logprobs, generated_logprobs=None if r.top_logprobs is None else [],
                     **annotations.get(r.custom_id, {}))
             for i, (r, choice) in enumerate(choices, first_index)]
 
@@ -263,8 +264,9 @@ def fail_exhausted(*, session: Session, rows: list[Request], token: str, max_att
 
 
 def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], lease_seconds: float,
-               texts: dict[int, str] | None = None) -> set[int]:
-    """Write each owned request's generated ids (and text so far) and renew its lease, in one transaction.
+               texts: dict[int, str] | None = None, logprobs: dict[int, list[Any]] | None = None) -> set[int]:
+    """Write each owned request's generated ids (and text so far, and logprobs where asked) and renew its lease,
+    in one transaction.
 
     Returns the ids still owned. The text keeps partial outputs readable if the job is cancelled or expires.
     """
@@ -275,6 +277,8 @@ def checkpoint(*, session: Session, token: str, progress: dict[int, list[int]], 
                                       lease_expires_at=now + timedelta(seconds=lease_seconds))
         if texts is not None and request_id in texts:
             values["output_text"] = texts[request_id]
+        if logprobs is not None and request_id in logprobs:
+            values["generated_logprobs"] = list(logprobs[request_id])
         result = session.execute(update(Request).where(
             Request.id == request_id, Request.lease_token == token, Request.status == RequestStatus.in_progress)
             .values(**values))

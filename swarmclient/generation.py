@@ -6,6 +6,7 @@ emit the pad token), so greedy output through the swarm equals `generate` token 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -30,8 +31,31 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
-TokenHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
-"""(step index, new token column [B]) -> optional bool mask [B] of rows that must stop now (e.g. a stop string)."""
+TokenHook = Callable[..., "torch.Tensor | None"]
+"""(step index, new token column [B][, TokenLogprobs]) -> optional bool mask [B] of rows that must stop now (e.g. a
+stop string). The third argument is passed only when a row's SamplingParams asks for logprobs."""
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One step's log-probabilities under the model's own distribution (the LM head's log-softmax, before temperature
+    and top-p), per batch row: the chosen token's, and the `k` most likely tokens with theirs (k = the largest
+    top_logprobs asked in the batch; a row asking fewer takes the first ones). Rows not in the session read 0."""
+
+    chosen: torch.Tensor      # [B] float
+    top_ids: torch.Tensor     # [B, k] long
+    top_values: torch.Tensor  # [B, k] float
+
+
+def step_logprobs(logits: torch.Tensor, sampled: torch.Tensor, rows: torch.Tensor, batch: int, k: int
+                  ) -> TokenLogprobs:
+    """TokenLogprobs of one step from the session rows' logits [R, V] and the tokens sampled from them [R]."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    chosen, top_ids, top_values = torch.zeros(batch), torch.zeros(batch, k, dtype=torch.long), torch.zeros(batch, k)
+    chosen[rows] = logprobs.gather(-1, sampled[:, None].long())[:, 0]
+    top_ids[rows], top_values[rows] = top.indices, top.values
+    return TokenLogprobs(chosen, top_ids, top_values)
 
 
 @torch.inference_mode()
@@ -52,8 +76,11 @@ def generate_tokens(
 
     A row finishes at EOS, at its own `max_new_tokens` limit, or when `on_token` says so; after that it
     emits the pad token. With `shrink`, finished rows also leave the session (`keep_rows`), so the blocks stop
-    computing them; without it they ride along as padding until the whole batch ends.
+    computing them; without it they ride along as padding until the whole batch ends. When a row's params ask for
+    logprobs, `on_token` also gets each step's TokenLogprobs.
     """
+    wanted = [p.top_logprobs for p in params if p.top_logprobs is not None]
+    top_k = max(wanted) if wanted else None
     batch = input_ids.shape[0]
     limits = torch.tensor([max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens))
     mask = attention_mask.long()
@@ -74,7 +101,8 @@ def generate_tokens(
         columns.append(token)
         unfinished &= ~torch.isin(token, eos) & (limits > index + 1)
         if on_token is not None:
-            stop = on_token(index, token)
+            stop = on_token(index, token) if top_k is None else \
+                on_token(index, token, step_logprobs(logits, sampled, rows, batch, top_k))
             if stop is not None:
                 unfinished &= ~stop
         if not unfinished.any():

@@ -19,6 +19,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # log-probabilities to report per token (swarmclient.generation.TokenLogprobs): None for none, k for the chosen
+    # token's and the k most likely tokens' (0: the chosen one's alone)
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

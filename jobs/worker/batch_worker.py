@@ -299,18 +299,20 @@ class JobWorker:
             logger.warning("%s; this batch's last verification counts are not stored", e)
 
     def _checkpoint(self, job_id: str, token: str, checks: CheckedOutputs) -> Checkpoint:
-        def commit(progress: dict[int, list[int]], texts: dict[int, str]) -> tuple[set[int], JobStatus | None]:
+        def commit(progress: dict[int, list[int]], texts: dict[int, str],
+                   logprobs: dict[int, list[Any]] | None) -> tuple[set[int], JobStatus | None]:
             # the same ids and texts again after a lost answer: writing them twice is harmless, and fenced by token
             with self.runtime.session() as session:
                 owned = store.checkpoint(session=session, token=token, progress=progress, texts=texts,
-                                         lease_seconds=self.settings.lease_seconds)
+                                         logprobs=logprobs, lease_seconds=self.settings.lease_seconds)
                 stored = checks.write(session, job_id)
                 session.commit()
                 checks.stored = stored
                 return owned, session.scalar(select(Job.status).where(Job.id == job_id))
 
-        def checkpoint(progress: dict[int, list[int]], texts: dict[int, str]) -> set[int]:
-            owned, status = self._store(f"Job {job_id}: checkpoint", lambda: commit(progress, texts))
+        def checkpoint(progress: dict[int, list[int]], texts: dict[int, str],
+                       logprobs: dict[int, list[Any]] | None = None, /) -> set[int]:
+            owned, status = self._store(f"Job {job_id}: checkpoint", lambda: commit(progress, texts, logprobs))
             if status == JobStatus.cancelling:
                 raise JobCancelled(job_id)
             return owned

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,6 +19,7 @@ from jobs.errors import LeaseLost
 from jobs.models import Request
 from jobs.worker.sizing import PipelinePlan
 from swarmclient.errors import SwarmBusy
+from swarmclient.generation import TokenLogprobs
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.sampling import SamplingParams
 from swarmclient.verification import VerificationTally
@@ -28,10 +29,13 @@ STEP_LOG = "step %d: %s"  # a debug line per decode step, read by tests: "ID=TOK
 NO_ROOM_LOG = "No room on the servers for %d requests (%s); they wait for room, the batch goes on with %d in flight"
 MAX_BUSY_WAIT = 30.0  # seconds between retries of rows the servers had no room for, at most
 
-Checkpoint = Callable[[dict[int, list[int]], dict[int, str]], set[int]]
-"""Commit {request id: all generated ids} and their texts; returns the ids still leased to us.
 
-It raises JobCancelled to stop the batch."""
+class Checkpoint(Protocol):
+    """Commit {request id: all generated ids}, their texts, and their logprobs (passed only when a row asks for
+    them); returns the ids still leased to us. It raises JobCancelled to stop the batch."""
+
+    def __call__(self, progress: dict[int, list[int]], texts: dict[int, str],
+                 logprobs: dict[int, list[Any]] | None = None, /) -> set[int]: ...
 
 
 @dataclass
@@ -44,6 +48,7 @@ class RowState:
     finish_reason: str | None = None
     committed: int = 0
     text: str = ""
+    logprobs: list[Any] | None = None  # with the request's top_logprobs: an entry per generated id (logprob_entry)
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,8 @@ class BatchRunner:
         return {row.request_id: RowResult(row.generated, row.finish_reason or "length", row.text) for row in self.rows}
 
     def _add(self, requests: list[Request]) -> list[tuple[RowState, Request]]:
-        pairs = [(RowState(r.id, list(r.generated_ids), list(r.stop), committed=len(r.generated_ids)), r)
+        pairs = [(RowState(r.id, list(r.generated_ids), list(r.stop), committed=len(r.generated_ids),
+                           logprobs=None if r.top_logprobs is None else list(r.generated_logprobs or [])), r)
                  for r in requests]
         with self._lock:
             self.requests += requests
@@ -229,9 +235,10 @@ class BatchRunner:
         rows, requests = [row for row, _ in pairs], [request for _, request in pairs]
         ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
         limits = [r.max_tokens - len(row.generated) for row, r in pairs]
-        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed) for r in requests]
+        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed, top_logprobs=r.top_logprobs)
+                  for r in requests]
 
-        def on_token(index: int, column: torch.Tensor) -> torch.Tensor:
+        def on_token(index: int, column: torch.Tensor, logprobs: TokenLogprobs | None = None) -> torch.Tensor:
             # the rows this step ran with: the servers hold their cache until the next step leaves the finished out
             lane.held = sum(1 for row in rows if row.finish_reason is None)
             if self._stop.is_set():
@@ -240,6 +247,9 @@ class BatchRunner:
             for b, (row, request) in enumerate(pairs):
                 if row.finish_reason is None:
                     row.generated.append(int(column[b]))
+                    if row.logprobs is not None and logprobs is not None:
+                        row.logprobs.append(logprob_entry(self.tokenizer, int(column[b]), logprobs, b,
+                                                          request.top_logprobs or 0))
                     stop[b] = self._check_finished(row, request)
             logger.debug(STEP_LOG, index, " ".join(f"{row.request_id}={len(row.generated)}" for row in rows))
             if (index + 1) % self.checkpoint_every == 0:
@@ -282,7 +292,9 @@ class BatchRunner:
         if not progress and not force:
             return
         texts = {rid: self._text(row) for row in rows if (rid := row.request_id) in progress}
-        owned = self.checkpoint(progress, texts)
+        logprobs = {rid: list(row.logprobs) for row in rows
+                    if (rid := row.request_id) in progress and row.logprobs is not None}
+        owned = self.checkpoint(progress, texts, logprobs) if logprobs else self.checkpoint(progress, texts)
         for row in rows:
             if row.request_id in progress:
                 if row.request_id not in owned:
@@ -309,6 +321,13 @@ class Lane:
     def reservation(self) -> int:
         """Tokens per block its session holds now."""
         return self.held * self.max_length
+
+
+def logprob_entry(tokenizer: Any, token: int, logprobs: TokenLogprobs, row: int, top: int) -> list[Any]:
+    """What a request keeps of one generated token's logprobs: [text, logprob, [[text, logprob] x top]]."""
+    ids, values = logprobs.top_ids[row, :top].tolist(), logprobs.top_values[row, :top].tolist()
+    return [tokenizer.decode([token]), float(logprobs.chosen[row]),
+            [[tokenizer.decode([i]), float(v)] for i, v in zip(ids, values, strict=True)]]
 
 
 def split_lanes(pairs: list[tuple[RowState, Request]], lanes: int) -> list[list[tuple[RowState, Request]]]:

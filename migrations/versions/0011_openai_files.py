@@ -1,5 +1,5 @@
 """OpenAI drop-in: the Files API (files, file_chunks), a job's input/output/error file ids, `queued` -> `validating`,
-a request's choice (n choices of one line are n requests)
+a request's choice (n choices of one line are n requests) and its logprobs (asked, and generated)
 
 Revision ID: 0011_openai_files
 Revises: 0010_job_pipeline
@@ -49,6 +49,8 @@ def upgrade() -> None:
             batch_op.add_column(sa.Column(name, sa.String(length=40), nullable=True))
     with op.batch_alter_table('requests', schema=None) as batch_op:
         batch_op.add_column(sa.Column('choice', sa.Integer(), nullable=False, server_default='0'))
+        batch_op.add_column(sa.Column('top_logprobs', sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column('generated_logprobs', sa.JSON(), nullable=True))
         batch_op.drop_constraint('uq_requests_job_custom_id', type_='unique')
         batch_op.create_unique_constraint('uq_requests_job_custom_id_choice', ['job_id', 'custom_id', 'choice'])
     # OpenAI's first status: a stored job waits for its first claim as `validating` (there is no `queued`)
@@ -61,6 +63,8 @@ def downgrade() -> None:
     with op.batch_alter_table('requests', schema=None) as batch_op:
         batch_op.drop_constraint('uq_requests_job_custom_id_choice', type_='unique')
         batch_op.create_unique_constraint('uq_requests_job_custom_id', ['job_id', 'custom_id'])
+        batch_op.drop_column('generated_logprobs')
+        batch_op.drop_column('top_logprobs')
         batch_op.drop_column('choice')
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         for name in reversed(FILE_COLUMNS):

@@ -408,3 +408,26 @@ def test_n_asks_for_that_many_choices_from_1_to_16(tokenizer: Any) -> None:
     for bad in (0, 17, True, 2.5, "3"):
         error = only_error(tokenizer, completion("bad", n=bad))
         assert (error.code, error.param) == ("invalid_parameter", "body.n"), bad
+
+
+def test_logprobs_are_asked_as_openai_asks_them(tokenizer: Any) -> None:
+    def top(line: dict[str, Any]) -> int | None:
+        return parse(tokenizer, jsonl(line)).requests[0].top_logprobs
+
+    assert top(chat(logprobs=True, top_logprobs=3)) == 3 and top(chat(logprobs=True)) == 0
+    assert top(chat(logprobs=False)) is None and top(chat()) is None
+    assert top(completion(logprobs=2)) == 2 and top(completion(logprobs=0)) == 0 and top(completion()) is None
+
+
+@pytest.mark.parametrize(("line", "code", "param"), [
+    (chat(top_logprobs=2), "invalid_parameter", "body.top_logprobs"),             # without logprobs: true
+    (chat(logprobs=True, top_logprobs=21), "invalid_parameter", "body.top_logprobs"),
+    (chat(logprobs=1), "invalid_parameter", "body.logprobs"),
+    (completion(logprobs=6), "invalid_parameter", "body.logprobs"),
+    (completion(logprobs=True), "invalid_parameter", "body.logprobs"),
+    (completion(top_logprobs=2), "unsupported_parameter", "body.top_logprobs"),  # chat's parameter
+])
+def test_bad_logprobs_are_line_errors_naming_the_parameter(tokenizer: Any, line: dict[str, Any], code: str,
+                                                           param: str) -> None:
+    error = only_error(tokenizer, {**line, "custom_id": "bad"})
+    assert (error.code, error.param) == (code, param)

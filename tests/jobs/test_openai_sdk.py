@@ -283,15 +283,59 @@ def test_a_line_of_n_choices_answers_one_chat_completion_with_n_choices(runtime:
     assert body.usage is not None and body.usage.completion_tokens == 5
 
 
+def test_chat_logprobs_are_reported_in_openais_shape(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                    tiny_model: Path) -> None:
+    # Given a chat line asking logprobs with the 2 most likely tokens, generated (as a worker checkpoints it)
+    client = sdk(runtime, new_key(runtime))
+    chat = {"custom_id": "scored", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": str(tiny_model), "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                     "top_logprobs": 2, "max_tokens": 2}}
+    raw = client.batches.with_raw_response.create(input_file_id=upload_batch(client, [chat]).id,
+                                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch_id = Batch.model_validate_json(raw.text, strict=True).id
+    entries = [["Hé", -0.25, [["Hé", -0.25], ["Ho", -1.5]]], ["!", -0.5, [["!", -0.5], [".", -2.0]]]]
+    with runtime.session() as session:
+        token, [row] = store.claim_requests(session=session, job_id=batch_id, worker="test", limit=1,
+                                            lease_seconds=60, max_attempts=5)
+        assert row.top_logprobs == 2 and row.generated_logprobs == []
+        store.checkpoint(session=session, token=token, progress={row.id: [5, 6]}, texts={row.id: "Hé!"},
+                         logprobs={row.id: entries}, lease_seconds=60)
+        store.finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.completed,
+                             generated=[5, 6], finish_reason="length", output_text="Hé!")
+        runtime.lifecycle.settle(session, store.get_job(session=session, job_id=batch_id))
+        session.commit()
+
+    # Then the choice's logprobs are OpenAI's: each token with its logprob, UTF-8 bytes and top 2
+    done = strict_batch(client, batch_id)
+    assert done.output_file_id is not None
+    [result] = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    body = ChatCompletion.model_validate_json(json.dumps(result["response"]["body"]), strict=True)
+    logprobs = body.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [(t.token, t.logprob, t.bytes) for t in logprobs.content] == [("Hé", -0.25, [72, 195, 169]),
+                                                                          ("!", -0.5, [33])]
+    assert [[(t.token, t.logprob) for t in c.top_logprobs] for c in logprobs.content] == [
+        [("Hé", -0.25), ("Ho", -1.5)], [("!", -0.5), (".", -2.0)]]
+
+
 # ---- end to end: `swarmbatch api` + `swarmbatch worker` processes on a tiny-model swarm ----------------------------
-def reference_text(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
-    """Local greedy generation with transformers, decoded as the service decodes."""
+def reference(model_dir: Path, prompt: str, max_new_tokens: int) -> tuple[str, list[float]]:
+    """Local greedy generation with transformers: the text, decoded as the service decodes, and each generated
+    token's log-probability under the model."""
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = tokenizer(prompt, return_tensors="pt")
     with torch.inference_mode():
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return str(tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True))
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    new = out.sequences[0, ids.input_ids.shape[1]:]
+    logprobs = [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in zip(out.logits, new, strict=True)]
+    return str(tokenizer.decode(new, skip_special_tokens=True)), logprobs
+
+
+def reference_text(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
+    """Local greedy generation's text."""
+    return reference(model_dir, prompt, max_new_tokens)[0]
 
 
 def start_api(runtime: Runtime, log_dir: Path) -> tuple[ManagedProcess, str]:
@@ -327,7 +371,8 @@ def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, sh
         lines = [line(f"req-{i}", p, model) for i, p in enumerate(PROMPTS)] + [
             line("bad", "x", model, stream=True),
             line("three", PROMPTS[0], model, n=3, seed=7, **sampled),
-            *(line(f"alone-{c}", PROMPTS[0], model, seed=store.choice_seed(7, c), **sampled) for c in range(3))]
+            *(line(f"alone-{c}", PROMPTS[0], model, seed=store.choice_seed(7, c), **sampled) for c in range(3)),
+            line("scored", PROMPTS[1], model, logprobs=2)]
 
         # When a user runs OpenAI's documented batch flow
         uploaded = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
@@ -341,10 +386,11 @@ def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, sh
         assert batch.status == "completed", batch
         assert batch.in_progress_at and batch.finalizing_at and batch.completed_at and batch.output_file_id
         assert batch.request_counts is not None and (batch.request_counts.completed, batch.request_counts.failed) \
-            == (len(PROMPTS) + 4, 0)
+            == (len(PROMPTS) + 5, 0)
         # and its output file holds every line once, in OpenAI's text_completion shape
         results = {(r := json.loads(x))["custom_id"]: r for x in client.files.content(batch.output_file_id).text.splitlines()}
-        assert list(results) == [f"req-{i}" for i in range(len(PROMPTS))] + ["three", "alone-0", "alone-1", "alone-2"]
+        assert list(results) == [f"req-{i}" for i in range(len(PROMPTS))] + ["three", "alone-0", "alone-1", "alone-2",
+                                                                              "scored"]
         bodies = {custom_id: Completion.model_validate_json(json.dumps(r["response"]["body"]), strict=True)
                   for custom_id, r in results.items()}
         # with greedy texts equal to local generation
@@ -354,6 +400,15 @@ def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, sh
         three = [choice.text for choice in bodies["three"].choices]
         assert [c.index for c in bodies["three"].choices] == [0, 1, 2] and len(set(three)) > 1
         assert three == [bodies[f"alone-{c}"].choices[0].text for c in range(3)]
+        # and logprobs: each greedy token's log-probability under the model, the most likely of the 2 reported
+        scored = bodies["scored"].choices[0]
+        assert scored.logprobs is not None and bodies["req-1"].choices[0].logprobs is None
+        text, expected = reference(tiny_model, PROMPTS[1], 6)
+        assert scored.text == text and len(scored.logprobs.tokens or []) == len(expected)
+        assert scored.logprobs.token_logprobs == pytest.approx(expected, abs=1e-3)
+        for token, logprob, top in zip(scored.logprobs.tokens or [], scored.logprobs.token_logprobs or [],
+                                       scored.logprobs.top_logprobs or [], strict=True):
+            assert len(top) <= 2 and max(top.values()) == pytest.approx(logprob, abs=1e-6) and token in top
         # and its error file holds the bad line, naming the parameter
         assert batch.error_file_id is not None
         [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]

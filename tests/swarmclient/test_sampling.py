@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from swarmclient.generation import step_logprobs
 from swarmclient.sampling import SamplingParams, sample_next, sample_row, top_p_filter
 
 
@@ -43,3 +44,17 @@ def test_invalid_sampling_parameters_are_refused() -> None:
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_step_logprobs_are_the_models_log_softmax_for_the_session_rows_only() -> None:
+    # Given a batch of 3 whose row 1 has left the session, and the logits of rows 0 and 2
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 1.0]])
+    sampled = torch.tensor([1, 2])
+    # When the step's logprobs are taken with the 2 most likely tokens
+    got = step_logprobs(logits, sampled, torch.tensor([0, 2]), batch=3, k=2)
+    # Then each session row has its chosen token's log-probability and its top 2, and row 1 reads zeros
+    expected = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(got.chosen, torch.tensor([expected[0, 1], 0.0, expected[1, 2]]))
+    assert got.top_ids.tolist() == [[0, 1], [0, 0], [2, 3]]
+    assert torch.allclose(got.top_values[2], expected[1, [2, 3]]) and got.top_values[1].tolist() == [0.0, 0.0]
+    assert step_logprobs(logits, sampled, torch.tensor([0, 2]), batch=3, k=0).top_ids.shape == (3, 0)
