@@ -245,6 +245,10 @@ def test_a_cancelled_batch_gets_partial_output_and_error_files_that_can_be_delet
     assert out_file.purpose == "batch_output" and out_file.bytes == len(output.encode())
     assert {f.id for f in client.files.list(purpose="batch_output")} == {cancelled.output_file_id,
                                                                           cancelled.error_file_id}
+    # and an output file is no batch input
+    with pytest.raises(openai.BadRequestError) as not_input:
+        create_batch(client, cancelled.output_file_id)
+    assert not_input.value.param == "input_file_id" and "purpose 'batch'" in not_input.value.message
     # When the output file is deleted, Then it is gone
     deleted = client.files.with_raw_response.delete(cancelled.output_file_id)
     assert FileDeleted.model_validate_json(deleted.text, strict=True).deleted is True
