@@ -38,12 +38,12 @@ DOCKERD_PID="" WHEELS_PID="" STACK_UP="" IP_FORWARD_BEFORE="" DOCKER0_BEFORE=""
 elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 # step NAME COMMAND...: run it, print and keep its time
 step() {
-  local name=$1 t0
+  local step_name=$1 step_began
   shift
-  t0=$(date +%s.%N)
-  echo "== $name ($(date -u +%H:%M:%S))"
+  step_began=$(date +%s.%N)
+  echo "== $step_name ($(date -u +%H:%M:%S))"
   "$@"
-  STEPS+=("$(printf '%-52s %7s s' "$name" "$(elapsed "$t0")")")
+  STEPS+=("$(printf '%-52s %7s s' "$step_name" "$(elapsed "$step_began")")")
 }
 
 compose() { env -i PATH="$PATH" HOME="${HOME:-/root}" "${COMPOSE[@]}" -p "$PROJECT" -f "$ROOT/docker-compose.yml" \
@@ -270,11 +270,18 @@ wait_healthy() {
 
 # the swarm is private: the swarm file lists the four members, and the worker's key is one of them
 check_private_swarm() {
+  local name peer
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | tee "$WORK/members"
   for name in dht server1 server2 worker; do grep -qE " $name\$" "$WORK/members" || fail "$name is not in the swarm file"; done
   compose run --rm --no-deps swarm-init  # a second run (a later `up`) keeps the keys and the file as they are
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | cmp - "$WORK/members" \
     || fail "a second swarm-init changed the members"
+  # README: a member from another machine is added (and removed) through swarm-init's mounts
+  peer=$(compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm new-key /tmp/gpu1.key | tail -1 | tr -d '\r')
+  compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm add-member /swarm/swarm.json "$peer" --name gpu1
+  compose exec -T worker swarmbatch swarm members /swarm/swarm.json | grep -q " gpu1\$" || fail "add-member gpu1 did not show"
+  compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm remove-member /swarm/swarm.json gpu1
+  compose exec -T worker swarmbatch swarm members /swarm/swarm.json | cmp - "$WORK/members" || fail "remove-member gpu1"
   compose exec -T worker sh -c 'swarmbatch swarm status smollm2 --json --initial-peers "/dns4/dht/tcp/$0/p2p/$(sed "s#.*/##" /dht/multiaddr)"' \
     "$DHT_PORT" > "$WORK/status.json"
   python3 - "$WORK/status.json" <<'EOF'
@@ -395,4 +402,4 @@ main() {
   printf '%-52s %7s s\n' "total" "$(elapsed "$BEGAN")"
 }
 
-main "$@"
+main "$@"; exit  # on this line: bash reads no further, even if the file changed meanwhile
