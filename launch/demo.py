@@ -1,6 +1,7 @@
 """`swarmbatch demo`: the main job, embedded — SQLite store, SQLite broker, a local swarm, one worker.
 
-It summarizes the sample documents shipped in `samples/documents/` through the whole product: a batch job
+It summarizes the sample documents shipped in `launch/sample_documents/` (package data, so also found in a
+non-editable install, e.g. the Docker image; `samples/documents` links there) through the whole product: a batch job
 in the OpenAI format, a Celery worker generating through two block servers, checkpoints in SQL.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from launch.local_worker import require_running, start_local_worker
 from launch.processes import ManagedProcess
 from modelprep import prepare_model
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples" / "documents"
+SAMPLES = Path(__file__).resolve().parent / "sample_documents"
 PROMPT = "Summarize the following text in one sentence.\n\n{text}"
 MODEL = "smollm2"
 

@@ -17,20 +17,71 @@ import multihash
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
-from hivemind.proto import crypto_pb2
 
 _PADDING = padding.PKCS1v15()
 _HASH = hashes.SHA256()
 KEY_BITS = 2048
+RSA_KEY_TYPE = 0  # libp2p's crypto.pb KeyType.RSA
 
 
 class IdentityError(ValueError):
     """A key file that is missing, unreadable or not an RSA identity."""
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def encode_key_message(key_type: int, data: bytes) -> bytes:
+    """libp2p's crypto.pb `PublicKey` / `PrivateKey` message (proto2, both fields required: always written, in
+    field order), byte for byte what hivemind's crypto_pb2 writes. Encoded here so that the key commands need not
+    import hivemind (whose package import loads torch: seconds per `swarm new-key`)."""
+    return b"\x08" + _varint(key_type) + b"\x12" + _varint(len(data)) + data
+
+
+def decode_key_message(encoded: bytes) -> tuple[int, bytes]:
+    """(key_type, data) of a crypto.pb key message; ValueError unless it is exactly one of each field."""
+    fields: dict[int, int | bytes] = {}
+    at = 0
+
+    def varint() -> int:
+        nonlocal at
+        value = shift = 0
+        while True:
+            if at >= len(encoded) or shift > 63:
+                raise ValueError("truncated varint")
+            byte = encoded[at]
+            at += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return value
+
+    while at < len(encoded):
+        tag = varint()
+        if tag == 0x08 and 1 not in fields:
+            fields[1] = varint()
+        elif tag == 0x12 and 2 not in fields:
+            length = varint()
+            if at + length > len(encoded):
+                raise ValueError("truncated key data")
+            fields[2], at = encoded[at:at + length], at + length
+        else:
+            raise ValueError(f"unexpected field tag {tag}")
+    key_type, data = fields.get(1), fields.get(2)
+    if not isinstance(key_type, int) or not isinstance(data, bytes):
+        raise ValueError("a key message needs key_type and data")
+    return key_type, data
+
+
 def peer_id_of_public_key(public_key_der: bytes) -> str:
     """The base58 libp2p peer id of an RSA public key (DER SubjectPublicKeyInfo), as libp2p derives it."""
-    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_key_der).SerializeToString()
+    encoded = encode_key_message(RSA_KEY_TYPE, public_key_der)
     digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
     return base58.b58encode(digest).decode()
 
@@ -60,10 +111,10 @@ class Identity:
         path = Path(path)
         try:
             data = path.read_bytes()
-            key = serialization.load_der_private_key(crypto_pb2.PrivateKey.FromString(data).data, password=None)
+            key = serialization.load_der_private_key(decode_key_message(data)[1], password=None)
         except OSError as e:
             raise IdentityError(f"cannot read key file {path}: {e.strerror or e}") from e
-        except Exception as e:  # protobuf DecodeError, ValueError from cryptography
+        except Exception as e:  # a malformed key message (ValueError), or cryptography's errors
             raise IdentityError(f"{path} is not a swarmbatch/libp2p key file ({type(e).__name__})") from e
         if not isinstance(key, rsa.RSAPrivateKey):
             raise IdentityError(f"{path} holds a {type(key).__name__}; swarmbatch needs an RSA key file")
@@ -78,7 +129,7 @@ class Identity:
         key = rsa.generate_private_key(public_exponent=65537, key_size=KEY_BITS)
         der = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
                                 serialization.NoEncryption())
-        data = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+        data = encode_key_message(RSA_KEY_TYPE, der)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:

@@ -6,6 +6,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from jobs.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE, ENV_EXAMPLE, DOCKERFILE = ROOT / "docker-compose.yml", ROOT / ".env.example", ROOT / "Dockerfile"
 LONG_RUNNING = {"redis", "postgres", "dht", "server1", "server2", "worker", "beat", "api"}
-ONE_SHOT = {"migrate", "model"}
+ONE_SHOT = {"migrate", "model", "swarm-init"}
+MEMBERS = {"dht", "server1", "server2", "worker"}  # the processes of the private swarm, each with its own key
 HEALTHY, COMPLETED = "service_healthy", "service_completed_successfully"
 
 
@@ -65,11 +67,13 @@ def test_every_long_running_service_has_a_healthcheck_and_one_shots_do_not_resta
 
 def test_services_wait_for_healthy_dependencies_and_finished_one_shots(config: dict[str, Any]) -> None:
     stores = {"redis": HEALTHY, "postgres": HEALTHY, "migrate": COMPLETED}
+    members = {"swarm-init": COMPLETED}  # every member starts once its key and the swarm file exist
     expected = {
         "migrate": {"postgres": HEALTHY},
-        "server1": {"dht": HEALTHY, "model": COMPLETED},
-        "server2": {"dht": HEALTHY, "model": COMPLETED},
-        "worker": {**stores, "model": COMPLETED, "dht": HEALTHY},
+        "dht": members,
+        "server1": {"dht": HEALTHY, "model": COMPLETED, **members},
+        "server2": {"dht": HEALTHY, "model": COMPLETED, **members},
+        "worker": {**stores, "model": COMPLETED, "dht": HEALTHY, **members},
         "beat": stores,
         "api": {**stores, "model": COMPLETED},
     }
@@ -79,7 +83,7 @@ def test_services_wait_for_healthy_dependencies_and_finished_one_shots(config: d
 
 
 def test_named_volumes_keep_postgres_data_models_the_keys_the_dht_address_and_the_home(config: dict[str, Any]) -> None:
-    assert {"postgres-data", "models", "swarmbatch-home", "dht-address", *KEY_VOLUMES} <= set(config["volumes"])
+    assert {"postgres-data", "models", "swarmbatch-home", "dht-address", "swarm-file", *KEY_VOLUMES} <= set(config["volumes"])
 
     def mounts(name: str) -> set[str]:
         return {entry.rsplit(":", 1)[0] for entry in config["services"][name]["volumes"]}
@@ -92,7 +96,8 @@ def test_named_volumes_keep_postgres_data_models_the_keys_the_dht_address_and_th
 
 # ---- deployment defaults: bind address, a non-root user, keys mounted into their owners alone, no example password ---
 
-KEY_VOLUMES = {"dht-identity": "dht", "server1-identity": "server1", "server2-identity": "server2"}  # volume -> owner
+KEY_VOLUMES = {"dht-identity": "dht", "server1-identity": "server1", "server2-identity": "server2",
+               "worker-identity": "worker"}  # volume -> owner
 
 
 def named_mounts(service: dict[str, Any]) -> dict[str, str]:
@@ -116,16 +121,41 @@ def test_every_port_is_published_on_bind_addr_which_defaults_to_this_host_only(c
     assert len(ports) == 6 and all(port.startswith("192.0.2.10:") for port in ports), ports
 
 
-def test_each_private_key_is_mounted_into_the_service_that_owns_it_alone(config: dict[str, Any]) -> None:
+def identity_path(service: dict[str, Any], args: list[str]) -> str:
+    """The key file a member process runs with: its --identity, or SWARMBATCH_IDENTITY (the worker's clients)."""
+    return args[args.index("--identity") + 1] if "--identity" in args else service["environment"]["SWARMBATCH_IDENTITY"]
+
+
+def test_each_private_key_is_mounted_into_the_service_that_owns_it_and_swarm_init_alone(config: dict[str, Any]) -> None:
     services, invocations = config["services"], swarmbatch_invocations(config["services"])
+    init_mounts = named_mounts(services["swarm-init"])
     for volume, owner in KEY_VOLUMES.items():
-        assert {name for name, service in services.items() if volume in named_mounts(service)} == {owner}, volume
-        args = invocations[owner]
-        identity = args[args.index("--identity") + 1]
+        assert {name for name, service in services.items() if volume in named_mounts(service)} == {owner, "swarm-init"}
+        identity = identity_path(services[owner], invocations[owner])
         assert identity.startswith(named_mounts(services[owner])[volume] + "/"), (owner, identity)
-    for name in ("api", "worker", "beat", "migrate", "model"):  # nothing holding a key: not even a shared volume
+        # swarm-init writes the key where the owner reads it: the same file name in the same volume
+        assert init_mounts[volume] == f"/members/{owner}" and identity.endswith("/identity.key"), (owner, identity)
+    assert "key=/members/$$member/identity.key" in " ".join(services["swarm-init"]["command"])
+    assert not services["swarm-init"].get("ports")
+    for name in ("api", "beat", "migrate", "model"):  # nothing holding a key: not even a shared volume
         assert not set(named_mounts(services[name])) & set(KEY_VOLUMES), name
-        assert "--identity" not in invocations[name], name
+        assert "--identity" not in invocations[name] and "SWARMBATCH_IDENTITY" not in services[name]["environment"]
+
+
+def test_the_compose_swarm_is_private_every_member_reads_the_swarm_file_swarm_init_writes(
+        config: dict[str, Any]) -> None:
+    services = config["services"]
+    assert named_mounts(services["swarm-init"])["swarm-file"] == "/swarm"
+    assert "swarm-file:/swarm:rw" in services["swarm-init"]["volumes"]  # written there
+    for name in MEMBERS:
+        assert "swarm-file:/swarm:ro" in services[name]["volumes"], name
+        assert services[name]["environment"]["SWARMBATCH_SWARM_FILE"] == "/swarm/swarm.json", name
+    for name in ("api", "beat", "migrate", "model"):  # they never talk to the swarm
+        assert "swarm-file" not in named_mounts(services[name]), name
+    script = " ".join(services["swarm-init"]["command"])
+    assert "swarmbatch swarm init /swarm/swarm.json" in script
+    assert "for member in " + " ".join(sorted(MEMBERS)) + ";" in script
+    assert "swarmbatch swarm add-member /swarm/swarm.json $$key --name $$member" in script
 
 
 def dockerfile_lines() -> list[str]:
@@ -191,21 +221,27 @@ def test_compose_refuses_to_run_without_a_postgres_password(tmp_path: Path) -> N
     assert proc.returncode != 0 and "set POSTGRES_PASSWORD in .env" in proc.stderr
 
 
-def swarmbatch_invocations(services: dict[str, Any]) -> dict[str, list[str]]:
-    """Per service, the argument list its `swarmbatch` process gets (image entrypoint, or inside `sh -c`)."""
-    found: dict[str, list[str]] = {}
+def all_swarmbatch_invocations(services: dict[str, Any]) -> dict[str, list[list[str]]]:
+    """Per service, the argument lists of every `swarmbatch` command it runs (image entrypoint, or inside `sh -c`)."""
+    found: dict[str, list[list[str]]] = {}
     for name, service in services.items():
         if "image" in service and not service["image"].startswith("swarmbatch"):
             continue
         command = service["command"]
         if service.get("entrypoint") == ["/bin/sh", "-c"]:
-            text = " ".join(command)
-            segment = next(part for part in text.split("&&") if "swarmbatch " in part)
-            words = shlex.split(segment.split("swarmbatch ", 1)[1])
-            found[name] = words[:words.index(">")] if ">" in words else words
+            found[name] = []
+            for segment in re.split(r"&&|\|\||;|[{}]", " ".join(command)):
+                if "swarmbatch " in segment and "echo" not in segment:
+                    words = shlex.split(segment.split("swarmbatch ", 1)[1])
+                    found[name].append(words[:words.index(">")] if ">" in words else words)
         else:
-            found[name] = list(command)
+            found[name] = [list(command)]
     return found
+
+
+def swarmbatch_invocations(services: dict[str, Any]) -> dict[str, list[str]]:
+    """Per service, the argument list of its (first) `swarmbatch` command."""
+    return {name: commands[0] for name, commands in all_swarmbatch_invocations(services).items()}
 
 
 def resolve(args: list[str]) -> tuple[list[str], Any]:
@@ -219,10 +255,11 @@ def resolve(args: list[str]) -> tuple[list[str], Any]:
 
 
 def test_every_swarmbatch_command_in_the_compose_file_is_a_real_cli_command(config: dict[str, Any]) -> None:
-    invocations = swarmbatch_invocations(config["services"])
+    invocations = all_swarmbatch_invocations(config["services"])
     assert set(invocations) == LONG_RUNNING - {"redis", "postgres"} | ONE_SHOT
+    assert len(invocations["swarm-init"]) == 3  # swarm init, new-key, add-member
     runner = CliRunner()
-    for name, args in invocations.items():
+    for name, args in ((name, args) for name, commands in invocations.items() for args in commands):
         path, command = resolve(args)
         assert path and not hasattr(command, "commands"), f"{name}: {args}"
         result = runner.invoke(app, [*path, "--help"])
@@ -241,8 +278,48 @@ def test_every_variable_the_compose_file_uses_is_documented_in_env_example() -> 
 
 
 def test_the_image_installs_the_cpu_torch_before_the_project_and_runs_swarmbatch() -> None:
-    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
-    torch_at = lines.index("RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
+    lines = dockerfile_lines()
+    # by default from the PyTorch CPU index (a build without it passes TORCH_SOURCE, scripts/compose-smoke.sh)
+    assert 'ARG TORCH_SOURCE="--index-url https://download.pytorch.org/whl/cpu"' in lines
+    torch_at = lines.index("RUN pip install torch==2.13.0 $TORCH_SOURCE")
     project_at = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install ."))
     assert "FROM python:3.11-slim" in lines and torch_at < project_at
     assert 'ENTRYPOINT ["swarmbatch"]' in lines
+
+
+
+def test_the_demo_documents_are_package_data_so_a_non_editable_install_finds_them() -> None:
+    from launch import demo
+
+    docs = demo.sample_documents()
+    assert len(docs) >= 4
+    package = Path(demo.__file__).resolve().parent
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["launch"]
+    assert all(any(doc.relative_to(package).match(glob) for glob in globs) for doc in docs), (docs, globs)
+
+# ---- the stack for real: scripts/compose-smoke.sh ---------------------------------------------------------------------
+SKIPPED = 77  # the script's exit status when it cannot run here; its last stderr line says why
+
+
+@pytest.mark.slow  # the real SmolLM2, a Docker build and the whole stack: minutes (README "One machine: docker compose")
+@pytest.mark.swarm
+@pytest.mark.timeout(3600)
+def test_the_compose_stack_builds_runs_a_batch_through_its_private_swarm_and_leaves_nothing_running() -> None:
+    """The image from the project's Dockerfile; `up` healthy; the swarm private (an outsider's key refused); a key
+    from `keys create`; a JSONL batch over HTTP through the worker and both servers; /metrics; the demo inside the
+    image; `down -v` leaves nothing. The script also stops dockerd and undoes its host changes if it started it."""
+    if os.environ.get("SWARMBATCH_SKIP_COMPOSE") == "1":
+        pytest.skip("SWARMBATCH_SKIP_COMPOSE=1")
+    script = subprocess.Popen(["bash", str(ROOT / "scripts" / "compose-smoke.sh")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
+    try:
+        out, err = script.communicate(timeout=3300)
+    except subprocess.TimeoutExpired:
+        script.terminate()  # SIGTERM: its trap takes the stack down and stops the dockerd it started
+        out, err = script.communicate(timeout=300)
+        pytest.fail(f"compose-smoke.sh ran over 3300 s:\n{out[-6000:]}\n{err[-6000:]}")
+    if script.returncode == SKIPPED:
+        pytest.skip(err.strip().splitlines()[-1])
+    assert script.returncode == 0, f"{out[-6000:]}\n{err[-6000:]}"
+    assert "nothing of swarmbatch-smoke is left" in out
+    print(out[out.index("---- image sizes"):])

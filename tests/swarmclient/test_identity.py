@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from swarmclient.identity import Identity, IdentityError, peer_id_of_public_key, verify
+from swarmclient.identity import Identity, IdentityError, decode_key_message, encode_key_message, peer_id_of_public_key, verify
 
 
 def test_peer_id_matches_hiveminds_derivation(tmp_path: Path) -> None:
@@ -44,3 +44,22 @@ def test_bad_key_files_raise_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "junk.key").write_bytes(b"\x00garbage")
     with pytest.raises(IdentityError, match="not a swarmbatch/libp2p key file"):
         Identity.load(tmp_path / "junk.key")
+
+
+def test_key_files_and_peer_ids_are_encoded_byte_for_byte_as_hiveminds_crypto_pb2(tmp_path: Path) -> None:
+    from hivemind.proto import crypto_pb2
+
+    identity = Identity.create(tmp_path / "k.key")
+    written = (tmp_path / "k.key").read_bytes()
+    parsed = crypto_pb2.PrivateKey.FromString(written)
+    assert written == crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=parsed.data).SerializeToString()
+    assert encode_key_message(crypto_pb2.RSA, identity.public_key_der) == crypto_pb2.PublicKey(
+        key_type=crypto_pb2.RSA, data=identity.public_key_der).SerializeToString()
+    assert decode_key_message(written) == (crypto_pb2.RSA, parsed.data)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x08\x00", b"\x08\x00\x12\x05abc", b"\x08\x00\x12\x01a\x1a\x00", b"\xff" * 12])
+def test_a_malformed_key_file_is_one_line_not_a_key_file(tmp_path: Path, garbage: bytes) -> None:
+    (tmp_path / "bad.key").write_bytes(garbage)
+    with pytest.raises(IdentityError, match="is not a swarmbatch/libp2p key file"):
+        Identity.load(tmp_path / "bad.key")
