@@ -26,8 +26,9 @@ import torch
 from hivemind.p2p import PeerID
 
 from swarmclient import protocol
+from swarmclient.answers import AnswerReader, PushFailure, StreamBroken
 from swarmclient.data_structures import RouteHop
-from swarmclient.errors import InvalidRequest, PeerFailed, SessionTimeout, Unauthorized, WrongOutput
+from swarmclient.errors import InvalidRequest, PeerFailed, PushReported, SessionTimeout, Unauthorized, WrongOutput
 from swarmclient.retry import with_retries
 from swarmclient.swarm import Swarm
 from swarmclient.verification import Verdict, VerificationTally, sampled, stack_history
@@ -43,10 +44,17 @@ class ServerSession:
     when the step is small: see `_open_with`), and reads both answers. Once a step fails midway (a timeout, a
     dropped stream, a refused open), the stream may be out of step with the server, so every later step fails
     too: the caller replaces the session.
+
+    push=True: the session is opened at `open()` for server-to-server push (protocol.py); its answers, asked for or
+    pushed by the server before it, are read by an AnswerReader and matched to steps by step id (`send`, `answer`).
+    A failed push that the server reports is passed to `on_push_failure`.
     """
 
-    def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int) -> None:
-        self.swarm, self.hop = swarm, hop
+    def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int, push: bool = False,
+                 on_push_failure: PushFailure | None = None) -> None:
+        self.swarm, self.hop, self.push = swarm, hop, push
+        self._on_push_failure = on_push_failure or (lambda step_id, peer, reason: None)
+        self._answers: AnswerReader | None = None
         self.batch_size, self.max_length = batch_size, max_length
         self.session_id = uuid.uuid4().hex
         self._reader: asyncio.StreamReader | None = None
@@ -65,41 +73,123 @@ class ServerSession:
                 timeout=self.swarm.config.connect_timeout)
         except Exception as e:
             raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
+        if self.push:
+            await self._open_for_push()
         return self
+
+    async def _open_for_push(self) -> None:
+        """Send the open message and wait for its answer (a pushed session gets no first step from the client to go
+        with it), then hand the stream's reading to an AnswerReader."""
+        self._opened = True
+        answer = await self._exchange([self._open_message()], self.swarm.config.connect_timeout,
+                                      max_bytes=protocol.OPEN_FRAME_LIMIT)
+        if not _opened(answer):
+            self._failure = "the server did not open the session"
+            self._output(answer, None)  # raises the refusal
+            raise self._broken("the server did not open the session")
+        assert self._reader is not None
+        self._answers = AnswerReader(self._reader, self._on_push_failure)
 
     def _open_message(self) -> bytes:
         """The session's first message: its id, blocks and size (what the server reserves), and the caller's keys."""
         return protocol.encode([], {**self.swarm.auth_meta(), "open": True, "session_id": self.session_id,
                                     "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
-                                    "max_length": self.max_length})
+                                    "max_length": self.max_length, **({"push": True} if self.push else {})})
 
     async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                   keep_rows: Sequence[int] | None = None) -> torch.Tensor:
+                   keep_rows: Sequence[int] | None = None, *, step_id: int | None = None) -> torch.Tensor:
         """Send one step's hidden states; returns the hop's output hidden states.
 
         keep_rows: first keep only these rows of the session's batch (the step's tensors have len(keep_rows) rows).
+        step_id: the step's index in the session (a server applies each id once); required with push.
         """
+        if self.push:
+            assert step_id is not None, "a push session's steps carry step ids"
+            await self.send(hidden, attention_mask, position_ids, keep_rows, step_id=step_id)
+            return await self.answer(step_id, hidden.shape)
         if self._failure is not None:
             raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure})")
         assert self._writer is not None, "open() first"
+        frame = protocol.encode([hidden, attention_mask, position_ids], self._step_meta(keep_rows, step_id, None))
+        began = time.perf_counter()
+        if self._opened:
+            frame = await self._exchange([frame], self._timeout(hidden.shape), max_bytes=self._answer_bytes(hidden.shape))
+        else:
+            frame = await self._open_with(frame, self._timeout(hidden.shape), max_bytes=self._answer_bytes(hidden.shape))
+        seconds = time.perf_counter() - began
+        output = self._output(frame, hidden.shape)
+        if hidden.shape[1] == 1:  # a decode step: what routing holds the server's announced throughput to
+            self.swarm.observe_step(self.hop.peer_id, self.hop.end - self.hop.start, seconds)
+        return output
+
+    def _step_meta(self, keep_rows: Sequence[int] | None, step_id: int | None, route: list[list[str]] | None
+                   ) -> dict[str, Any]:
         meta: dict[str, Any] = {"session_id": self.session_id}
         if keep_rows is not None:
             meta["keep_rows"] = list(keep_rows)
+        if step_id is not None:
+            meta["step_id"] = step_id
+        if route:
+            meta["route"] = route
+        return meta
+
+    def _timeout(self, shape: torch.Size) -> float:
         config = self.swarm.config
-        tokens = hidden.shape[0] * hidden.shape[1]
-        timeout = config.step_timeout + config.step_timeout_per_token * tokens
-        max_bytes = tokens * hidden.shape[2] * 4 + (1 << 16)
-        frame = protocol.encode([hidden, attention_mask, position_ids], meta)
-        began = time.perf_counter()
-        if self._opened:
-            frame = await self._exchange([frame], timeout, max_bytes=max_bytes)
-        else:
-            frame = await self._open_with(frame, timeout, max_bytes=max_bytes)
-        seconds = time.perf_counter() - began
+        return config.step_timeout + config.step_timeout_per_token * shape[0] * shape[1]
+
+    @staticmethod
+    def _answer_bytes(shape: torch.Size) -> int:
+        return shape[0] * shape[1] * shape[2] * 4 + (1 << 16)
+
+    async def send(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   keep_rows: Sequence[int] | None, *, step_id: int, route: list[list[str]] | None = None) -> None:
+        """Push mode: send a step without waiting for its answer; `route` ([peer id, session id] of the next hops)
+        has the server push its outputs on."""
+        if self._failure is not None or self._answers is None or self._answers.broken is not None:
+            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure or 'closed'})")
+        assert self._writer is not None
+        self.expect(hidden.shape)
+        protocol.write_frame(self._writer, protocol.encode([hidden, attention_mask, position_ids],
+                                                           self._step_meta(keep_rows, step_id, route)))
         try:
-            tensors, meta = protocol.decode(frame)
+            await self._writer.drain()
+        except Exception as e:
+            raise self._broken(f"{type(e).__name__}: {e}") from e
+
+    def expect(self, shape: torch.Size) -> None:
+        """Push mode: an answer of this shape may come (pushed steps come unasked)."""
+        if self._answers is not None:
+            self._answers.expect(self._answer_bytes(shape))
+
+    async def answer(self, step_id: int, shape: torch.Size) -> torch.Tensor:
+        """Push mode: this hop's output of step `step_id` (sent by the client or pushed by the server before)."""
+        if self._answers is None:
+            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure or 'closed'})")
+        try:
+            _, frame_meta = answer = await self._answers.answer(step_id, self._timeout(shape))
+        except TimeoutError as e:
+            self._failure = "timeout"
+            raise SessionTimeout(self.hop.peer_id, f"no answer to step {step_id} in {self._timeout(shape):.0f} s") from e
+        except StreamBroken as e:
+            raise self._broken(str(e)) from e
+        return self._decoded_output(answer, shape)
+
+    def fail_step(self, step_id: int, error: BaseException) -> None:
+        """Push mode: stop waiting for step `step_id` (its upstream server reported that the push failed)."""
+        if self._answers is not None:
+            self._answers.fail(step_id, error)
+
+    def _output(self, frame: bytes, shape: torch.Size | None) -> torch.Tensor:
+        """A step's output from its answer frame; raises the server's refusal as the matching error."""
+        try:
+            answer = protocol.decode(frame)
         except ValueError as e:
             raise self._broken(f"an undecodable answer: {e}") from e
+        return self._decoded_output(answer, shape)
+
+    def _decoded_output(self, answer: tuple[list[torch.Tensor], dict[str, Any]], shape: torch.Size | None
+                        ) -> torch.Tensor:
+        tensors, meta = answer
         error = protocol.response_error(meta)
         if error is not None:
             code, message = error
@@ -107,11 +197,10 @@ class ServerSession:
                 raise (Unauthorized if code is protocol.ErrorCode.UNAUTHORIZED else PeerFailed)(
                     self.hop.peer_id, f"{code.value}: {message}")
             raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
-        if len(tensors) != 1 or tensors[0].shape != hidden.shape:
-            raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a {tuple(hidden.shape)} step")
+        if shape is None or len(tensors) != 1 or tensors[0].shape != shape:
+            raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a "
+                               f"{tuple(shape) if shape is not None else 'open'} message")
         self.steps += 1
-        if hidden.shape[1] == 1:  # a decode step: what routing holds the server's announced throughput to
-            self.swarm.observe_step(self.hop.peer_id, self.hop.end - self.hop.start, seconds)
         self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
@@ -167,6 +256,8 @@ class ServerSession:
         """
         if self._writer is None:
             return
+        if self._answers is not None:  # it waits for the next message's length: nothing of one is lost
+            self._answers.close()
         writer, reader, self._writer = self._writer, self._reader, None
         in_sync, self._failure = self._failure is None and self._opened, "closed"  # a broken stream may be mid-message
         try:
@@ -292,6 +383,8 @@ class InferenceSession:
                          self.batch_size if keep_rows is None else len(keep_rows))
         hidden = hidden.float().contiguous()
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
+        if self.swarm.config.push:
+            return await self._astep_pushed(hidden, attention_mask, position_ids, keep_rows)
         inputs: dict[int, torch.Tensor] = {}
         position = 0
         while position < self.swarm.num_blocks:
@@ -338,7 +431,7 @@ class InferenceSession:
             await self._repair(position)
         session = self._sessions[position]
         try:
-            output = await session.step(hidden, attention_mask, position_ids, keep_rows)
+            output = await session.step(hidden, attention_mask, position_ids, keep_rows, step_id=len(self._history))
         except PeerFailed:
             self._broken.add(position)
             raise
@@ -357,7 +450,89 @@ class InferenceSession:
             self._broken.add(hop.start)
             raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
 
+    # ---- push: the client sends a step to the first hop only; each server pushes its outputs to the next -------------
+    async def _astep_pushed(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                            keep_rows: list[int] | None) -> torch.Tensor:
+        """`astep` with server-to-server push. Every hop's outputs still come back (its answer), so the history
+        records each hop's inputs as without push: a failover replays them and a check recomputes them."""
+        step_id = len(self._history)
+        boundaries: dict[int, torch.Tensor] = {0: hidden}  # block index -> this step's hidden states there
+        await with_retries(lambda: self._push_attempt(step_id, boundaries, attention_mask, position_ids, keep_rows),
+                           config=self.swarm.config, on_failure=self._on_failure)
+        self._record({hop.start: boundaries[hop.start] for hop in self.route}, attention_mask, position_ids, keep_rows)
+        return boundaries[self.swarm.num_blocks]
+
+    async def _push_attempt(self, step_id: int, boundaries: dict[int, torch.Tensor], attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+        """Repair broken hops, then send the step to the first hop whose outputs are missing, with the route on."""
+        for start in sorted(self._sessions):
+            session = self._sessions.get(start)
+            if session is not None and (start in self._broken or self.swarm.bans.banned_for_good(session.hop.peer_id)):
+                await self._repair(start)  # the replacement has not run this step: its outputs and later ones go
+                for block in [b for b in boundaries if session.hop.start < b <= session.hop.end]:
+                    del boundaries[block]
+        hops = self.route
+        first = next(i for i, hop in enumerate(hops) if hop.end not in boundaries)
+        pending = hops[first:]
+        shape = boundaries[0].shape
+        for hop in pending:
+            self._sessions[hop.start].expect(shape)
+        head = self._sessions[pending[0].start]
+        try:
+            await head.send(boundaries[pending[0].start], attention_mask, position_ids, keep_rows, step_id=step_id,
+                            route=[[hop.peer_id, self._sessions[hop.start].session_id] for hop in pending[1:]])
+        except PeerFailed:
+            self._broken.add(head.hop.start)
+            raise
+        await self._collect(step_id, pending, boundaries, shape)
+        for hop in pending:
+            if sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id, hop.start):
+                await self._check_pushed(hop, boundaries, attention_mask, position_ids, keep_rows)
+            self.swarm.bans.forgive(hop.peer_id)
+
+    async def _collect(self, step_id: int, hops: list[RouteHop], boundaries: dict[int, torch.Tensor],
+                       shape: torch.Size) -> None:
+        """Wait for each hop's outputs of the step; the first failure stops the wait (a reported push included)."""
+        waits = {asyncio.ensure_future(self._sessions[hop.start].answer(step_id, shape)): hop for hop in hops}
+        try:
+            while waits:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    hop = waits.pop(task)
+                    try:
+                        boundaries[hop.end] = task.result()
+                    except PushReported:
+                        raise
+                    except PeerFailed:
+                        self._broken.add(hop.start)
+                        raise
+        finally:
+            for task in waits:
+                task.cancel()
+
+    def _push_failed(self, step_id: int, peer_id: str, reason: str) -> None:
+        """A server reports that it could not push step `step_id` to `peer_id`: stop waiting for that server."""
+        for session in self._sessions.values():
+            if session.hop.peer_id == peer_id:
+                session.fail_step(step_id, PushReported(peer_id, f"the server before it could not push: {reason}"))
+
+    async def _check_pushed(self, hop: RouteHop, boundaries: dict[int, torch.Tensor], attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+        """A sampled hop's check; found lying, its outputs and every later hop's (computed from them) are redone."""
+        try:
+            await self._check(hop, boundaries[hop.start], attention_mask, position_ids, keep_rows, boundaries[hop.end])
+        except WrongOutput:
+            for later in self.route:
+                if later.start >= hop.start:
+                    self._broken.add(later.start)
+            for block in [b for b in boundaries if b > hop.start]:
+                del boundaries[block]
+            raise
+
     async def _on_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, PushReported):  # not its fault yet: the step goes to it directly next
+            logger.info("Server %s: %s; sending the step to it directly", exc.peer_id[-8:], exc.reason)
+            return
         if isinstance(exc, PeerFailed) and not isinstance(exc, WrongOutput):  # the verifier banned it for good
             duration = self.swarm.ban(exc)
             logger.warning("Server %s failed (%s); banned for %.0f s, routing around it",
@@ -389,8 +564,8 @@ class InferenceSession:
 
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
         hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)
-        sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length)
-                    for hop in hops]
+        sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length,
+                                  push=self.swarm.config.push, on_push_failure=self._push_failed) for hop in hops]
         opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)
         failure = next((r for r in opened if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -403,11 +578,12 @@ class InferenceSession:
     async def _replay(self, hops: list[RouteHop]) -> None:
         """Feed the new hops every past step's inputs, in order, so their caches match the lost ones."""
         replayed: list[StepRecord] = []
-        for record, mask in zip(self._history, step_masks(self._history), strict=True):
+        for step_id, (record, mask) in enumerate(zip(self._history, step_masks(self._history), strict=True)):
             inputs, hidden = dict(record.inputs), record.inputs[hops[0].start]
             for hop in hops:
                 inputs[hop.start] = hidden  # a new hop boundary gets its inputs recorded for later replays
-                hidden = await self._sessions[hop.start].step(hidden, mask, record.position_ids, record.keep_rows)
+                hidden = await self._sessions[hop.start].step(hidden, mask, record.position_ids, record.keep_rows,
+                                                              step_id=step_id)
             replayed.append(dataclasses.replace(record, inputs=inputs))
         self._history = replayed  # only once the whole replay worked: a failed one leaves the history as it was
         if replayed:
