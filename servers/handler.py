@@ -177,6 +177,8 @@ class BlockHandler:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
     pusher: Pusher = field(default_factory=Pusher)
+    # this server's round trips to the servers that may follow it (servers/neighbours.py), for its info answer
+    next_rtts: Callable[[], dict[str, float]] = dict
 
     def __post_init__(self) -> None:
         # a merged forward holds at most as many rows as one session may have
@@ -275,7 +277,7 @@ class BlockHandler:
 
     async def _info(self, frame: bytes, stream: Stream) -> bytes:
         self._read(frame, stream)
-        return protocol.encode([], self.status().info_answer())
+        return protocol.encode([], {**self.status().info_answer(), "next_rtts": self.next_rtts()})
 
     async def _serve_forward(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                              ) -> None:

@@ -90,6 +90,8 @@ class NetLab:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[ManagedProcess] = []
         self._namespaces: list[str] = []
+        self.delays = delays  # each node's one-way input delay now (`set_delay`)
+        self._delayers: dict[int, ManagedProcess] = {}
 
     def __enter__(self) -> NetLab:
         try:
@@ -112,8 +114,8 @@ class NetLab:
         for node in self.nodes:
             self._add_node(node)
         for node in self.nodes:
-            if node.delay_ms > 0:
-                self._delay(node)
+            self._count_and_queue(node)
+            self.set_delay(node, node.delay_ms)
 
     def _add_namespace(self, name: str) -> None:
         _run("ip", "netns", "add", name)
@@ -128,16 +130,46 @@ class NetLab:
         _run("ip", "-n", node.namespace, "addr", "add", f"{node.ip}/24", "dev", "eth0")
         _run("ip", "-n", node.namespace, "link", "set", "eth0", "up")
 
-    def _delay(self, node: Node) -> None:
-        """Queue what eth0 receives (--queue-bypass: unqueued if no reader), and hold it there for the node's delay."""
+    def _count_and_queue(self, node: Node) -> None:
+        """In the node's INPUT: one counting rule per other node (bytes from it: `traffic`), then the NFQUEUE rule
+        that hands what eth0 receives to the delay program (--queue-bypass: passed on at once while none reads)."""
+        for other in self.nodes:
+            if other is not node:
+                _run("ip", "netns", "exec", node.namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-s", other.ip)
+        _run("ip", "netns", "exec", node.namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
+             "--queue-num", str(QUEUE), "--queue-bypass")
+
+    def set_delay(self, node: Node, delay_ms: float) -> None:
+        """Give a node another one-way input delay (0: none); packets pass undelayed during the swap."""
+        old = self._delayers.pop(node.index, None)
+        if old is not None:
+            old.terminate(timeout=5)
+            self.processes.remove(old)
+        self.delays[node.index] = delay_ms
+        if delay_ms > 0:
+            self._delayers[node.index] = self._delay(node, delay_ms)
+
+    def traffic(self) -> dict[tuple[int, int], int]:
+        """Bytes received so far, by (sending node, receiving node), IP headers included."""
+        counts = {}
+        for node in self.nodes:
+            listing = self.exec(node, ["iptables", "-L", "INPUT", "-v", "-x", "-n"], timeout=30).stdout
+            for line in listing.splitlines():
+                fields = line.split()  # pkts bytes [target] prot opt in out source destination
+                sources = [f for f in fields[2:] if f.startswith(SUBNET + ".")]
+                if fields and fields[0].isdigit() and len(sources) == 1 and "NFQUEUE" not in fields:
+                    counts[(int(sources[0].rsplit(".", 1)[1]) - 1, node.index)] = int(fields[1])
+        return counts
+
+    def _delay(self, node: Node, delay_ms: float) -> ManagedProcess:
+        """Start the node's delay program (it reads the NFQUEUE that the node's INPUT rule feeds)."""
         program = self.run(node, [sys.executable, str(DELAY_PROGRAM), "--queue", str(QUEUE),
-                                  "--delay-ms", str(node.delay_ms)], name=f"delay{node.index}")
+                                  "--delay-ms", str(delay_ms)], name=f"delay{node.index}-{delay_ms:g}ms")
         try:
             program.wait_for_line("ready", timeout=30)
         except ServerError as e:  # e.g. "nfqueue unavailable: ..." in its log
             raise LabError(f"the delay program did not start: {program.log_path.read_text()[-300:].strip()}") from e
-        _run("ip", "netns", "exec", node.namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
-             "--queue-num", str(QUEUE), "--queue-bypass")
+        return program
 
     # ---- using ----------------------------------------------------------------------------------------------
     def run(self, node: Node, args: Sequence[str], *, name: str, env: Mapping[str, str] | None = None

@@ -194,3 +194,21 @@ def test_only_members_push_and_only_into_sessions_opened_for_push(tiny_model: Pa
     finally:
         outsider.close()
         member.close()
+
+
+def test_servers_report_their_round_trips_to_the_servers_after_them(three_servers: LocalSwarm, client: Swarm) -> None:
+    # Given servers on blocks 0:2, 2:4, 4:6: each (but the last) pings the holders of the block after its span
+    first, second, third = (server.peer_id for server in three_servers.servers)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # a server measures every 10 s, the first time as it comes online
+        for peer in (first, second, third):
+            client.loop.run(client.ping(peer))
+        if (first, second) in client.links and (second, third) in client.links:
+            break
+        time.sleep(1)
+    # Then the client learned both links from the servers' info answers, and nothing about the last server's
+    assert 0 < client.links[(first, second)] < 5 and 0 < client.links[(second, third)] < 5
+    assert not [link for link in client.links if link[0] == third]
+    # and routes with push on them
+    route = client.loop.run(client.route(0, 6))
+    assert [hop.peer_id for hop in route] == [first, second, third]
