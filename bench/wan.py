@@ -14,8 +14,8 @@ the floor of push, (hops + 1) / 2 x RTT + the push-on ms/token at RTT 0 (compute
 bytes each link carried per position (prompt prefill included, both directions, IP headers included), from
 iptables counters in each node. Push on and off must produce identical tokens (checked every run).
 
-"tiny" is `swarmbatch model tiny --layers 8 --hidden-size 256` (a random 8-layer Llama, hidden 256); "smollm2" the
-real SmolLM2-135M-Instruct (30 layers, hidden 576), prepared under ~/.swarmbatch/models.
+"tiny" is `modelprep.write_tiny_model(layers=8, hidden_size=256)` (`swarmbatch model tiny --layers 8`, at hidden
+256); "smollm2" the real SmolLM2-135M-Instruct (30 layers, hidden 576), prepared under ~/.swarmbatch/models.
 """
 from __future__ import annotations
 

@@ -72,3 +72,13 @@ def test_servers_in_separate_namespaces_20ms_apart_generate_the_local_greedy_tok
     assert lab.rtt_ms(lab.nodes[0], lab.nodes[1]) >= 20.0
     # When the client generates through them, Then the tokens are local greedy generation's
     assert generate_in(lab, 0, tiny_model, peers, PROMPTS, 12) == expected_ids(tiny_model, PROMPTS, 12)
+
+
+def test_three_servers_20ms_apart_pushing_to_each_other_generate_the_local_greedy_tokens(tiny_model: Path,
+                                                                                         netlab: LabFactory) -> None:
+    # Given the DHT and client on node 0 and three servers on nodes 1-3, every node 20 ms from every other
+    lab = netlab(4, delay_ms=10)
+    peers = start_dht(lab, lab.nodes[0])
+    start_servers(lab, tiny_model, peers, [(lab.nodes[1], 0, 2, ()), (lab.nodes[2], 2, 4, ()), (lab.nodes[3], 4, 6, ())])
+    # When the client generates with server-to-server push, Then the tokens are local greedy generation's
+    assert generate_in(lab, 0, tiny_model, peers, PROMPTS, 12, "--push") == expected_ids(tiny_model, PROMPTS, 12)
