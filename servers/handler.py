@@ -179,6 +179,8 @@ class BlockHandler:
     pusher: Pusher = field(default_factory=Pusher)
     # this server's round trips to the servers that may follow it (servers/neighbours.py), for its info answer
     next_rtts: Callable[[], dict[str, float]] = dict
+    # who this server may push a session's hidden states to (a private swarm's members only; everyone if open)
+    may_push_to: Callable[[str], bool] = lambda peer: True
 
     def __post_init__(self) -> None:
         # a merged forward holds at most as many rows as one session may have
@@ -417,6 +419,9 @@ class BlockHandler:
         step_id, route = validate_step_id(meta.get("step_id")), validate_route(meta.get("route"))
         if route and not session.pushable:
             raise reject("a step with a 'route' needs a session opened with \"push\": true")
+        if route and not self.may_push_to(route[0][0]):
+            raise RequestRejected(ErrorCode.UNAUTHORIZED, f"this server pushes to members of its swarm only, and "
+                                  f"{route[0][0][:64]} is none: route through member servers")
         async with session.lock:
             if step_id is not None and step_id != session.applied:
                 applied = self._repeated(session, step_id)

@@ -168,7 +168,7 @@ class BlockServer:
                                max_sessions_per_peer=config.max_sessions_per_peer,
                                max_queued_forwards=config.max_queued_forwards,
                                max_forwards_per_peer=config.max_forwards_per_peer, stats=self.stats,
-                               authorize=MemberGate(self.membership).check)
+                               authorize=MemberGate(self.membership).check, may_push_to=self.membership.allows)
         announcer = Announcer(node, status=self.status, update_period=config.announce_period)
         return Serving(span, budget, handler, announcer)
 

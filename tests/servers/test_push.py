@@ -189,6 +189,16 @@ def test_only_members_push_and_only_into_sessions_opened_for_push(tiny_model: Pa
                                                {"session_id": opened["session_id"], "step_id": 0,
                                                 "route": [[private_pair.servers[0].peer_id, pushable.session_id]]}))
         assert error_code(meta) is protocol.ErrorCode.INVALID and "push" in str(meta)
+        # A server pushes a member's hidden states to members only: a route naming an outsider is refused
+        stream = raw_stream(member, private_pair.servers[0].peer_id)
+        opened = exchange(member, stream, framed([], {**member.auth_meta(), "open": True, "push": True,
+                                                      "session_id": uuid.uuid4().hex, "start": 0, "end": 3,
+                                                      "batch_size": 1, "max_length": 8}))
+        meta = exchange(member, stream, framed([torch.zeros(1, 1, hidden_size), torch.ones(1, 1, dtype=torch.long),
+                                                torch.zeros(1, 1, dtype=torch.long)],
+                                               {"session_id": opened["session_id"], "step_id": 0,
+                                                "route": [[outsider.p2p.peer_id.to_base58(), pushable.session_id]]}))
+        assert error_code(meta) is protocol.ErrorCode.UNAUTHORIZED and "members" in str(meta)
         member.loop.run(pushable.close())
         member.loop.run(relayed.close())
     finally:
