@@ -206,7 +206,7 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
              push: Annotated[bool, typer.Option(
                  envvar="SWARMBATCH_PUSH",
                  help="Servers push each step's outputs straight to the next server (about (hops + 1) / 2 round trips "
-                      "per token instead of hops: for servers on other machines).")] = False,
+                      "per token instead of hops); --no-push: the client relays every hop.")] = True,
              as_json: JsonOption = False, swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """One-off generation through the swarm."""
     from swarmclient.textgen import generate_texts

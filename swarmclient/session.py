@@ -478,22 +478,29 @@ class InferenceSession:
         for hop in pending:
             self._sessions[hop.start].expect(shape)
         head = self._sessions[pending[0].start]
+        sent = time.perf_counter()
         try:
             await head.send(boundaries[pending[0].start], attention_mask, position_ids, keep_rows, step_id=step_id,
                             route=[[hop.peer_id, self._sessions[hop.start].session_id] for hop in pending[1:]])
         except PeerFailed:
             self._broken.add(head.hop.start)
             raise
-        await self._collect(step_id, pending, boundaries, shape)
+        arrivals = await self._collect(step_id, pending, boundaries, shape)
+        if shape[1] == 1:  # a decode step: each hop's time, from its input's arrival to its answer (network included)
+            for hop, began, ended in zip(pending, [sent, *arrivals], arrivals, strict=False):
+                if ended > began:  # answers travel separately: one may overtake the one before it
+                    self.swarm.observe_step(hop.peer_id, hop.end - hop.start, ended - began)
         for hop in pending:
             if sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id, hop.start):
                 await self._check_pushed(hop, boundaries, attention_mask, position_ids, keep_rows)
             self.swarm.bans.forgive(hop.peer_id)
 
     async def _collect(self, step_id: int, hops: list[RouteHop], boundaries: dict[int, torch.Tensor],
-                       shape: torch.Size) -> None:
-        """Wait for each hop's outputs of the step; the first failure stops the wait (a reported push included)."""
+                       shape: torch.Size) -> list[float]:
+        """Wait for each hop's outputs of the step; the first failure stops the wait (a reported push included).
+        Returns when each hop's answer came (perf_counter), in route order."""
         waits = {asyncio.ensure_future(self._sessions[hop.start].answer(step_id, shape)): hop for hop in hops}
+        arrived: dict[int, float] = {}
         try:
             while waits:
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -501,6 +508,7 @@ class InferenceSession:
                     hop = waits.pop(task)
                     try:
                         boundaries[hop.end] = task.result()
+                        arrived[hop.start] = time.perf_counter()
                     except PushReported:
                         raise
                     except PeerFailed:
@@ -509,6 +517,7 @@ class InferenceSession:
         finally:
             for task in waits:
                 task.cancel()
+        return [arrived[hop.start] for hop in hops]
 
     def _push_failed(self, step_id: int, peer_id: str, reason: str) -> None:
         """A server reports that it could not push step `step_id` to `peer_id`: stop waiting for that server."""

@@ -32,7 +32,7 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> str:
 def generate_texts(model_dir: Path, prompts: list[str], *, initial_peers: list[str], chat: bool = False,
                    max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                    access: SwarmAccess | None = None, verify_fraction: float = 0.0,
-                   verification: VerificationTally | None = None, push: bool = False
+                   verification: VerificationTally | None = None, push: bool = True
                    ) -> list[dict[str, Any]]:
     """[{"prompt", "text", "token_ids"}] for each prompt, generated as one batch through the swarm.
 
