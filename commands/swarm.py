@@ -203,6 +203,10 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
                  envvar="SWARMBATCH_VERIFY_FRACTION", min=0.0, max=1.0,
                  help="Recompute this fraction of steps on a second server holding the same blocks and ban a server "
                       "whose outputs differ; 0 = off (the default here; jobs default to 0.02).")] = 0.0,
+             push: Annotated[bool, typer.Option(
+                 envvar="SWARMBATCH_PUSH",
+                 help="Servers push each step's outputs straight to the next server (about (hops + 1) / 2 round trips "
+                      "per token instead of hops); --no-push: the client relays every hop.")] = True,
              as_json: JsonOption = False, swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """One-off generation through the swarm."""
     from swarmclient.textgen import generate_texts
@@ -213,7 +217,7 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
     checks = VerificationTally()
     outputs = generate_texts(resolve_model(model), prompts, initial_peers=initial_peers, chat=chat,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             access=access, verify_fraction=verify_fraction, verification=checks)
+                             access=access, verify_fraction=verify_fraction, verification=checks, push=push)
     counts = checks.snapshot()
     if as_json:
         typer.echo(json.dumps({"outputs": outputs, "verification": {

@@ -11,7 +11,9 @@ Modules:
     access           MemberGate: the membership check (swarm file, member credentials) before a request is served
     status           ServerStatus: one reading of a server, from which info, /metrics and the DHT record are made
     batching         DecodeBatcher: concurrent sessions' decode steps on the same blocks merged into one forward
-    handler          BlockHandler: the info / forward / inference streams, their frame limits, the authorize hook
+    push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push)
+    neighbours       NextServerPings: round trips to the servers that may follow this one, for push routing
+    handler          BlockHandler: the info / forward / inference / push streams, their frame limits, the authorize hook
                      on a stream's first message, per-caller limits; errors become responses in one place
     announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown
     server           ServerConfig + BlockServer: composition, start-up, status() and ordered shutdown

@@ -36,6 +36,7 @@ from servers.admission import Slots
 from servers.batching import DecodeBatcher, DecodeStep
 from servers.errors import RequestRejected
 from servers.memory import CacheBudget
+from servers.push import Pusher
 from servers.span import BlockSpan
 from servers.stats import ServerStats
 from servers.status import ServerStatus
@@ -45,9 +46,11 @@ from servers.validation import (
     validate_forward,
     validate_forward_header,
     validate_keep_rows,
+    validate_route,
     validate_session_open,
     validate_span,
     validate_step,
+    validate_step_id,
 )
 from swarmclient import protocol
 from swarmclient.protocol import ErrorCode
@@ -67,6 +70,16 @@ def allow_everyone(caller: str, meta: dict[str, Any]) -> None:
     """The default `authorize`: every caller may use the server."""
 
 
+@dataclass(frozen=True)
+class AppliedStep:
+    """A step a session applied: its answer, and what pushing it on takes (a duplicate may name a new route)."""
+
+    step_id: int
+    answer: bytes
+    pushed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # output, attention mask, position ids
+    keep_rows: Any
+
+
 @dataclass
 class Session:
     """One client's inference session on this server."""
@@ -79,6 +92,11 @@ class Session:
     max_length: int
     caches: list[Any]
     length: int = 0
+    pushable: bool = False  # opened with "push": its client's route may push steps into it (push.py)
+    stream: Stream | None = None  # the stream that opened it: answers to pushed steps go there
+    applied: int = 0  # steps applied; a step id below it is a duplicate
+    last_step: AppliedStep | None = None  # the last step applied: what a duplicate of it gets again
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time (a push and a direct step race)
 
 
 def check_session_id(meta: dict[str, Any], session: Session) -> None:
@@ -103,6 +121,9 @@ class Stream:
     session: Session | None = None
     refused: int = 0  # refused messages in a row
     ended: bool = False
+    writer: asyncio.StreamWriter | None = None
+    step_id: int | None = None  # the step id of the message being answered (its refusal carries it too)
+    push_target: Session | None = None  # a push stream: the session it was attached to
 
     def __post_init__(self) -> None:
         self.accepted()
@@ -155,6 +176,11 @@ class BlockHandler:
     stats: ServerStats = field(default_factory=ServerStats)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
+    pusher: Pusher = field(default_factory=Pusher)
+    # this server's round trips to the servers that may follow it (servers/neighbours.py), for its info answer
+    next_rtts: Callable[[], dict[str, float]] = dict
+    # who this server may push a session's hidden states to (a private swarm's members only; everyone if open)
+    may_push_to: Callable[[str], bool] = lambda peer: True
 
     def __post_init__(self) -> None:
         # a merged forward holds at most as many rows as one session may have
@@ -164,7 +190,9 @@ class BlockHandler:
                               total=self.max_queued_forwards)
 
     async def register(self, p2p: P2P) -> None:
-        """Add the three RPCs to a P2P node."""
+        """Add the RPCs to a P2P node (whose streams also carry this server's pushes)."""
+        self.pusher.p2p = p2p
+        await p2p.add_binary_stream_handler(protocol.RPC_PUSH, self.rpc_push)
         await p2p.add_binary_stream_handler(protocol.RPC_INFO, self.rpc_info)
         await p2p.add_binary_stream_handler(protocol.RPC_FORWARD, self.rpc_forward)
         await p2p.add_binary_stream_handler(protocol.RPC_INFERENCE, self.rpc_inference)
@@ -184,10 +212,14 @@ class BlockHandler:
         the client closes the session, the stream ends, or nothing is accepted on it for `session_timeout`."""
         await self._serve(info, reader, writer, self._serve_inference)
 
+    async def rpc_push(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Another server's pushes into one session of ours: an attach message naming it, then steps (push.py)."""
+        await self._serve(info, reader, writer, self._serve_push)
+
     # ---- streams ---------------------------------------------------------------------------------------------
     async def _serve(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      serve: StreamServer) -> None:
-        stream = Stream(peer=str(info.peer_id), timeout=self.session_timeout)
+        stream = Stream(peer=str(info.peer_id), timeout=self.session_timeout, writer=writer)
         try:
             await serve(stream, reader, writer)
         except (StreamOver, ConnectionError):  # over, or the caller went away while we computed
@@ -216,10 +248,13 @@ class BlockHandler:
     async def _reply(self, stream: Stream, writer: asyncio.StreamWriter, handle: Callable[[], Awaitable[bytes]]
                      ) -> None:
         """Answer one message; only an accepted one keeps the stream alive, and too many refusals end it."""
+        stream.step_id = None
         answer, error = await self._answer(handle)
         if error is None:
             stream.accepted()
         else:
+            if stream.step_id is not None:  # a push client files answers by step id (swarmclient/answers.py)
+                answer = protocol.encode([], {**protocol.decode_meta(answer), "step_id": stream.step_id})
             stream.refused += 1
             if stream.session is None and stream.refused >= MAX_REFUSED_BEFORE_OPEN:
                 logger.info("Ending the stream of %s after %d refused messages (last: %s)", stream.peer[-6:],
@@ -244,7 +279,7 @@ class BlockHandler:
 
     async def _info(self, frame: bytes, stream: Stream) -> bytes:
         self._read(frame, stream)
-        return protocol.encode([], self.status().info_answer())
+        return protocol.encode([], {**self.status().info_answer(), "next_rtts": self.next_rtts()})
 
     async def _serve_forward(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                              ) -> None:
@@ -278,6 +313,48 @@ class BlockHandler:
             frame = await self._receive(stream, reader, writer, self._frame_limit(stream))
             await self._reply(stream, writer, lambda: self._message(frame, stream))  # noqa: B023 - awaited here
 
+    # ---- push (the upstream side is push.py) ----------------------------------------------------------------------
+    async def _serve_push(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """An attach message (authorized like any stream's first message), then pushed steps of that session."""
+        attach = await self._receive(stream, reader, writer, protocol.OPEN_FRAME_LIMIT)
+        await self._reply(stream, writer, lambda: self._attach(attach, stream))
+        while stream.push_target is not None and not stream.ended:
+            session = stream.push_target
+            limit = protocol.step_frame_limit(batch=session.batch_size, tokens=session.max_length - session.length,
+                                              mask_length=session.max_length, hidden_size=self.limits.hidden_size)
+            frame = await self._receive(stream, reader, writer, limit)
+            await self._reply(stream, writer, lambda: self._pushed(frame, stream))  # noqa: B023 - awaited here
+
+    async def _attach(self, frame: bytes, stream: Stream) -> bytes:
+        """Attach a push stream to a session that its client opened for push (a member's stream: `_read`)."""
+        tensors, meta = self._read(frame, stream)
+        session = self.sessions.get(str(meta.get("session_id")))
+        if tensors or meta.get("attach") is not True:
+            raise reject("a push stream starts with {\"attach\": true, \"session_id\"} and no tensors")
+        if session is None or not session.pushable:
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"no session {str(meta.get('session_id'))[:64]!r} "
+                                                             "open for push here")
+        stream.push_target = session
+        return protocol.encode([], {"attached": True})
+
+    async def _pushed(self, frame: bytes, stream: Stream) -> bytes:
+        """Apply a pushed step to the attached session; its answer goes to the session's client, the pusher gets
+        {"accepted": step_id}."""
+        session = stream.push_target
+        assert session is not None
+        tensors, meta = self._read(frame, stream)
+        if self.sessions.get(session.session_id) is not session:
+            stream.push_target = None
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"session {session.session_id[:8]} is closed")
+        check_session_id(meta, session)
+        if validate_step_id(meta.get("step_id")) is None:
+            raise reject("a pushed step needs a 'step_id'")
+        answer = await self._apply(session, tensors, meta)
+        if session.stream is not None:
+            session.stream.accepted()  # the client's stream carries no message of its own for pushed steps
+        await self._tell_client(session, answer)
+        return protocol.encode([], {"accepted": meta["step_id"]})
+
     def _frame_limit(self, stream: Stream) -> int:
         """The largest message the stream may send now: small until a session is open, then a step of it."""
         session = stream.session
@@ -289,6 +366,8 @@ class BlockHandler:
     async def _message(self, frame: bytes, stream: Stream) -> bytes:
         """Answer one message of a stream: the open message, a step, or the client's request to end the session."""
         tensors, meta = self._read(frame, stream)
+        if isinstance(meta.get("step_id"), int):
+            stream.step_id = meta["step_id"]
         if meta.get("close"):
             return self._end(meta, stream)
         if meta.get("open"):
@@ -322,7 +401,8 @@ class BlockHandler:
         self.budget.reserve(session_id, owner=stream.peer, batch_size=batch_size, max_length=max_length,
                             num_blocks=end - start)
         session = stream.session = self.sessions[session_id] = Session(
-            session_id, stream.peer, start, end, batch_size, max_length, caches)
+            session_id, stream.peer, start, end, batch_size, max_length, caches, pushable=meta.get("push") is True,
+            stream=stream)
         logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
         return protocol.encode([], {"opened": True, "session_id": session.session_id})
 
@@ -331,6 +411,66 @@ class BlockHandler:
         if session is None:
             raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no session is open on this stream: send an open message first")
         check_session_id(meta, session)
+        return await self._apply(session, tensors, meta)
+
+    async def _apply(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]) -> bytes:
+        """Apply one step to a session, once per step id (a duplicate gets the first answer again), and push its
+        outputs on along the step's route."""
+        step_id, route = validate_step_id(meta.get("step_id")), validate_route(meta.get("route"))
+        if route and not session.pushable:
+            raise reject("a step with a 'route' needs a session opened with \"push\": true")
+        if route and not self.may_push_to(route[0][0]):
+            raise RequestRejected(ErrorCode.UNAUTHORIZED, f"this server pushes to members of its swarm only, and "
+                                  f"{route[0][0][:64]} is none: route through member servers")
+        async with session.lock:
+            if step_id is not None and step_id != session.applied:
+                applied = self._repeated(session, step_id)
+            else:
+                answer, output, mask, positions = await self._compute_step(session, tensors, meta)
+                session.applied += 1
+                applied = AppliedStep(-1 if step_id is None else step_id, answer, (output, mask, positions),
+                                      meta.get("keep_rows"))
+                if step_id is not None:
+                    session.last_step = applied
+        if route:  # a duplicate too: its first push may have failed (the client then names a new next hop)
+            self._push_on(session, step_id, route, *applied.pushed, applied.keep_rows)
+        return applied.answer
+
+    def _repeated(self, session: Session, step_id: int) -> AppliedStep:
+        """A step id other than the next one: the last step, applied once already; else a refusal."""
+        if session.last_step is not None and session.last_step.step_id == step_id:
+            return session.last_step
+        raise reject(f"step {step_id} is out of order: session {session.session_id[:8]} expects step {session.applied}")
+
+    def _push_on(self, session: Session, step_id: int | None, route: list[tuple[str, str]], output: torch.Tensor,
+                 mask: torch.Tensor, positions: torch.Tensor, keep_rows: Any) -> None:
+        """Push a step's outputs to the next hop of its route, in the background; a failure is told the client."""
+        (peer, target), rest = route[0], route[1:]
+        meta: dict[str, Any] = {"session_id": target, "step_id": step_id, "route": [list(hop) for hop in rest]}
+        if keep_rows is not None:
+            meta["keep_rows"] = keep_rows
+        frame = protocol.encode([output, mask, positions], meta)
+
+        async def report(downstream: str, reason: str) -> None:
+            await self._tell_client(session, protocol.encode([], {
+                "session_id": session.session_id, "step_id": step_id,
+                "push_failed": {"peer": downstream, "reason": reason[:500]}}))
+        self.pusher.push_later(session.session_id, (peer, target), frame, report)
+
+    async def _tell_client(self, session: Session, frame: bytes) -> None:
+        """Write a message the client did not ask for on the session's own stream (push answers and reports)."""
+        writer = session.stream.writer if session.stream is not None else None
+        if writer is None or writer.is_closing() or self.sessions.get(session.session_id) is not session:
+            return
+        protocol.write_frame(writer, frame)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass
+
+    async def _compute_step(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]
+                            ) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(answer, output, mask, positions) of one validated step."""
         keep_rows = validate_keep_rows(meta.get("keep_rows"), session.batch_size)
         hidden, mask, positions = validate_step(
             tensors, batch_size=session.batch_size if keep_rows is None else len(keep_rows), past=session.length,
@@ -344,8 +484,9 @@ class BlockHandler:
             output, merged = await self._compute(hidden, mask, positions, session.caches, session.start, session.end), 1
         session.length += hidden.shape[1]
         # the compute time lets clients (and bench/swarm.py) tell network overhead from compute
-        return protocol.encode([output], {"cache_len": session.length, "merged": merged,
-                                          "compute_ms": (time.perf_counter() - began) * 1000})
+        answer = protocol.encode([output], {"cache_len": session.length, "merged": merged, "step_id": meta.get("step_id"),
+                                            "compute_ms": (time.perf_counter() - began) * 1000})
+        return answer, output, mask, positions
 
     def _keep_rows(self, session: Session, rows: list[int]) -> None:
         """Drop the other rows of the session's caches; the freed cache goes back to the budget."""
@@ -366,6 +507,7 @@ class BlockHandler:
         return output.float(), merged
 
     def _close(self, session: Session) -> None:
+        self.pusher.close_session(session.session_id)
         self.sessions.pop(session.session_id, None)
         self.budget.release(session.session_id)
         logger.info(SESSION_CLOSED_LOG, session.session_id[:8], session.length)

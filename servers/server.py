@@ -21,6 +21,7 @@ from servers.faults import inject_faults
 from servers.handler import BlockHandler
 from servers.memory import CacheBudget
 from servers.metrics import start_metrics
+from servers.neighbours import NextServerPings
 from servers.span import BlockSpan
 from servers.stats import ServerStats
 from servers.status import ServerStatus, SpanStatus
@@ -133,6 +134,11 @@ class BlockServer:
         self.state = ServerState.ONLINE
         await serving.announcer.announce()
         serving.announcer.start()
+        pings = NextServerPings(p2p, node, model_id=self.spec.model_id, num_blocks=self.spec.num_blocks, end=end,
+                                allows=self.membership.allows)
+        serving.handler.next_rtts = lambda: dict(pings.rtts)
+        pings.start()
+        self._running.push_async_callback(pings.stop)
         return await visible_maddrs(p2p)
 
     async def _choose_span(self, node: DHTNode) -> tuple[int, int]:
@@ -162,7 +168,7 @@ class BlockServer:
                                max_sessions_per_peer=config.max_sessions_per_peer,
                                max_queued_forwards=config.max_queued_forwards,
                                max_forwards_per_peer=config.max_forwards_per_peer, stats=self.stats,
-                               authorize=MemberGate(self.membership).check)
+                               authorize=MemberGate(self.membership).check, may_push_to=self.membership.allows)
         announcer = Announcer(node, status=self.status, update_period=config.announce_period)
         return Serving(span, budget, handler, announcer)
 

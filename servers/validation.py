@@ -129,3 +129,28 @@ def validate_step(tensors: list[torch.Tensor], *, batch_size: int, past: int, ma
     if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_length):
         raise reject(f"position_ids must lie in [0, {max_length})")
     return hidden, mask.long(), positions.long()
+
+
+MAX_ROUTE = 64  # hops a step may name after this one
+MAX_PEER_ID = 128
+
+
+def validate_step_id(value: Any) -> int | None:
+    """A step's id (its index in the session: what makes a repeated step a duplicate), or None for no id."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 40:
+        raise reject(f"'step_id' must be a non-negative integer, got {str(value)[:40]}")
+    return value
+
+
+def validate_route(value: Any) -> list[tuple[str, str]]:
+    """Where a step's outputs go next: [(peer id, session id)] of the following hops, the next one first."""
+    if value is None:
+        return []
+    hops = list(value) if isinstance(value, (list, tuple)) else None
+    if hops is None or len(hops) > MAX_ROUTE or not all(
+            isinstance(hop, (list, tuple)) and len(hop) == 2 and isinstance(hop[0], str) and isinstance(hop[1], str)
+            and 0 < len(hop[0]) <= MAX_PEER_ID and 0 < len(hop[1]) <= MAX_SESSION_ID for hop in hops):
+        raise reject(f"'route' must be a list of at most {MAX_ROUTE} [peer id, session id] pairs, got {str(value)[:80]}")
+    return [(str(peer), str(session)) for peer, session in hops]

@@ -11,13 +11,16 @@ Modules, from the wire up:
     membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
     network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
-    routing          pure functions: spans, round trips, trusted throughputs, free cache and bans -> a chain of hops
+    routing          pure functions: spans, round trips (client's and servers' links), trusted throughputs, free cache
+                     and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
     swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes, forward)
     verification     checked outputs, the policy: sampled steps, tolerances by precision, the majority rule, counts
     verifier         HopVerifier: recomputes a sampled hop step on other holders, bans the one that lies
-    session          ServerSession (one stream), InferenceSession (a chain that fails over by replaying its StepRecords,
-                     and checks sampled steps)
+    answers          AnswerReader: a push session's answers, read in the background and matched to steps by step id
+    server_session   ServerSession: one inference stream to one server (request/answer, or push: send / answer)
+    session          InferenceSession: a chain that fails over by replaying its StepRecords, checks sampled steps, and
+                     with push sends each step to the first hop only
     head             ClientHead: embeddings, final norm and LM head, run locally
     sampling         greedy / temperature + top-p, seeded by (seed, position)
     generation       the decode loop shared by every caller

@@ -14,7 +14,9 @@
     │   ├── SessionTimeout          a server did not answer within the step timeout
     │   ├── Unauthorized            a server refused us as no member of its swarm (route around; if all refuse:
     │   │                           membership.NotAMember)
-    │   └── WrongOutput             a server's output differs from other servers' (banned for good; replayed elsewhere)
+    │   ├── WrongOutput             a server's output differs from other servers' (banned for good; replayed elsewhere)
+    │   └── PushReported            the server before it could not push a step to it (the client sends the step
+    │                               itself; not banned unless that fails too)
     └── membership.MembershipError  a bad swarm file or member key, or not a member of the swarm (fix the setup)
 """
 from __future__ import annotations
@@ -82,3 +84,8 @@ class Unauthorized(PeerFailed):
 class WrongOutput(PeerFailed):
     """Raised when a checked step's output differs from other servers'; the server is banned for good and the
     client replays its hop through others."""
+
+
+class PushReported(PeerFailed):
+    """Raised when the server before this one reports that it could not push a step here; the client then sends the
+    step to this server itself (banned only if that fails too)."""

@@ -18,6 +18,15 @@ reader refuses a length over its limit having read only those 8 bytes. Before a 
   and refuses that step too, and the stream stays usable); a bigger one waits for {"opened": true}. A last message
   {"session_id", "close": true} asks the server to free the session; it answers {"closed": true} once freed, then
   ends the stream.
+- Push (server to server, issue 18): a session opened with "push": true may get steps carrying "step_id" (the
+  step's index in the session) and "route" ([peer id, session id] of the hops after this one). The server answers
+  such a step as any other, then pushes its outputs (with the step's mask, positions, keep_rows, step id and the
+  rest of the route) to the first hop of the route over a `push` stream: its first message {"attach": true,
+  "session_id"} (the downstream session), answered {"attached": true}; then one step per message, each answered
+  {"accepted": step_id} or an error. The downstream server applies a pushed step to that session exactly once (a
+  step id already applied is a duplicate: a direct step gets the same answer again, a push is acknowledged and
+  dropped) and writes its answer, with its "step_id", on its client's own stream, unasked. A push that fails is
+  reported on the upstream session's stream: {"session_id", "step_id", "push_failed": {"peer", "reason"}}.
 - `info`: one request (meta: the caller's extra keys), one answer; then the server ends the stream.
 - `forward`: a header (no tensors; meta {"start", "end", "batch_size", "length", "dtype"}, plus the caller's
   keys), answered {"admitted": true} (or an error), then one frame of (hidden, attention_mask, position_ids) no
@@ -44,6 +53,7 @@ from hivemind.utils import MSGPackSerializer
 RPC_INFO = "swarmbatch.info/3"
 RPC_FORWARD = "swarmbatch.forward/3"
 RPC_INFERENCE = "swarmbatch.inference/3"
+RPC_PUSH = "swarmbatch.push/3"  # server to server: a step's outputs straight into the next hop's session
 
 OPEN_FRAME_LIMIT = 1 << 16  # bytes: any message before a session exists, an info request, a forward header
 

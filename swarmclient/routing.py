@@ -8,6 +8,14 @@ The throughput is the one the client trusts (`trusted_throughput`): a DHT record
 can reach the DHT, so its figure is only believed up to what the server itself answered to our `info` call and
 what the client measured of its steps. A server is left out when it announced too little free KV cache for
 the session on the blocks it would serve (`has_room`): dialling it would only earn a refusal and a ban.
+
+With server-to-server push (`pushed_route`) a step goes client -> server 1 -> server 2 -> ... -> client, so a chain
+costs half the client's round trip to its first and last servers plus half the round trip between each server and
+the next, which servers measure to the servers that may follow them and report in their `info` answers. A report
+is held to the triangle inequality on what the client measured itself (a link is at least as long as the
+difference of the client's round trips to its ends), and a link nobody reported costs what relaying it through
+the client would (the sum of the client's round trips to both ends): so servers close to each other win over a
+chain that zigzags across the WAN, and a server claiming a short link gains at most the difference.
 """
 from __future__ import annotations
 
@@ -114,4 +122,69 @@ def _unwind(came_from: dict[int, RouteHop], start: int, end: int) -> list[RouteH
         hop = came_from[position]
         route.append(hop)
         position = hop.start
+    return route[::-1]
+
+
+def link_rtt(first: str, second: str, rtts: Mapping[str, float], links: Mapping[tuple[str, str], float]) -> float:
+    """The round trip routing assumes from server `first` to server `second`: the reported one, held to the triangle
+    inequality on the client's own round trips; a link nobody reported costs a relay through the client."""
+    to_first, to_second = rtts.get(first, DEFAULT_RTT), rtts.get(second, DEFAULT_RTT)
+    reported = links.get((first, second))
+    if reported is None:
+        return to_first + to_second
+    return max(reported, abs(to_first - to_second))
+
+
+def pushed_route(
+    spans: list[RemoteSpanInfo],
+    start: int,
+    end: int,
+    *,
+    rtts: Mapping[str, float] | None = None,
+    links: Mapping[tuple[str, str], float] | None = None,
+    banned: Collection[str] = (),
+    throughputs: Mapping[str, float] | None = None,
+    session_tokens: int = 0,
+) -> list[RouteHop] | None:
+    """`min_latency_route` for push: the cheapest chain when each server pushes to the next (links: round trips
+    servers reported to the servers after them, (from, to) -> seconds). A shortest path over (block boundary, last
+    server) states, since what a hop costs depends on the server before it."""
+    rtts, links, throughputs = rtts or {}, links or {}, throughputs or {}
+    usable = [s for s in spans if s.peer_id not in banned and s.end > start and s.start < end
+              and has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
+    State = tuple[int, str]
+    best: dict[State, float] = {}
+    came_from: dict[State, tuple[State | None, RouteHop]] = {}
+    queue: list[tuple[float, int, str]] = [(0.0, start, "")]  # "": no server yet (the client sends)
+    while queue:
+        cost, i, peer = heapq.heappop(queue)
+        state = (i, peer)
+        if i == end:
+            return _unwind_states(came_from, state)
+        if cost > best.get(state, float("inf")):
+            continue
+        for span in usable:
+            if not span.start <= i < span.end or span.peer_id == peer:  # a server never pushes to itself
+                continue
+            arrive = rtts.get(span.peer_id, DEFAULT_RTT) if not peer else link_rtt(peer, span.peer_id, rtts, links)
+            speed = throughputs.get(span.peer_id, span.info.throughput)
+            for j in range(i + 1, min(span.end, end) + 1):
+                leave = rtts.get(span.peer_id, DEFAULT_RTT) / 2 if j == end else 0.0
+                new_cost = cost + arrive / 2 + (j - i) / max(speed, 1e-6) + leave
+                target = (j, span.peer_id)
+                if new_cost < best.get(target, float("inf")) - 1e-12:
+                    best[target] = new_cost
+                    came_from[target] = (state if peer else None, RouteHop(span.peer_id, i, j))
+                    heapq.heappush(queue, (new_cost, j, span.peer_id))
+    return None
+
+
+def _unwind_states(came_from: dict[tuple[int, str], tuple[tuple[int, str] | None, RouteHop]],
+                   state: tuple[int, str]) -> list[RouteHop]:
+    route: list[RouteHop] = []
+    current: tuple[int, str] | None = state
+    while current is not None:
+        previous, hop = came_from[current]
+        route.append(hop)
+        current = previous
     return route[::-1]

@@ -1,4 +1,4 @@
-"""Inference sessions: `ServerSession` is one stream to one server; `InferenceSession` a fault-tolerant chain.
+"""`InferenceSession`: a fault-tolerant chain of `ServerSession`s (server_session.py, one stream to one server each).
 
 An InferenceSession keeps its history as one `StepRecord` per completed step: the hidden states it sent to
 each block boundary of its route, the positions, the rows kept and the mask columns the step added. When a
@@ -10,6 +10,10 @@ requests leave the session); its record says so, and a replay drops the same row
 With `verify_fraction` > 0, a sampled fraction of hop steps is checked: the records give the hop's whole input
 history, which a second holder of its blocks recomputes (`verifier`). A server found lying is banned for the rest
 of the process and its hop replayed through others, like a failed one.
+
+With push (ClientConfig.push) a step goes to the first hop only, naming the rest of the route, and each server pushes
+its outputs on; every hop's outputs still come back as its answer, so the history and replays are the same. A failed
+step resumes at the first hop whose outputs are missing, after replacing the broken hops (`_push_attempt`).
 """
 from __future__ import annotations
 
@@ -20,182 +24,18 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from hivemind.p2p import PeerID
 
-from swarmclient import protocol
 from swarmclient.data_structures import RouteHop
-from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, SessionTimeout, Unauthorized, WrongOutput
+from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported, WrongOutput
 from swarmclient.retry import with_retries
+from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm
 from swarmclient.verification import Verdict, VerificationTally, sampled, stack_history
 from swarmclient.verifier import HopCheck, HopVerifier
 
 logger = logging.getLogger(__name__)
-
-
-class ServerSession:
-    """One `inference` stream to one server over blocks [hop.start, hop.end); not fault-tolerant.
-
-    `open()` opens the stream; the first `step()` sends the session's open message, then the step (back to back
-    when the step is small: see `_open_with`), and reads both answers. Once a step fails midway (a timeout, a
-    dropped stream, a refused open), the stream may be out of step with the server, so every later step fails
-    too: the caller replaces the session.
-    """
-
-    def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int) -> None:
-        self.swarm, self.hop = swarm, hop
-        self.batch_size, self.max_length = batch_size, max_length
-        self.session_id = uuid.uuid4().hex
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._failure: str | None = None
-        self._opened = False  # whether the open message went out (it goes with the first step)
-        self.steps = 0
-        self.last_compute_seconds = 0.0  # the server's own compute time of the last step
-        self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
-
-    async def open(self) -> ServerSession:
-        """Open the stream; raises PeerFailed if the server cannot be reached."""
-        try:
-            _, self._reader, self._writer = await asyncio.wait_for(
-                self.swarm.p2p.call_binary_stream_handler(PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE),
-                timeout=self.swarm.config.connect_timeout)
-        except Exception as e:
-            raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
-        return self
-
-    def _open_message(self) -> bytes:
-        """The session's first message: its id, blocks and size (what the server reserves), and the caller's keys."""
-        return protocol.encode([], {**self.swarm.auth_meta(), "open": True, "session_id": self.session_id,
-                                    "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
-                                    "max_length": self.max_length})
-
-    async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                   keep_rows: Sequence[int] | None = None) -> torch.Tensor:
-        """Send one step's hidden states; returns the hop's output hidden states.
-
-        keep_rows: first keep only these rows of the session's batch (the step's tensors have len(keep_rows) rows).
-        """
-        if self._failure is not None:
-            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure})")
-        assert self._writer is not None, "open() first"
-        meta: dict[str, Any] = {"session_id": self.session_id}
-        if keep_rows is not None:
-            meta["keep_rows"] = list(keep_rows)
-        config = self.swarm.config
-        tokens = hidden.shape[0] * hidden.shape[1]
-        timeout = config.step_timeout + config.step_timeout_per_token * tokens
-        max_bytes = tokens * hidden.shape[2] * 4 + (1 << 16)
-        frame = protocol.encode([hidden, attention_mask, position_ids], meta)
-        began = time.perf_counter()
-        if self._opened:
-            frame = await self._exchange([frame], timeout, max_bytes=max_bytes)
-        else:
-            frame = await self._open_with(frame, timeout, max_bytes=max_bytes)
-        seconds = time.perf_counter() - began
-        try:
-            tensors, meta = protocol.decode(frame)
-        except ValueError as e:
-            raise self._broken(f"an undecodable answer: {e}") from e
-        error = protocol.response_error(meta)
-        if error is not None:
-            code, message = error
-            if code.retryable:
-                raise failure_class(code)(self.hop.peer_id, f"{code.value}: {message}")
-            raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
-        if len(tensors) != 1 or tensors[0].shape != hidden.shape:
-            raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a {tuple(hidden.shape)} step")
-        self.steps += 1
-        if hidden.shape[1] == 1:  # a decode step: what routing holds the server's announced throughput to
-            self.swarm.observe_step(self.hop.peer_id, self.hop.end - self.hop.start, seconds)
-        self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
-        self.last_merged = int(meta.get("merged", 1))
-        return tensors[0]
-
-    async def _open_with(self, step: bytes, timeout: float, *, max_bytes: int) -> bytes:
-        """Open the session, then send its first step; the step's answer, or the answer refusing the open.
-
-        A step that the server would read before a session exists (OPEN_FRAME_LIMIT) goes right behind the open
-        message, unanswered yet (pipelined: no round trip); a bigger one waits for the open's answer, so that a
-        refused open never leaves bytes in flight that the server will not read (it would end the stream, and
-        p2pd's reset would lose its answer).
-        """
-        self._opened = True
-        pipelined = len(step) <= protocol.OPEN_FRAME_LIMIT
-        answer = await self._exchange([self._open_message(), step] if pipelined else [self._open_message()], timeout,
-                                      max_bytes=protocol.OPEN_FRAME_LIMIT)
-        if not _opened(answer):  # its refusal stands for the step's answer; the stream is out of step from now on
-            self._failure = "the server did not open the session"
-            return answer
-        return await self._exchange([] if pipelined else [step], timeout, max_bytes=max_bytes)
-
-    async def _exchange(self, frames: list[bytes], timeout: float, *, max_bytes: int) -> bytes:
-        """Write the messages at once, then read one answer; any failure breaks the session for good."""
-        assert self._reader is not None and self._writer is not None
-        try:
-            async with asyncio.timeout(timeout):  # no extra task per step, unlike wait_for
-                if frames:
-                    protocol.write_frames(self._writer, frames)
-                    await self._writer.drain()
-                return await protocol.read_frame(self._reader, max_bytes)
-        except TimeoutError as e:
-            self._failure = "timeout"
-            raise SessionTimeout(self.hop.peer_id, f"no answer in {timeout:.0f} s") from e
-        except asyncio.IncompleteReadError as e:
-            raise self._broken("the stream closed (server gone)") from e
-        except BaseException as e:  # cancelled midway, connection reset, oversized answer
-            self._failure = type(e).__name__
-            if isinstance(e, Exception):
-                raise PeerFailed(self.hop.peer_id, f"{type(e).__name__}: {e}") from e
-            raise
-
-    def _broken(self, reason: str) -> PeerFailed:
-        self._failure = reason
-        return PeerFailed(self.hop.peer_id, reason)
-
-    async def close(self) -> None:
-        """Free the session on the server, then end the stream.
-
-        The server answers a `close` message once the session's cache is back in its budget, so a session opened
-        right after this returns finds the room. A stream that never opened a session, or broke earlier, is only
-        ended (the server frees a session when it sees the end); a server that does not answer within
-        `close_timeout` is left to do the same.
-        """
-        if self._writer is None:
-            return
-        writer, reader, self._writer = self._writer, self._reader, None
-        in_sync, self._failure = self._failure is None and self._opened, "closed"  # a broken stream may be mid-message
-        try:
-            if in_sync:
-                assert reader is not None
-                async with asyncio.timeout(self.swarm.config.close_timeout):
-                    protocol.write_frame(writer, protocol.encode([], {"session_id": self.session_id, "close": True}))
-                    await writer.drain()
-                    await protocol.read_frame(reader, protocol.OPEN_FRAME_LIMIT)
-        except Exception:  # the server may already be gone: nothing left to free
-            pass
-        finally:
-            writer.close()
-
-
-def failure_class(code: protocol.ErrorCode) -> type[PeerFailed]:
-    """The PeerFailed a retryable refusal stands for: no member, no room now, or a plain failure."""
-    if code is protocol.ErrorCode.UNAUTHORIZED:
-        return Unauthorized
-    if code in (protocol.ErrorCode.CACHE_FULL, protocol.ErrorCode.BUSY):
-        return NoRoom
-    return PeerFailed
-
-
-def _opened(answer: bytes) -> bool:
-    """Whether an answer to an open message says the session is open."""
-    try:
-        return protocol.decode(answer)[1].get("opened") is True
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -300,6 +140,8 @@ class InferenceSession:
                          self.batch_size if keep_rows is None else len(keep_rows))
         hidden = hidden.float().contiguous()
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
+        if self.swarm.config.push:
+            return await self._astep_pushed(hidden, attention_mask, position_ids, keep_rows)
         inputs: dict[int, torch.Tensor] = {}
         position = 0
         while position < self.swarm.num_blocks:
@@ -346,7 +188,7 @@ class InferenceSession:
             await self._repair(position)
         session = self._sessions[position]
         try:
-            output = await session.step(hidden, attention_mask, position_ids, keep_rows)
+            output = await session.step(hidden, attention_mask, position_ids, keep_rows, step_id=len(self._history))
         except PeerFailed:
             self._broken.add(position)
             raise
@@ -365,7 +207,98 @@ class InferenceSession:
             self._broken.add(hop.start)
             raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
 
+    # ---- push: the client sends a step to the first hop only; each server pushes its outputs to the next -------------
+    async def _astep_pushed(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                            keep_rows: list[int] | None) -> torch.Tensor:
+        """`astep` with server-to-server push. Every hop's outputs still come back (its answer), so the history
+        records each hop's inputs as without push: a failover replays them and a check recomputes them."""
+        step_id = len(self._history)
+        boundaries: dict[int, torch.Tensor] = {0: hidden}  # block index -> this step's hidden states there
+        await with_retries(lambda: self._push_attempt(step_id, boundaries, attention_mask, position_ids, keep_rows),
+                           config=self.swarm.config, on_failure=self._on_failure)
+        self._record({hop.start: boundaries[hop.start] for hop in self.route}, attention_mask, position_ids, keep_rows)
+        return boundaries[self.swarm.num_blocks]
+
+    async def _push_attempt(self, step_id: int, boundaries: dict[int, torch.Tensor], attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+        """Repair broken hops, then send the step to the first hop whose outputs are missing, with the route on."""
+        for start in sorted(self._sessions):
+            session = self._sessions.get(start)
+            if session is not None and (start in self._broken or self.swarm.bans.banned_for_good(session.hop.peer_id)):
+                await self._repair(start)  # the replacement has not run this step: its outputs and later ones go
+                for block in [b for b in boundaries if session.hop.start < b <= session.hop.end]:
+                    del boundaries[block]
+        hops = self.route
+        first = next(i for i, hop in enumerate(hops) if hop.end not in boundaries)
+        pending = hops[first:]
+        shape = boundaries[0].shape
+        for hop in pending:
+            self._sessions[hop.start].expect(shape)
+        head = self._sessions[pending[0].start]
+        sent = time.perf_counter()
+        try:
+            await head.send(boundaries[pending[0].start], attention_mask, position_ids, keep_rows, step_id=step_id,
+                            route=[[hop.peer_id, self._sessions[hop.start].session_id] for hop in pending[1:]])
+        except PeerFailed:
+            self._broken.add(head.hop.start)
+            raise
+        arrivals = await self._collect(step_id, pending, boundaries, shape)
+        if shape[1] == 1:  # a decode step: each hop's time, from its input's arrival to its answer (network included)
+            for hop, began, ended in zip(pending, [sent, *arrivals], arrivals, strict=False):
+                if ended > began:  # answers travel separately: one may overtake the one before it
+                    self.swarm.observe_step(hop.peer_id, hop.end - hop.start, ended - began)
+        for hop in pending:
+            if sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id, hop.start):
+                await self._check_pushed(hop, boundaries, attention_mask, position_ids, keep_rows)
+            self.swarm.bans.forgive(hop.peer_id)
+
+    async def _collect(self, step_id: int, hops: list[RouteHop], boundaries: dict[int, torch.Tensor],
+                       shape: torch.Size) -> list[float]:
+        """Wait for each hop's outputs of the step; the first failure stops the wait (a reported push included).
+        Returns when each hop's answer came (perf_counter), in route order."""
+        waits = {asyncio.ensure_future(self._sessions[hop.start].answer(step_id, shape)): hop for hop in hops}
+        arrived: dict[int, float] = {}
+        try:
+            while waits:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    hop = waits.pop(task)
+                    try:
+                        boundaries[hop.end] = task.result()
+                        arrived[hop.start] = time.perf_counter()
+                    except PushReported:
+                        raise
+                    except PeerFailed:
+                        self._broken.add(hop.start)
+                        raise
+        finally:
+            for task in waits:
+                task.cancel()
+        return [arrived[hop.start] for hop in hops]
+
+    def _push_failed(self, step_id: int, peer_id: str, reason: str) -> None:
+        """A server reports that it could not push step `step_id` to `peer_id`: stop waiting for that server."""
+        for session in self._sessions.values():
+            if session.hop.peer_id == peer_id:
+                session.fail_step(step_id, PushReported(peer_id, f"the server before it could not push: {reason}"))
+
+    async def _check_pushed(self, hop: RouteHop, boundaries: dict[int, torch.Tensor], attention_mask: torch.Tensor,
+                            position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+        """A sampled hop's check; found lying, its outputs and every later hop's (computed from them) are redone."""
+        try:
+            await self._check(hop, boundaries[hop.start], attention_mask, position_ids, keep_rows, boundaries[hop.end])
+        except WrongOutput:
+            for later in self.route:
+                if later.start >= hop.start:
+                    self._broken.add(later.start)
+            for block in [b for b in boundaries if b > hop.start]:
+                del boundaries[block]
+            raise
+
     async def _on_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, PushReported):  # not its fault yet: the step goes to it directly next
+            logger.info("Server %s: %s; sending the step to it directly", exc.peer_id[-8:], exc.reason)
+            return
         if isinstance(exc, PeerFailed) and not isinstance(exc, WrongOutput):  # the verifier banned it for good
             duration = self.swarm.ban(exc)
             logger.warning("Server %s %s (%s); %s for %.0f s, routing around it", exc.peer_id[-8:],
@@ -398,8 +331,8 @@ class InferenceSession:
 
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
         hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)
-        sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length)
-                    for hop in hops]
+        sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length,
+                                  push=self.swarm.config.push, on_push_failure=self._push_failed) for hop in hops]
         opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)
         failure = next((r for r in opened if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -412,11 +345,12 @@ class InferenceSession:
     async def _replay(self, hops: list[RouteHop]) -> None:
         """Feed the new hops every past step's inputs, in order, so their caches match the lost ones."""
         replayed: list[StepRecord] = []
-        for record, mask in zip(self._history, step_masks(self._history), strict=True):
+        for step_id, (record, mask) in enumerate(zip(self._history, step_masks(self._history), strict=True)):
             inputs, hidden = dict(record.inputs), record.inputs[hops[0].start]
             for hop in hops:
                 inputs[hop.start] = hidden  # a new hop boundary gets its inputs recorded for later replays
-                hidden = await self._sessions[hop.start].step(hidden, mask, record.position_ids, record.keep_rows)
+                hidden = await self._sessions[hop.start].step(hidden, mask, record.position_ids, record.keep_rows,
+                                                              step_id=step_id)
             replayed.append(dataclasses.replace(record, inputs=inputs))
         self._history = replayed  # only once the whole replay worked: a failed one leaves the history as it was
         if replayed:

@@ -20,7 +20,7 @@ from swarmclient.membership import ADD_MEMBER, NotAMember, SwarmAccess
 from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
 from swarmclient.protocol import ErrorCode
 from swarmclient.retry import BanList
-from swarmclient.routing import has_room, min_latency_route, missing_ranges, trusted_throughput
+from swarmclient.routing import has_room, min_latency_route, missing_ranges, pushed_route, trusted_throughput
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class Swarm:
         self.access = access or SwarmAccess.open()
         self.bans = BanList(config.ban_timeout, config.max_ban_timeout)
         self.rtts: dict[str, float] = {}
+        self.links: dict[tuple[str, str], float] = {}  # (server, a server after it) -> the round trip it reported
         self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
         self.refusals: dict[str, str] = {}  # servers that refused us as no member -> why (explains a failed route)
@@ -147,6 +148,9 @@ class Swarm:
         """Ping the servers with room for the session that we have not pinged yet, then route through them."""
         roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
         await self._ping_unknown(roomy, start, end)
+        if self.config.push:  # the links between servers count: servers report them in their info answers
+            return pushed_route(roomy, start, end, rtts=self.rtts, links=self.links, banned=self.bans.banned(),
+                                throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens)
         return min_latency_route(roomy, start, end, rtts=self.rtts, banned=self.bans.banned(),
                                  throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens)
 
@@ -179,6 +183,7 @@ class Swarm:
         claimed = answer.get("throughput")
         if isinstance(claimed, int | float) and not isinstance(claimed, bool):
             self.claimed[peer_id] = float(claimed)
+        self.links.update(reported_links(peer_id, answer.get("next_rtts")))
         self.refusals.pop(peer_id, None)
         return rtt
 
@@ -246,3 +251,15 @@ class Swarm:
             raise PeerFailed(peer_id, f"a forward answer of shapes {[tuple(t.shape) for t in tensors]} "
                                       f"to {tuple(hidden.shape)}")
         return tensors[0]
+
+
+MAX_REPORTED_LINKS = 64
+
+
+def reported_links(peer_id: str, value: Any) -> dict[tuple[str, str], float]:
+    """The round trips a server's info answer reports to the servers after it ({peer id: seconds}), checked."""
+    if not isinstance(value, dict):
+        return {}
+    return {(peer_id, str(other)): float(rtt) for other, rtt in list(value.items())[:MAX_REPORTED_LINKS]
+            if isinstance(other, str) and len(other) <= 128 and isinstance(rtt, int | float)
+            and not isinstance(rtt, bool) and 0.0 <= rtt < 60.0}

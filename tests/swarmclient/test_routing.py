@@ -5,7 +5,7 @@ from factories import block_infos, span
 
 from swarmclient.data_structures import RouteHop, ServerState
 from swarmclient.discovery import online_spans
-from swarmclient.routing import has_room, min_latency_route, missing_ranges, trusted_throughput
+from swarmclient.routing import has_room, link_rtt, min_latency_route, missing_ranges, pushed_route, trusted_throughput
 
 
 def test_a_single_server_holding_everything_is_one_hop() -> None:
@@ -112,3 +112,45 @@ def test_without_any_room_there_is_no_route_through_full_servers() -> None:
     spans = [span("a", 0, 8, cache_tokens_left=1)]
     assert min_latency_route(spans, 0, 8, session_tokens=64) is None   # Swarm.route then falls back to them
     assert min_latency_route(spans, 0, 8) == [RouteHop("a", 0, 8)]
+
+
+# ---- with server-to-server push: the links between servers count ---------------------------------------------------
+def two_chains() -> list:
+    """Chains a1 -> a2 and b1 -> b2 over blocks 0:4 and 4:8, every server 20 ms from the client."""
+    return [span(peer, start, end) for peer, start, end in
+            [("a1", 0, 4), ("a2", 4, 8), ("b1", 0, 4), ("b2", 4, 8)]]
+
+
+CLIENT_RTTS = {"a1": 0.02, "a2": 0.02, "b1": 0.02, "b2": 0.02}
+
+
+def test_with_push_the_chain_whose_servers_are_close_to_each_other_wins() -> None:
+    # a1 -> a2 is 1 ms, b1 -> b2 is 40 ms, and the zigzags a1 -> b2, b1 -> a2 80 ms
+    links = {("a1", "a2"): 0.001, ("b1", "b2"): 0.04, ("a1", "b2"): 0.08, ("b1", "a2"): 0.08}
+    route = pushed_route(two_chains(), 0, 8, rtts=CLIENT_RTTS, links=links)
+    assert route == [RouteHop("a1", 0, 4), RouteHop("a2", 4, 8)]
+    # and the other way round
+    links = {("a1", "a2"): 0.04, ("b1", "b2"): 0.001, ("a1", "b2"): 0.08, ("b1", "a2"): 0.08}
+    route = pushed_route(two_chains(), 0, 8, rtts=CLIENT_RTTS, links=links)
+    assert route == [RouteHop("b1", 0, 4), RouteHop("b2", 4, 8)]
+
+
+def test_a_reported_link_is_held_to_what_the_client_measured() -> None:
+    # b1 claims 0 ms to b2, but the client is 1 ms from b1 and 60 ms from b2: that link is at least 59 ms long
+    rtts = {"a1": 0.02, "a2": 0.02, "b1": 0.001, "b2": 0.06}
+    links = {("a1", "a2"): 0.005, ("b1", "b2"): 0.0, ("b1", "a2"): 0.08, ("a1", "b2"): 0.08}
+    assert link_rtt("b1", "b2", rtts, links) == 0.059
+    assert [h.peer_id for h in pushed_route(two_chains(), 0, 8, rtts=rtts, links=links) or []] == ["a1", "a2"]
+
+
+def test_an_unreported_link_costs_a_relay_through_the_client() -> None:
+    assert link_rtt("a1", "a2", CLIENT_RTTS, {}) == 0.04
+    links = {("b1", "b2"): 0.01}  # only b1 reported its link: 10 ms beats a relayed 40 ms
+    assert [h.peer_id for h in pushed_route(two_chains(), 0, 8, rtts=CLIENT_RTTS, links=links) or []] == ["b1", "b2"]
+
+
+def test_a_pushed_route_never_pushes_a_server_to_itself_and_skips_banned_servers() -> None:
+    spans = [span("full", 0, 8), span("a", 0, 4), span("b", 4, 8)]
+    assert pushed_route(spans, 0, 8) == [RouteHop("full", 0, 8)]
+    assert pushed_route(spans, 0, 8, banned={"full"}) == [RouteHop("a", 0, 4), RouteHop("b", 4, 8)]
+    assert pushed_route([span("a", 0, 4)], 0, 8) is None

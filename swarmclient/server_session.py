@@ -1,0 +1,274 @@
+"""`ServerSession`: one inference stream to one server over a hop's blocks; not fault-tolerant (session.py is).
+
+Without push a step is sent and its answer read on the same stream (request, answer). With push the session is opened
+at `open()` for server-to-server push (protocol.py), and its answers, asked for or pushed by the server before it,
+are read in the background by an AnswerReader and matched to steps by step id (`send`, `answer`).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import PeerID
+
+from swarmclient import protocol
+from swarmclient.answers import AnswerReader, PushFailure, StreamBroken
+from swarmclient.data_structures import RouteHop
+from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, SessionTimeout, Unauthorized
+from swarmclient.swarm import Swarm
+
+
+class ServerSession:
+    """One `inference` stream to one server over blocks [hop.start, hop.end); not fault-tolerant.
+
+    `open()` opens the stream; the first `step()` sends the session's open message, then the step (back to back
+    when the step is small: see `_open_with`), and reads both answers. Once a step fails midway (a timeout, a
+    dropped stream, a refused open), the stream may be out of step with the server, so every later step fails
+    too: the caller replaces the session.
+
+    push=True: the session is opened at `open()` for server-to-server push (protocol.py); its answers, asked for or
+    pushed by the server before it, are read by an AnswerReader and matched to steps by step id (`send`, `answer`).
+    A failed push that the server reports is passed to `on_push_failure`.
+    """
+
+    def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int, push: bool = False,
+                 on_push_failure: PushFailure | None = None) -> None:
+        self.swarm, self.hop, self.push = swarm, hop, push
+        self._on_push_failure = on_push_failure or (lambda step_id, peer, reason: None)
+        self._answers: AnswerReader | None = None
+        self.batch_size, self.max_length = batch_size, max_length
+        self.session_id = uuid.uuid4().hex
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._failure: str | None = None
+        self._opened = False  # whether the open message went out (it goes with the first step)
+        self.steps = 0
+        self.last_compute_seconds = 0.0  # the server's own compute time of the last step
+        self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
+
+    async def open(self) -> ServerSession:
+        """Open the stream; raises PeerFailed if the server cannot be reached."""
+        try:
+            _, self._reader, self._writer = await asyncio.wait_for(
+                self.swarm.p2p.call_binary_stream_handler(PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE),
+                timeout=self.swarm.config.connect_timeout)
+        except Exception as e:
+            raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
+        if self.push:
+            await self._open_for_push()
+        return self
+
+    async def _open_for_push(self) -> None:
+        """Send the open message and wait for its answer (a pushed session gets no first step from the client to go
+        with it), then hand the stream's reading to an AnswerReader."""
+        self._opened = True
+        answer = await self._exchange([self._open_message()], self.swarm.config.connect_timeout,
+                                      max_bytes=protocol.OPEN_FRAME_LIMIT)
+        if not _opened(answer):
+            self._failure = "the server did not open the session"
+            self._output(answer, None)  # raises the refusal
+            raise self._broken("the server did not open the session")
+        assert self._reader is not None
+        self._answers = AnswerReader(self._reader, self._on_push_failure)
+
+    def _open_message(self) -> bytes:
+        """The session's first message: its id, blocks and size (what the server reserves), and the caller's keys."""
+        return protocol.encode([], {**self.swarm.auth_meta(), "open": True, "session_id": self.session_id,
+                                    "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
+                                    "max_length": self.max_length, **({"push": True} if self.push else {})})
+
+    async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   keep_rows: Sequence[int] | None = None, *, step_id: int | None = None) -> torch.Tensor:
+        """Send one step's hidden states; returns the hop's output hidden states.
+
+        keep_rows: first keep only these rows of the session's batch (the step's tensors have len(keep_rows) rows).
+        step_id: the step's index in the session (a server applies each id once); required with push.
+        """
+        if self.push:
+            assert step_id is not None, "a push session's steps carry step ids"
+            await self.send(hidden, attention_mask, position_ids, keep_rows, step_id=step_id)
+            return await self.answer(step_id, hidden.shape)
+        if self._failure is not None:
+            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure})")
+        assert self._writer is not None, "open() first"
+        frame = protocol.encode([hidden, attention_mask, position_ids], self._step_meta(keep_rows, step_id, None))
+        began = time.perf_counter()
+        if self._opened:
+            frame = await self._exchange([frame], self._timeout(hidden.shape), max_bytes=self._answer_bytes(hidden.shape))
+        else:
+            frame = await self._open_with(frame, self._timeout(hidden.shape), max_bytes=self._answer_bytes(hidden.shape))
+        seconds = time.perf_counter() - began
+        output = self._output(frame, hidden.shape)
+        if hidden.shape[1] == 1:  # a decode step: what routing holds the server's announced throughput to
+            self.swarm.observe_step(self.hop.peer_id, self.hop.end - self.hop.start, seconds)
+        return output
+
+    def _step_meta(self, keep_rows: Sequence[int] | None, step_id: int | None, route: list[list[str]] | None
+                   ) -> dict[str, Any]:
+        meta: dict[str, Any] = {"session_id": self.session_id}
+        if keep_rows is not None:
+            meta["keep_rows"] = list(keep_rows)
+        if step_id is not None:
+            meta["step_id"] = step_id
+        if route:
+            meta["route"] = route
+        return meta
+
+    def _timeout(self, shape: torch.Size) -> float:
+        config = self.swarm.config
+        return config.step_timeout + config.step_timeout_per_token * shape[0] * shape[1]
+
+    @staticmethod
+    def _answer_bytes(shape: torch.Size) -> int:
+        return shape[0] * shape[1] * shape[2] * 4 + (1 << 16)
+
+    async def send(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   keep_rows: Sequence[int] | None, *, step_id: int, route: list[list[str]] | None = None) -> None:
+        """Push mode: send a step without waiting for its answer; `route` ([peer id, session id] of the next hops)
+        has the server push its outputs on."""
+        if self._failure is not None or self._answers is None or self._answers.broken is not None:
+            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure or 'closed'})")
+        assert self._writer is not None
+        self.expect(hidden.shape)
+        protocol.write_frame(self._writer, protocol.encode([hidden, attention_mask, position_ids],
+                                                           self._step_meta(keep_rows, step_id, route)))
+        try:
+            await self._writer.drain()
+        except Exception as e:
+            raise self._broken(f"{type(e).__name__}: {e}") from e
+
+    def expect(self, shape: torch.Size) -> None:
+        """Push mode: an answer of this shape may come (pushed steps come unasked)."""
+        if self._answers is not None:
+            self._answers.expect(self._answer_bytes(shape))
+
+    async def answer(self, step_id: int, shape: torch.Size) -> torch.Tensor:
+        """Push mode: this hop's output of step `step_id` (sent by the client or pushed by the server before)."""
+        if self._answers is None:
+            raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure or 'closed'})")
+        try:
+            _, frame_meta = answer = await self._answers.answer(step_id, self._timeout(shape))
+        except TimeoutError as e:
+            self._failure = "timeout"
+            raise SessionTimeout(self.hop.peer_id, f"no answer to step {step_id} in {self._timeout(shape):.0f} s") from e
+        except StreamBroken as e:
+            raise self._broken(str(e)) from e
+        return self._decoded_output(answer, shape)
+
+    def fail_step(self, step_id: int, error: BaseException) -> None:
+        """Push mode: stop waiting for step `step_id` (its upstream server reported that the push failed)."""
+        if self._answers is not None:
+            self._answers.fail(step_id, error)
+
+    def _output(self, frame: bytes, shape: torch.Size | None) -> torch.Tensor:
+        """A step's output from its answer frame; raises the server's refusal as the matching error."""
+        try:
+            answer = protocol.decode(frame)
+        except ValueError as e:
+            raise self._broken(f"an undecodable answer: {e}") from e
+        return self._decoded_output(answer, shape)
+
+    def _decoded_output(self, answer: tuple[list[torch.Tensor], dict[str, Any]], shape: torch.Size | None
+                        ) -> torch.Tensor:
+        tensors, meta = answer
+        error = protocol.response_error(meta)
+        if error is not None:
+            code, message = error
+            if code.retryable:
+                raise failure_class(code)(self.hop.peer_id, f"{code.value}: {message}")
+            raise InvalidRequest(f"server {self.hop.peer_id[-8:]} refused the step: {code.value}: {message}")
+        if shape is None or len(tensors) != 1 or tensors[0].shape != shape:
+            raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a "
+                               f"{tuple(shape) if shape is not None else 'open'} message")
+        self.steps += 1
+        self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
+        self.last_merged = int(meta.get("merged", 1))
+        return tensors[0]
+
+    async def _open_with(self, step: bytes, timeout: float, *, max_bytes: int) -> bytes:
+        """Open the session, then send its first step; the step's answer, or the answer refusing the open.
+
+        A step that the server would read before a session exists (OPEN_FRAME_LIMIT) goes right behind the open
+        message, unanswered yet (pipelined: no round trip); a bigger one waits for the open's answer, so that a
+        refused open never leaves bytes in flight that the server will not read (it would end the stream, and
+        p2pd's reset would lose its answer).
+        """
+        self._opened = True
+        pipelined = len(step) <= protocol.OPEN_FRAME_LIMIT
+        answer = await self._exchange([self._open_message(), step] if pipelined else [self._open_message()], timeout,
+                                      max_bytes=protocol.OPEN_FRAME_LIMIT)
+        if not _opened(answer):  # its refusal stands for the step's answer; the stream is out of step from now on
+            self._failure = "the server did not open the session"
+            return answer
+        return await self._exchange([] if pipelined else [step], timeout, max_bytes=max_bytes)
+
+    async def _exchange(self, frames: list[bytes], timeout: float, *, max_bytes: int) -> bytes:
+        """Write the messages at once, then read one answer; any failure breaks the session for good."""
+        assert self._reader is not None and self._writer is not None
+        try:
+            async with asyncio.timeout(timeout):  # no extra task per step, unlike wait_for
+                if frames:
+                    protocol.write_frames(self._writer, frames)
+                    await self._writer.drain()
+                return await protocol.read_frame(self._reader, max_bytes)
+        except TimeoutError as e:
+            self._failure = "timeout"
+            raise SessionTimeout(self.hop.peer_id, f"no answer in {timeout:.0f} s") from e
+        except asyncio.IncompleteReadError as e:
+            raise self._broken("the stream closed (server gone)") from e
+        except BaseException as e:  # cancelled midway, connection reset, oversized answer
+            self._failure = type(e).__name__
+            if isinstance(e, Exception):
+                raise PeerFailed(self.hop.peer_id, f"{type(e).__name__}: {e}") from e
+            raise
+
+    def _broken(self, reason: str) -> PeerFailed:
+        self._failure = reason
+        return PeerFailed(self.hop.peer_id, reason)
+
+    async def close(self) -> None:
+        """Free the session on the server, then end the stream.
+
+        The server answers a `close` message once the session's cache is back in its budget, so a session opened
+        right after this returns finds the room. A stream that never opened a session, or broke earlier, is only
+        ended (the server frees a session when it sees the end); a server that does not answer within
+        `close_timeout` is left to do the same.
+        """
+        if self._writer is None:
+            return
+        if self._answers is not None:  # it waits for the next message's length: nothing of one is lost
+            self._answers.close()
+        writer, reader, self._writer = self._writer, self._reader, None
+        in_sync, self._failure = self._failure is None and self._opened, "closed"  # a broken stream may be mid-message
+        try:
+            if in_sync:
+                assert reader is not None
+                async with asyncio.timeout(self.swarm.config.close_timeout):
+                    protocol.write_frame(writer, protocol.encode([], {"session_id": self.session_id, "close": True}))
+                    await writer.drain()
+                    await protocol.read_frame(reader, protocol.OPEN_FRAME_LIMIT)
+        except Exception:  # the server may already be gone: nothing left to free
+            pass
+        finally:
+            writer.close()
+
+
+def failure_class(code: protocol.ErrorCode) -> type[PeerFailed]:
+    """The PeerFailed a retryable refusal stands for: no member, no room now, or a plain failure."""
+    if code is protocol.ErrorCode.UNAUTHORIZED:
+        return Unauthorized
+    if code in (protocol.ErrorCode.CACHE_FULL, protocol.ErrorCode.BUSY):
+        return NoRoom
+    return PeerFailed
+
+
+def _opened(answer: bytes) -> bool:
+    """Whether an answer to an open message says the session is open."""
+    try:
+        return protocol.decode(answer)[1].get("opened") is True
+    except ValueError:
+        return False
