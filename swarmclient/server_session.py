@@ -70,6 +70,7 @@ class ServerSession:
                                       max_bytes=protocol.OPEN_FRAME_LIMIT)
         if not _opened(answer):
             self._failure = "the server did not open the session"
+            await self.close()  # end the stream on the loop now, not whenever the object is collected (off the loop)
             self._output(answer, None)  # raises the refusal
             raise self._broken("the server did not open the session")
         assert self._reader is not None
@@ -203,6 +204,7 @@ class ServerSession:
                                       max_bytes=protocol.OPEN_FRAME_LIMIT)
         if not _opened(answer):  # its refusal stands for the step's answer; the stream is out of step from now on
             self._failure = "the server did not open the session"
+            await self.close()  # end the stream on the loop now, not whenever the object is collected (off the loop)
             return answer
         return await self._exchange([] if pipelined else [step], timeout, max_bytes=max_bytes)
 

@@ -148,7 +148,9 @@ def test_a_busy_server_is_routed_around_like_a_full_one(clean) -> None:
     client.rtts.update({full: 0.0001, free: 1.0})  # the route tries the busy server first
     with InferenceSession(client, batch_size=1, max_length=8) as chain:
         output = chain.step(*inputs(4))
-        assert [hop.peer_id for hop in chain.route] == [free] and client.bans.is_banned(full)
+        assert [hop.peer_id for hop in chain.route] == [free]
+        # skipped for a moment, not banned: it is healthy, and room comes back as sessions end
+        assert full in client.full_until and not client.bans.is_banned(full)
     assert output.shape == (1, 4, 64)
     for opened in held:
         client.loop.run(opened.close())
