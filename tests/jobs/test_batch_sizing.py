@@ -148,12 +148,12 @@ def _generated(runtime: Runtime, job_id: str) -> list[dict[str, Any]]:
 
 def test_rows_waiting_for_room_keep_their_lease(
         small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path) -> None:
-    # Given a server with room for two of this job's rows at a time, a batch of 8 claimed at once (explicit setting)
-    # under a 2-second lease, and sweeps running all along that return every lapsed lease to pending
+    # Given a server with room for a few of this job's rows at a time, a batch of 12 claimed at once (explicit setting)
+    # under a 1-second lease, and sweeps running all along that return every lapsed lease to pending
     swarm = small_server("--attn-cache-tokens", "200")
-    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4, lease_seconds=2.0,
-                           worker_batch_size=8, pipeline_lanes=4)
-    job = submit_batch(runtime, batch_file(8, max_tokens=40), model=str(tiny_model))
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4, lease_seconds=1.0,
+                           worker_batch_size=12, pipeline_lanes=4)
+    job = submit_batch(runtime, batch_file(12, max_tokens=60), model=str(tiny_model))
     done = threading.Event()
     swept: list[list[str]] = []
 
@@ -170,6 +170,6 @@ def test_rows_waiting_for_room_keep_their_lease(
         done.set()
         sweeper.join()
     # Then no lease lapsed while rows waited: each request was claimed once, by the one batch
-    assert time.monotonic() - began > 3 * 2.0, "the batch should outlast several leases"
-    assert [r.attempts for r in requests_of(runtime, job.id)] == [1] * 8
+    assert time.monotonic() - began > 3 * 1.0, "the batch should outlast several leases"
+    assert [r.attempts for r in requests_of(runtime, job.id)] == [1] * 12
     assert len(swept) > 10
