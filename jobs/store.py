@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from jobs.batch_input import ParsedBatch
@@ -217,6 +217,15 @@ def release_dispatch_hold(*, session: Session, job_id: str) -> None:
 
 
 # ---- claims and checkpoints ----------------------------------------------------------------------------------
+def claimable_requests(now: datetime, token: str | None = None) -> ColumnElement[bool]:
+    """Requests a claim may take: pending, or in progress under a lease that expired. A row leased under `token` is
+    already ours (a refill must not claim it again, even if it expired)."""
+    expired = (Request.status == RequestStatus.in_progress) & (Request.lease_expires_at < now)
+    if token is not None:
+        expired = expired & (Request.lease_token != token)
+    return (Request.status == RequestStatus.pending) | expired
+
+
 def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, lease_seconds: float,
                    max_attempts: int, now: datetime | None = None, token: str | None = None
                    ) -> tuple[str, list[Request]]:
@@ -226,10 +235,7 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
     """
     now = now or utcnow()
     token = token or secrets.token_hex(8)
-    # a row leased under this very token is already ours (a refill must not claim it again, even if it expired)
-    claimable = ((Request.status == RequestStatus.pending) |
-                 ((Request.status == RequestStatus.in_progress) & (Request.lease_expires_at < now) &
-                  (Request.lease_token != token)))
+    claimable = claimable_requests(now, token)
     ids = list(session.scalars(select(Request.id).where(Request.job_id == job_id, claimable)
                                .order_by(Request.index).limit(limit).with_for_update(skip_locked=True)))
     if not ids:
@@ -246,9 +252,7 @@ def claim_requests(*, session: Session, job_id: str, worker: str, limit: int, le
 
 def next_request_sizes(*, session: Session, job_id: str, limit: int, now: datetime | None = None) -> list[int]:
     """Prompt + max_tokens (what a session reserves per row) of the requests a claim would take next, in its order."""
-    now = now or utcnow()
-    claimable = ((Request.status == RequestStatus.pending) |
-                 ((Request.status == RequestStatus.in_progress) & (Request.lease_expires_at < now)))
+    claimable = claimable_requests(now or utcnow())
     rows = session.execute(select(Request.prompt_ids, Request.max_tokens).where(Request.job_id == job_id, claimable)
                            .order_by(Request.index).limit(limit))
     return [len(prompt) + max_tokens for prompt, max_tokens in rows]
