@@ -25,6 +25,7 @@ PING_PERIOD = 10.0  # seconds between rounds (servers join and leave; a round co
 PINGS = 3  # calls per server and round; the fastest counts (one may wait behind a compute)
 MAX_NEXT = 32  # servers pinged per round
 PING_TIMEOUT = 5.0
+ROUND_TRIPS_LINE = "Round trips to the servers after this span"  # logged with the count when the set changes
 
 
 class NextServerPings:
@@ -64,7 +65,11 @@ class NextServerPings:
         peers = [peer for peer, info in infos[self.end].items()
                  if info.state is ServerState.ONLINE and peer != me and self.allows(peer)][:MAX_NEXT]
         results = await asyncio.gather(*(self._best_ping(peer) for peer in peers), return_exceptions=True)
-        self.rtts = {peer: rtt for peer, rtt in zip(peers, results, strict=True) if isinstance(rtt, float)}
+        rtts = {peer: rtt for peer, rtt in zip(peers, results, strict=True) if isinstance(rtt, float)}
+        if rtts.keys() != self.rtts.keys():  # who follows us changed: say so once, not every round
+            logger.info("%s %d: %s", ROUND_TRIPS_LINE, len(rtts),
+                        ", ".join(f"{peer[-6:]} {rtt * 1000:.1f} ms" for peer, rtt in sorted(rtts.items())) or "none")
+        self.rtts = rtts
 
     async def _best_ping(self, peer: str) -> float:
         return min([await self._ping(peer) for _ in range(PINGS)])

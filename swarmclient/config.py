@@ -21,6 +21,9 @@ class ClientConfig:
     # a ban: it is healthy, and our own sessions ending there make room again
     full_timeout: float = 5.0
     discovery_ttl: float = 5.0     # seconds a DHT read is reused before routing reads it again
+    # seconds a server's measured round trip (and the links to the servers after it, which its answer reports) is
+    # trusted before routing pings it again: a long-lived worker outlives networks and sees servers join
+    rtt_max_age: float = 60.0
     # fraction of hop steps recomputed on a second server holding the hop's blocks (checked outputs, README);
     # 0 = no checks. Jobs default to SWARMBATCH_VERIFY_FRACTION (0.02), one-off `generate` to 0
     verify_fraction: float = 0.0

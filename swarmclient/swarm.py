@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ class Swarm:
         self.access = access or SwarmAccess.open()
         self.bans = BanList(config.ban_timeout, config.max_ban_timeout)
         self.rtts: dict[str, float] = {}
+        self.pinged_at: dict[str, float] = {}  # when each round trip in `rtts` was measured (time.monotonic)
         self.links: dict[tuple[str, str], float] = {}  # (server, a server after it) -> the round trip it reported
         self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
@@ -147,7 +149,7 @@ class Swarm:
                               ) -> list[RouteHop] | None:
         """Ping the servers with room for the session that we have not pinged yet, then route through them."""
         roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
-        await self._ping_unknown(roomy, start, end)
+        await self._ping_unmeasured(roomy, start, end)
         if self.config.push:  # the links between servers count: servers report them in their info answers
             return pushed_route(roomy, start, end, rtts=self.rtts, links=self.links, banned=self.bans.banned(),
                                 throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens)
@@ -165,9 +167,11 @@ class Swarm:
         if rate > self.observed.get(peer_id, 0.0):
             self.observed[peer_id] = rate
 
-    async def _ping_unknown(self, spans: list[RemoteSpanInfo], start: int, end: int) -> None:
-        """Measure round trips to servers on [start, end) that we have not pinged yet; ban the silent ones."""
-        todo = [s.peer_id for s in spans if s.peer_id not in self.rtts and s.end > start and s.start < end]
+    async def _ping_unmeasured(self, spans: list[RemoteSpanInfo], start: int, end: int) -> None:
+        """Measure round trips to servers on [start, end) not pinged in the last `rtt_max_age` s; ban the silent."""
+        oldest = time.monotonic() - self.config.rtt_max_age
+        todo = [s.peer_id for s in spans
+                if self.pinged_at.get(s.peer_id, -math.inf) < oldest and s.end > start and s.start < end]
         results = await asyncio.gather(*(self.ping(peer) for peer in todo), return_exceptions=True)
         for peer, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
@@ -179,10 +183,11 @@ class Swarm:
         began = time.perf_counter()
         answer = await self.call_info(peer_id)
         rtt = time.perf_counter() - began
-        self.rtts[peer_id] = rtt
+        self.rtts[peer_id], self.pinged_at[peer_id] = rtt, time.monotonic()
         claimed = answer.get("throughput")
         if isinstance(claimed, int | float) and not isinstance(claimed, bool):
             self.claimed[peer_id] = float(claimed)
+        self.links = {link: rtt for link, rtt in self.links.items() if link[0] != peer_id}  # its answer is the news
         self.links.update(reported_links(peer_id, answer.get("next_rtts")))
         self.refusals.pop(peer_id, None)
         return rtt

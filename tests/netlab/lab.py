@@ -1,11 +1,14 @@
-"""`NetLab`: N network namespaces joined by a bridge, each with a one-way delay on what it receives.
+"""`NetLab`: N network namespaces joined by a bridge, each with a one-way delay on what it receives, plus extra delay
+on chosen links.
 
 Layout: a hub namespace holds the bridge; node i is a namespace with one veth (`eth0`, 10.250.0.(i+1)/24) plugged
 into it, and `lo`. No namespace has a default route, and nothing is plugged into the host's own namespace, so a
 process in a node reaches only the other nodes. A node with a delay D sends every packet arriving on `eth0` to an
 NFQUEUE (an iptables INPUT rule in the node), where `delay.py` holds it D ms: the round trip between nodes a and b
 is then D_a + D_b (delay on input, not output: held at output, bulk TCP collapses; FACTS.md). Loopback inside a
-node is not delayed.
+node is not delayed. A link (a, b) given an extra delay E gets its own queue in both nodes, fed by a rule matching the
+other end's address ahead of the node's own: packets from a to b wait D_b + E, from b to a D_a + E, so that pair is
+D_a + D_b + 2E apart while every other pair keeps its sum (a "WAN" between two groups of nodes).
 
 Everything a lab starts runs under `ip netns exec` (which execs the command: the PID is the command's) in its own
 process group, and is stopped by PID; leaving the lab stops the processes, then deletes the namespaces (with them
@@ -28,7 +31,7 @@ from launch.processes import ManagedProcess
 from servers.errors import ServerError
 
 SUBNET = "10.250.0"  # inside the lab's own namespaces only: it collides with nothing outside them
-QUEUE = 1  # the NFQUEUE number (per namespace: every node has its own)
+QUEUE = 1  # a node's own NFQUEUE (per namespace); QUEUE + 1 + i: the queue of a delayed link from node i
 DELAY_PROGRAM = Path(__file__).with_name("delay.py")
 _labs = itertools.count()
 
@@ -77,9 +80,11 @@ class NetLab:
     """N network namespaces on a private bridge; a context manager that tears everything down.
 
     delay_ms: each node's one-way input delay (one number for all, or one per node).
+    link_delay_ms: {(a, b): E}: extra one-way delay, each way, between nodes a and b (by index).
     """
 
-    def __init__(self, nodes: int, *, delay_ms: float | Sequence[float] = 0.0, log_dir: Path) -> None:
+    def __init__(self, nodes: int, *, delay_ms: float | Sequence[float] = 0.0,
+                 link_delay_ms: Mapping[tuple[int, int], float] | None = None, log_dir: Path) -> None:
         delays = [float(delay_ms)] * nodes if isinstance(delay_ms, int | float) else [float(d) for d in delay_ms]
         if len(delays) != nodes or not 1 <= nodes <= 200:
             raise ValueError(f"give 1..200 nodes and one delay per node, got {nodes} and {delays}")
@@ -91,7 +96,12 @@ class NetLab:
         self.processes: list[ManagedProcess] = []
         self._namespaces: list[str] = []
         self.delays = delays  # each node's one-way input delay now (`set_delay`)
-        self._delayers: dict[int, ManagedProcess] = {}
+        self.link_delays: dict[tuple[int, int], float] = {}  # (receiver, sender) -> extra one-way ms
+        for (a, b), extra in (link_delay_ms or {}).items():
+            if a == b or not (0 <= a < nodes and 0 <= b < nodes) or extra <= 0:
+                raise ValueError(f"a link delay joins two different nodes by index, with a positive delay: {(a, b)}")
+            self.link_delays[(a, b)] = self.link_delays[(b, a)] = float(extra)
+        self._delayers: dict[tuple[int, int | None], ManagedProcess] = {}  # (receiver, sender or None: all others)
 
     def __enter__(self) -> NetLab:
         try:
@@ -131,23 +141,33 @@ class NetLab:
         _run("ip", "-n", node.namespace, "link", "set", "eth0", "up")
 
     def _count_and_queue(self, node: Node) -> None:
-        """In the node's INPUT: one counting rule per other node (bytes from it: `traffic`), then the NFQUEUE rule
-        that hands what eth0 receives to the delay program (--queue-bypass: passed on at once while none reads)."""
+        """In the node's INPUT: one counting rule per other node (bytes from it: `traffic`), then one NFQUEUE rule
+        per delayed link (queue QUEUE + 1 + the sender's index), then the NFQUEUE rule that hands the rest of what
+        eth0 receives to the node's delay program (--queue-bypass: passed on at once while none reads)."""
+        iptables = ("ip", "netns", "exec", node.namespace, "iptables", "-A", "INPUT", "-i", "eth0")
         for other in self.nodes:
             if other is not node:
-                _run("ip", "netns", "exec", node.namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-s", other.ip)
-        _run("ip", "netns", "exec", node.namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
-             "--queue-num", str(QUEUE), "--queue-bypass")
+                _run(*iptables, "-s", other.ip)
+        for other in self.nodes:
+            if (node.index, other.index) in self.link_delays:
+                _run(*iptables, "-s", other.ip, "-j", "NFQUEUE", "--queue-num", str(QUEUE + 1 + other.index),
+                     "--queue-bypass")
+        _run(*iptables, "-j", "NFQUEUE", "--queue-num", str(QUEUE), "--queue-bypass")
 
     def set_delay(self, node: Node, delay_ms: float) -> None:
-        """Give a node another one-way input delay (0: none); packets pass undelayed during the swap."""
-        old = self._delayers.pop(node.index, None)
-        if old is not None:
-            old.terminate(timeout=5)
-            self.processes.remove(old)
+        """Give a node another one-way input delay (0: none), its delayed links' extra kept on top; packets pass
+        undelayed during the swap."""
         self.delays[node.index] = delay_ms
-        if delay_ms > 0:
-            self._delayers[node.index] = self._delay(node, delay_ms)
+        senders = [None, *(sender for receiver, sender in self.link_delays if receiver == node.index)]
+        for sender in senders:
+            old = self._delayers.pop((node.index, sender), None)
+            if old is not None:
+                old.terminate(timeout=5)
+                self.processes.remove(old)
+            total = delay_ms + (0.0 if sender is None else self.link_delays[(node.index, sender)])
+            if total > 0:
+                queue = QUEUE if sender is None else QUEUE + 1 + sender
+                self._delayers[(node.index, sender)] = self._delay(node, total, queue)
 
     def traffic(self) -> dict[tuple[int, int], int]:
         """Bytes received so far, by (sending node, receiving node), IP headers included."""
@@ -161,10 +181,10 @@ class NetLab:
                     counts[(int(sources[0].rsplit(".", 1)[1]) - 1, node.index)] = int(fields[1])
         return counts
 
-    def _delay(self, node: Node, delay_ms: float) -> ManagedProcess:
-        """Start the node's delay program (it reads the NFQUEUE that the node's INPUT rule feeds)."""
-        program = self.run(node, [sys.executable, str(DELAY_PROGRAM), "--queue", str(QUEUE),
-                                  "--delay-ms", str(delay_ms)], name=f"delay{node.index}-{delay_ms:g}ms")
+    def _delay(self, node: Node, delay_ms: float, queue: int) -> ManagedProcess:
+        """Start a delay program in the node (it reads the NFQUEUE `queue` that one of the node's INPUT rules feeds)."""
+        program = self.run(node, [sys.executable, str(DELAY_PROGRAM), "--queue", str(queue),
+                                  "--delay-ms", str(delay_ms)], name=f"delay{node.index}-q{queue}-{delay_ms:g}ms")
         try:
             program.wait_for_line("ready", timeout=30)
         except ServerError as e:  # e.g. "nfqueue unavailable: ..." in its log

@@ -222,3 +222,21 @@ def test_servers_report_their_round_trips_to_the_servers_after_them(three_server
     # and routes with push on them
     route = client.loop.run(client.route(0, 6))
     assert [hop.peer_id for hop in route] == [first, second, third]
+
+
+def test_round_trips_older_than_their_max_age_are_measured_again_with_the_links_reported(three_servers: LocalSwarm,
+                                                                                         client: Swarm) -> None:
+    # Given a client that measured its round trips to the servers and learned the links they report
+    first, second, _ = (server.peer_id for server in three_servers.servers)
+    client.loop.run(client.route(0, 6))
+    measured = dict(client.pinged_at)
+    # and whose figures for the first server are now wrong (the network changed), and a minute old
+    client.rtts[first], client.links[(first, second)] = 9.0, 9.0
+    client.pinged_at[first] -= client.config.rtt_max_age + 1
+    # When it routes again, Then it pinged that server again, and only that one (the others are fresh)
+    client.loop.run(client.route(0, 6))
+    assert client.rtts[first] < 5 and client.pinged_at[first] > measured[first]
+    assert {peer: at for peer, at in client.pinged_at.items() if peer != first} == {
+        peer: at for peer, at in measured.items() if peer != first}
+    # and the link the server reports replaced the stale one (or, before its first round, none is left)
+    assert client.links.get((first, second), 0.0) < 5
