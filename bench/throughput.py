@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--verify-fractions", default="", help="e.g. 0.02,0.1: the cost of checked outputs instead")
     parser.add_argument("--sweep", action="store_true", help="default settings vs a sweep of claims and lanes")
+    parser.add_argument("--configs", default="", help="--sweep: only these tuned settings, CLAIMxLANES,... (e.g. "
+                                                      "64x4,32x2; default: 8/16/32/64 x 2/4/8)")
     args = parser.parse_args()
     if args.sweep:
         sweep_main(args)
@@ -121,7 +123,7 @@ def main() -> None:
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
         configs = {"features off": dict(pipeline_lanes=1, continuous_batching=False),
                    "features on": dict(pipeline_lanes=args.lanes, continuous_batching=True)}
-        runtimes = {label: job_runtime(home, label, swarm, args, features, model_dir, texts)
+        runtimes = {label: job_runtime(home, label, swarm.initial_peers, args, features, model_dir, texts)
                     for label, features in configs.items()}
         for _ in range(args.reps):  # interleaved, so that drifts of this noisy VM hit every config alike
             seconds, tokens = run_local(model_dir, texts, args.max_tokens)
@@ -145,11 +147,11 @@ def main() -> None:
     print(f"greedy texts identical with the features on and off: {same}")
 
 
-def job_runtime(home: Path, label: str, swarm: LocalSwarm, args: argparse.Namespace, options: dict[str, object],
-                model_dir: Path, texts: list[str]) -> Runtime:
+def job_runtime(home: Path, label: str, initial_peers: list[str], args: argparse.Namespace,
+                options: dict[str, object], model_dir: Path, texts: list[str]) -> Runtime:
     """A runtime of its own store for one config, warmed up (swarm join, routes) by a 2-request job."""
     options = {"worker_batch_size": args.batch_size, **options}
-    settings = Settings(home=home / "".join(c if c.isalnum() else "_" for c in label), initial_peers=swarm.initial_peers,
+    settings = Settings(home=home / "".join(c if c.isalnum() else "_" for c in label), initial_peers=initial_peers,
                         broker_url="memory://", **options)  # type: ignore[arg-type]
     settings.home.mkdir(parents=True, exist_ok=True)
     upgrade(settings.resolved_database_url)
@@ -165,12 +167,13 @@ def sweep_main(args: argparse.Namespace) -> None:
     texts = prompts(args.requests)
     data = batch_file(texts, args.max_tokens)
     configs: dict[str, dict[str, object]] = {DEFAULTS: {"worker_batch_size": None}}
-    for claim in (8, 16, 32, 64):
-        for lanes in (2, 4, 8):
-            configs[f"claim {claim}, {lanes} lanes"] = {"worker_batch_size": claim, "pipeline_lanes": lanes}
+    swept = [tuple(int(x) for x in pair.split("x")) for pair in args.configs.split(",")] if args.configs else [
+        (claim, lanes) for claim in (8, 16, 32, 64) for lanes in (2, 4, 8)]
+    for claim, lanes in swept:
+        configs[f"claim {claim}, {lanes} lanes"] = {"worker_batch_size": claim, "pipeline_lanes": lanes}
     rows: list[tuple[str, float, int]] = []
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
-        runtimes = {label: job_runtime(home, label, swarm, args, options, model_dir, texts)
+        runtimes = {label: job_runtime(home, label, swarm.initial_peers, args, options, model_dir, texts)
                     for label, options in configs.items()}
         second = second_worker(runtimes[DEFAULTS], swarm)
         for _ in range(args.reps):  # interleaved, so that drifts of this noisy VM hit every config alike
@@ -247,7 +250,7 @@ def verify_main(args: argparse.Namespace) -> None:
     outputs: dict[str, dict[str, str]] = {}
     with LocalSwarm(model_dir, halves * 2, log_dir=home / "logs", pin_cpus=True) as swarm:
         runtimes = {f"verify {f:g}" if f else "no checks": job_runtime(
-            home, f"verify {f:g}", swarm, args, dict(pipeline_lanes=args.lanes, continuous_batching=True,
+            home, f"verify {f:g}", swarm.initial_peers, args, dict(pipeline_lanes=args.lanes, continuous_batching=True,
                                                      verify_fraction=f), model_dir, texts) for f in fractions}
         before = {label: checked_steps(runtime) for label, runtime in runtimes.items()}
         for _ in range(args.reps):

@@ -3,6 +3,7 @@
 Run (root; tests/netlab builds the namespaces):
     .venv/bin/python bench/wan.py [--models tiny,smollm2] [--servers 2,3] [--rtts 0,20,50] [--batches 1,8]
                                   [--tokens 24] [--reps 3] [--out results.json]
+    .venv/bin/python bench/wan.py --job [--models smollm2] [--servers 2] [--rtts 0,0q,50] [--reps 2]
 
 For each model and server count it builds one lab: node 0 holds the DHT and the client, nodes 1..N one server each
 (the model's blocks split evenly), every node delaying its input by RTT/2 (so every pair of nodes is RTT apart;
@@ -13,6 +14,14 @@ Reported per (model, servers, RTT, push, batch): the median over reps of the med
 the floor of push, (hops + 1) / 2 x RTT + the push-on ms/token at RTT 0 (compute and local overheads); and the
 bytes each link carried per position (prompt prefill included, both directions, IP headers included), from
 iptables counters in each node. Push on and off must produce identical tokens (checked every run).
+
+With --job it measures instead what the RTT costs a batch job: the `bench/throughput.py` job (64 requests x 64 new
+tokens, mixed prompt lengths) run by the worker's own code path with default settings (the worker sizes its claim and
+lanes, jobs/worker/sizing.py; push on) in node 0, at each RTT in turn, interleaved over reps; reported: tokens/s per
+RTT, its ratio to RTT 0, and the plan (claim, lanes) the worker chose at each RTT. The delay programs run on the
+same 2 cores as the servers and the worker (separate machines would not pay them), so the CPU they take is reported
+per run, and "0q" runs the job at 0 ms with every packet still passing through them: the emulation's cost without
+the latency, the control that isolates what the RTT itself costs.
 
 "tiny" is `modelprep.write_tiny_model(layers=8, hidden_size=256)` (`swarmbatch model tiny --layers 8`, at hidden
 256); "smollm2" the real SmolLM2-135M-Instruct (30 layers, hidden 576), prepared under ~/.swarmbatch/models.
@@ -27,6 +36,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -36,7 +46,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and then", "one two three",
            "Once upon a time", "In the beginning", "Summarize: the bakery on Main Street", "List three uses of"]
@@ -78,6 +88,39 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         model.close()
 
 
+def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, max_tokens: int) -> None:
+    """Run the throughput job once per line on stdin (default settings, one store); answer one JSON line each."""
+    import logging
+
+    from jobrun import run_job
+    from throughput import batch_file, job_runtime, prompts
+
+    from jobs.worker.batch_worker import logger as worker_logger
+
+    plans: list[str] = []
+
+    class PlanLog(logging.Handler):  # the worker logs each batch's plan: "Job <id>: claim 24 in 4 lanes (...)"
+        def emit(self, record: logging.LogRecord) -> None:
+            if " lanes (" in record.getMessage():
+                plans.append(record.getMessage().split(": ", 1)[1])
+
+    worker_logger.addHandler(PlanLog())
+    worker_logger.setLevel(logging.INFO)
+    texts = prompts(requests)
+    data = batch_file(texts, max_tokens)
+    home = Path(tempfile.mkdtemp(prefix="swarmbatch-wan-job-"))
+    runtime = job_runtime(home, "defaults", initial_peers, argparse.Namespace(batch_size=None), {}, model_dir, texts)
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        plans.clear()
+        # the RTT just changed: measure it again now, as a worker that has run at this RTT for a minute would have
+        runtime.swarm_model(str(model_dir)).swarm.pinged_at.clear()
+        seconds, tokens, outputs = run_job(runtime, str(model_dir), data)
+        print(json.dumps({"seconds": seconds, "tokens": tokens, "plans": sorted(set(plans)),
+                          "outputs": json.dumps(outputs, sort_keys=True)}), flush=True)
+    runtime.close()
+
+
 # ---- the orchestrator ----------------------------------------------------------------------------------------------
 def model_dir(name: str, work: Path) -> Path:
     if name == "tiny":
@@ -93,11 +136,11 @@ def spans(num_blocks: int, servers: int) -> list[tuple[int, int]]:
 
 
 class Client:
-    """The client process in node 0, driven over its stdin/stdout."""
+    """The client process in node 0, driven over its stdin/stdout (`mode`: --client or --job-client)."""
 
-    def __init__(self, lab: Any, model: Path, peers: list[str]) -> None:
-        args = ["ip", "netns", "exec", lab.nodes[0].namespace, sys.executable, __file__, "--client", str(model),
-                "--initial-peers", *peers]
+    def __init__(self, lab: Any, model: Path, peers: list[str], mode: str = "--client", *extra: str) -> None:
+        args = ["ip", "netns", "exec", lab.nodes[0].namespace, sys.executable, __file__, mode, str(model),
+                *extra, "--initial-peers", *peers]
         self.log = open(lab.log_dir / "client.log", "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
@@ -177,6 +220,81 @@ def bench_lab(name: str, model: Path, servers: int, args: argparse.Namespace, wo
     return rows
 
 
+def bench_job_lab(name: str, model: Path, servers: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """The throughput job at each RTT in turn (rotated per rep), in one lab; one row per run."""
+    from netlab.lab import NetLab, start_dht, start_servers
+
+    from swarmclient.model_spec import ModelSpec
+
+    num_blocks = ModelSpec.open(model).num_blocks
+    rows: list[dict[str, Any]] = []
+    with NetLab(servers + 1, log_dir=work / f"job-{name}-{servers}") as lab:
+        peers = start_dht(lab, lab.nodes[0])
+        extra = tuple(shlex.split(args.server_args))
+        start_servers(lab, model, peers, [(lab.nodes[i + 1], a, b, extra)
+                                          for i, (a, b) in enumerate(spans(num_blocks, servers))])
+        client = Client(lab, model, peers, "--job-client", "--requests", str(args.requests),
+                        "--tokens", str(args.tokens))
+        try:
+            outputs: set[str] = set()
+            for rep in range(args.reps):
+                for rtt in args.rtts[rep % len(args.rtts):] + args.rtts[:rep % len(args.rtts)]:
+                    for node in lab.nodes:  # "0q": 0 ms, but through the delay programs (their CPU cost alone)
+                        lab.set_delay(node, float(rtt.rstrip("q")) / 2, queued=rtt.endswith("q"))
+                    ping = lab.rtt_ms(lab.nodes[0], lab.nodes[1])
+                    emulation, cpu = lab.delay_cpu_seconds(), cpu_ticks()
+                    result = client.run(job=True)
+                    outputs.add(result.pop("outputs"))
+                    rows.append({"model": name, "servers": servers, "rtt": rtt, "ping_ms": ping, "rep": rep, **result,
+                                 "tokens_per_s": result["tokens"] / result["seconds"],
+                                 "delay_cpu_s": lab.delay_cpu_seconds() - emulation, "cpu_busy": busy_since(cpu)})
+                    print(json.dumps(rows[-1]), flush=True)
+            if len(outputs) != 1:
+                raise SystemExit(f"the job's greedy outputs differ between RTTs: {name} {servers} servers")
+        finally:
+            client.close()
+    return rows
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, all) jiffies of the whole machine so far, from /proc/stat (idle and iowait count as not busy)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def busy_since(before: tuple[int, int]) -> float:
+    """The share of the machine's cores that were busy since `before` (a `cpu_ticks()` reading)."""
+    busy, total = cpu_ticks()
+    return (busy - before[0]) / max(1, total - before[1])
+
+
+def summarize_jobs(rows: list[dict[str, Any]]) -> str:
+    """Per (model, servers, RTT): the best run's tokens/s, its ratio to RTT 0's best (and to "0q"'s: 0 ms through
+    the delay programs), the CPU the delay programs took, the plans chosen."""
+    best: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["model"], row["servers"], row["rtt"])
+        if key not in best or row["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = row
+    lines = ["| model | servers | RTT (ping -U) | seconds | tokens | tokens/s | vs RTT 0 | vs 0q | delay programs' CPU "
+             "| CPU busy | plans chosen (all runs) |", "|" + " --- |" * 11]
+    for (model, servers, rtt), row in sorted(best.items(), key=lambda item: (*item[0][:2], rtt_order(item[0][2]))):
+        zero, queued = best.get((model, servers, "0")), best.get((model, servers, "0q"))
+        plans = sorted({p for r in rows if (r["model"], r["servers"], r["rtt"]) == (model, servers, rtt)
+                        for p in r["plans"]})
+        ratios = ["" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" for base in (zero, queued)]
+        lines.append(f"| {model} | {servers} | {rtt} ({row['ping_ms']:.1f}) | {row['seconds']:.1f} | {row['tokens']} | "
+                     f"{row['tokens_per_s']:.1f} | {' | '.join(ratios)} | {row['delay_cpu_s']:.1f} s "
+                     f"({row['delay_cpu_s'] / row['seconds'] * 100:.0f}% of a core) | {row['cpu_busy'] * 100:.0f}% | "
+                     f"{'; '.join(plans)} |")
+    return "\n".join(lines)
+
+
+def rtt_order(rtt: str) -> tuple[float, bool]:
+    """"0" < "0q" < "20" < "50"."""
+    return float(rtt.rstrip("q")), rtt.endswith("q")
+
+
 def summarize(rows: list[dict[str, Any]]) -> str:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
@@ -202,33 +320,47 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--client", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--job-client", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--job", action="store_true", help="the throughput job at each RTT instead of generations")
+    parser.add_argument("--requests", type=int, default=64, help="requests of the --job job")
+    parser.add_argument("--server-args", default="", help="--job: more `swarmbatch serve` options for every server, "
+                                                         "e.g. '--attn-cache-tokens 32768 --batch-wait-ms 0'")
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
-    parser.add_argument("--models", default="tiny,smollm2")
-    parser.add_argument("--servers", default="2,3")
-    parser.add_argument("--rtts", default="0,20,50")
+    parser.add_argument("--models", default=None, help="default tiny,smollm2 (--job: smollm2)")
+    parser.add_argument("--servers", default=None, help="default 2,3 (--job: 2)")
+    parser.add_argument("--rtts", default=None, help="default 0,20,50 (--job: 0,0q,50; 0q = 0 ms through the delay "
+                                                       "programs)")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=None, help="new tokens per row (default 24; --job: 64)")
+    parser.add_argument("--reps", type=int, default=None, help="default 3 (--job: 2)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.client:
         client_main(args.client, args.initial_peers)
         return
+    if args.job_client:
+        job_client_main(args.job_client, args.initial_peers, args.requests, args.tokens)
+        return
+    defaults = dict(models="smollm2", servers="2", rtts="0,0q,50", tokens=64, reps=2) if args.job else dict(
+        models="tiny,smollm2", servers="2,3", rtts="0,20,50", tokens=24, reps=3)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     from netlab.lab import unavailable
 
     if (reason := unavailable()) is not None:
         raise SystemExit(f"bench/wan.py needs network namespaces: {reason}")
-    args.rtts = [int(x) for x in args.rtts.split(",")]
+    args.rtts = args.rtts.split(",") if args.job else [int(x) for x in args.rtts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
     work = Path(tempfile.mkdtemp(prefix="swarmbatch-wan-"))
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         model = model_dir(name, work)
         for servers in (int(x) for x in args.servers.split(",")):
-            rows += bench_lab(name, model, servers, args, work)
+            rows += (bench_job_lab if args.job else bench_lab)(name, model, servers, args, work)
             if args.out:
                 args.out.write_text(json.dumps(rows, indent=1))
-    print(summarize(rows))
+    print(summarize_jobs(rows) if args.job else summarize(rows))
 
 
 if __name__ == "__main__":

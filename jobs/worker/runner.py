@@ -197,9 +197,14 @@ class BatchRunner:
             self._running[pool.submit(self._lane, lane)] = lane
 
     def _next_group(self) -> list[tuple[RowState, Request]]:
-        """The next micro-batch of waiting rows: at most the claim's share of one lane and the servers' batch size."""
+        """The next micro-batch of waiting rows: at most the claim's share of one lane and the servers' batch size,
+        and no more than fits the cache share alone (a claim reaches ahead of what runs at once: sizing.py)."""
         per_lane = max(1, min(-(-self.capacity // self.lanes), self.plan.rows_per_session or self.capacity))
-        return self._waiting[:per_lane]
+        group = self._waiting[:per_lane]
+        while len(group) > 1 and self.plan.cache_tokens is not None \
+                and Lane(group).reservation() > self.plan.cache_tokens:
+            group = group[:-1]
+        return group
 
     def _fits(self, group: list[tuple[RowState, Request]]) -> bool:
         if self.plan.cache_tokens is None:

@@ -2,7 +2,8 @@
 
 Sized from what the chain of servers announces it can hold for one caller (`ChainRoom`: rows per session, KV
 cache this caller may reserve, sessions it may open, each hop's step time), the job's next requests (their
-prompt + max_tokens is what a session reserves per row), and a fair share of the job among live workers.
+prompt + max_tokens is what a session reserves per row), and a fair share of the job among live workers. The claim
+reaches ahead (`CLAIM_AHEAD`): lanes start only as the cache allows (runner.py), the rest wait, leased.
 Explicit settings (SWARMBATCH_WORKER_BATCH_SIZE, SWARMBATCH_PIPELINE_LANES) win over the sizing.
 """
 from __future__ import annotations
@@ -22,6 +23,9 @@ MIN_LANES, MAX_LANES = 2, 8
 FALLBACK_CLAIM = 8  # when the swarm cannot be read now (the batch will say why): a small claim
 DEFAULT_SESSIONS_PER_PEER = 16  # what servers allow one caller when their record does not say (older ones)
 SESSIONS_PER_LANE_SLACK = 2  # a lane may hold two sessions on a server at once: its own and a failover replacement
+# the claim holds the rows whose lanes fit the cache share at once, and as many again, leased and waiting to start as
+# lanes finish: a finished lane is followed at once by a full one of similar lengths, not by small refills
+CLAIM_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
               "most per worker": MAX_CLAIM, "open requests": max(1, len(row_tokens))}
     bound = min(limits, key=limits.__getitem__)
     count = limits[bound]
-    fits = rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens)
+    fits = rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens * CLAIM_AHEAD)
     if fits < count:
         count, bound = max(1, fits), "cache share"
     return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, room.rows_per_session,

@@ -23,8 +23,8 @@ from jobs.models import Request
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs.worker.batch_worker import JobWorker
-from jobs.worker.runner import NO_ROOM_LOG, BatchRunner
-from jobs.worker.sizing import PipelinePlan
+from jobs.worker.runner import NO_ROOM_LOG, BatchRunner, Lane, RowState
+from jobs.worker.sizing import CLAIM_AHEAD, PipelinePlan
 from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
 from swarmclient.model_spec import ModelSpec
@@ -94,13 +94,14 @@ def test_a_server_with_little_free_cache_gets_a_claim_that_fits(
     # When a worker runs it with default settings
     with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
         run_to_completion(runtime, job.id)
-    # Then its claim was what fits in that share, and no session was refused (no cache_full / busy storm)
+    # Then its claim was what fits in that share and as many again (waiting to start), and no session was refused
+    # (no cache_full / busy storm)
     plans = [m for m in (PLAN.search(r.getMessage()) for r in caplog.records) if m]
     assert plans and all(m[3] == "bound: cache share" for m in plans), [m[0] for m in plans]
     with runtime.session() as session:
         rows = session.scalars(select(Request).where(Request.job_id == job.id)).all()
-        row_tokens = max(len(r.prompt_ids) + r.max_tokens for r in rows)
-    assert all(int(m[1]) * row_tokens <= 120 + row_tokens for m in plans)
+        shortest = min(len(r.prompt_ids) + r.max_tokens for r in rows)  # what a claimed row reserves at least
+    assert all(int(m[1]) * shortest <= CLAIM_AHEAD * 120 for m in plans)
     assert refusals(swarm, runtime, tiny_model) == {}
 
 
@@ -113,18 +114,7 @@ def test_rows_the_servers_have_no_room_for_wait_and_complete_identically(
     runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
     job = submit_batch(runtime, batch_file(8), model=str(tiny_model))
     reference = submit_batch(runtime, batch_file(8), model=str(tiny_model))
-    with runtime.session() as session:
-        rows = list(session.scalars(select(Request).where(Request.job_id == job.id).order_by(Request.index)))
-        for row in rows:
-            session.expunge(row)
-    committed: dict[int, list[int]] = {}
-
-    def checkpoint(progress: dict[int, list[int]], _texts: dict[int, str]) -> set[int]:
-        committed.update(progress)
-        return {r.id for r in rows}
-    runner = BatchRunner(runtime.swarm_model(str(tiny_model)), runtime.tokenizer(str(tiny_model)), rows,
-                         checkpoint_every=4, checkpoint=checkpoint, continuous=True,
-                         plan=PipelinePlan(claim=8, lanes=4, max_lanes=4))
+    rows, runner = claimed_runner(runtime, tiny_model, job.id, PipelinePlan(claim=8, lanes=4, max_lanes=4))
     # When it runs
     with caplog.at_level(logging.WARNING, logger="jobs.worker.runner"):
         results = runner.run()
@@ -138,6 +128,44 @@ def test_rows_the_servers_have_no_room_for_wait_and_complete_identically(
     expected = {r["custom_id"]: r for r in _generated(runtime, reference.id)}
     got = {row.custom_id: results[row.id].generated for row in rows}
     assert got == {cid: expected[cid]["generated_ids"] for cid in got}
+
+
+def test_a_claim_beyond_the_cache_share_starts_only_lanes_that_fit_in_it(
+        small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given the same small server (120 tokens per block for one caller), and a plan that knows that share but holds
+    # more rows than fit in it (a claim reaches ahead of what runs at once): 8 rows of ~20 tokens, in one lane
+    swarm = small_server("--attn-cache-tokens", "240")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(8), model=str(tiny_model))
+    reference = submit_batch(runtime, batch_file(8), model=str(tiny_model))
+    rows, runner = claimed_runner(runtime, tiny_model, job.id,
+                                  PipelinePlan(claim=8, lanes=1, max_lanes=4, cache_tokens=120))
+    assert Lane([(RowState(r.id, [], []), r) for r in rows]).reservation() > 120
+    # When it runs
+    with caplog.at_level(logging.WARNING, logger="jobs.worker.runner"):
+        results = runner.run()
+    # Then its lanes were cut to what fits in the share: the server refused none, no row waited for room
+    assert not any(r.msg == NO_ROOM_LOG for r in caplog.records)
+    assert refusals(swarm, runtime, tiny_model) == {}
+    # and the tokens are those of the job run as the worker sizes it
+    run_to_completion(runtime, reference.id)
+    expected = {r["custom_id"]: r["generated_ids"] for r in _generated(runtime, reference.id)}
+    assert {row.custom_id: results[row.id].generated for row in rows} == expected
+
+
+def claimed_runner(runtime: Runtime, model: Path, job_id: str, plan: PipelinePlan) -> tuple[list[Request], BatchRunner]:
+    """A BatchRunner over all of a job's requests (as if claimed, leases never lost), with the given plan."""
+    with runtime.session() as session:
+        rows = list(session.scalars(select(Request).where(Request.job_id == job_id).order_by(Request.index)))
+        for row in rows:
+            session.expunge(row)
+
+    def checkpoint(_progress: dict[int, list[int]], _texts: dict[int, str]) -> set[int]:
+        return {r.id for r in rows}
+    runner = BatchRunner(runtime.swarm_model(str(model)), runtime.tokenizer(str(model)), rows, checkpoint_every=4,
+                         checkpoint=checkpoint, continuous=True, plan=plan)
+    return rows, runner
 
 
 def _generated(runtime: Runtime, job_id: str) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs.worker.batch_worker import JobWorker
 from jobs.worker.sizing import (
+    CLAIM_AHEAD,
     MAX_CLAIM,
     ChainRoom,
     PipelinePlan,
@@ -33,12 +34,14 @@ def test_a_lane_reserves_its_rows_times_its_longest_row() -> None:
     assert lane_reservation([], 4) == 0
 
 
-def test_the_claim_is_the_most_leading_rows_whose_lanes_fit_the_cache_share() -> None:
+def test_the_claim_is_the_most_leading_rows_whose_lanes_fit_the_cache_share_twice() -> None:
+    # as many rows as run at once in the share, and as many again waiting to start as lanes finish
     sizes = [300] * 40
     assert rows_that_fit(sizes, 4, 3000) == 10
     plan = plan_pipeline(room(cache=3000), sizes, share=40)
-    assert (plan.claim, plan.bound) == (10, "bound: cache share")
-    assert lane_reservation(sizes[:plan.claim], plan.lanes) <= 3000
+    assert (plan.claim, plan.bound) == (CLAIM_AHEAD * 10, "bound: cache share")
+    assert lane_reservation(sizes[:plan.claim], plan.lanes) <= CLAIM_AHEAD * 3000
+    assert plan.cache_tokens == 3000  # what the runner lets run at once
 
 
 def test_a_small_max_batch_size_bounds_the_claim_to_lanes_times_it() -> None:

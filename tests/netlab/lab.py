@@ -154,9 +154,10 @@ class NetLab:
                      "--queue-bypass")
         _run(*iptables, "-j", "NFQUEUE", "--queue-num", str(QUEUE), "--queue-bypass")
 
-    def set_delay(self, node: Node, delay_ms: float) -> None:
+    def set_delay(self, node: Node, delay_ms: float, *, queued: bool = False) -> None:
         """Give a node another one-way input delay (0: none), its delayed links' extra kept on top; packets pass
-        undelayed during the swap."""
+        undelayed during the swap. `queued`: packets pass through a delay program even at 0 ms (a benchmark's
+        control: the emulation's own CPU cost without the latency)."""
         self.delays[node.index] = delay_ms
         senders = [None, *(sender for receiver, sender in self.link_delays if receiver == node.index)]
         for sender in senders:
@@ -165,9 +166,21 @@ class NetLab:
                 old.terminate(timeout=5)
                 self.processes.remove(old)
             total = delay_ms + (0.0 if sender is None else self.link_delays[(node.index, sender)])
-            if total > 0:
+            if total > 0 or queued:
                 queue = QUEUE if sender is None else QUEUE + 1 + sender
                 self._delayers[(node.index, sender)] = self._delay(node, total, queue)
+
+    def delay_cpu_seconds(self) -> float:
+        """CPU seconds the running delay programs have used so far (user + system; what the emulation takes from
+        the machine's cores, which separate machines would not pay)."""
+        ticks = 0
+        for program in self._delayers.values():
+            try:
+                fields = Path(f"/proc/{program.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def traffic(self) -> dict[tuple[int, int], int]:
         """Bytes received so far, by (sending node, receiving node), IP headers included."""
