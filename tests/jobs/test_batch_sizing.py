@@ -19,11 +19,11 @@ from jobs_support import requests_of
 from sqlalchemy import select
 
 from jobs import store
-from jobs.models import Request
+from jobs.models import Job, Request
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs.worker.batch_worker import JobWorker
-from jobs.worker.runner import NO_ROOM_LOG, BatchRunner, Lane, RowState
+from jobs.worker.runner import NO_ROOM_LOG, BatchRunner, Lane, RowResult, RowState
 from jobs.worker.sizing import CLAIM_AHEAD, PipelinePlan
 from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
@@ -110,11 +110,8 @@ def test_rows_the_servers_have_no_room_for_wait_and_complete_identically(
         caplog: pytest.LogCaptureFixture) -> None:
     # Given the same small server, and a batch run with a plan that knows nothing of the cache (as when the swarm
     # could not be read): 8 rows in 4 lanes, of which the server admits only some at once
-    swarm = small_server("--attn-cache-tokens", "240")
-    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
-    job = submit_batch(runtime, batch_file(8), model=str(tiny_model))
-    reference = submit_batch(runtime, batch_file(8), model=str(tiny_model))
-    rows, runner = claimed_runner(runtime, tiny_model, job.id, PipelinePlan(claim=8, lanes=4, max_lanes=4))
+    swarm, runtime, rows, runner, reference = small_server_run(small_server, make_runtime, tiny_model,
+                                                               PipelinePlan(claim=8, lanes=4, max_lanes=4))
     # When it runs
     with caplog.at_level(logging.WARNING, logger="jobs.worker.runner"):
         results = runner.run()
@@ -124,10 +121,7 @@ def test_rows_the_servers_have_no_room_for_wait_and_complete_identically(
     assert not client.bans.banned()
     assert refusals(swarm, runtime, tiny_model).get("busy", 0) > 0
     # with the tokens of a run that never waited
-    run_to_completion(runtime, reference.id)
-    expected = {r["custom_id"]: r for r in _generated(runtime, reference.id)}
-    got = {row.custom_id: results[row.id].generated for row in rows}
-    assert got == {cid: expected[cid]["generated_ids"] for cid in got}
+    assert_generated_as_the_worker_would(runtime, reference, rows, results)
 
 
 def test_a_claim_beyond_the_cache_share_starts_only_lanes_that_fit_in_it(
@@ -135,12 +129,8 @@ def test_a_claim_beyond_the_cache_share_starts_only_lanes_that_fit_in_it(
         caplog: pytest.LogCaptureFixture) -> None:
     # Given the same small server (120 tokens per block for one caller), and a plan that knows that share but holds
     # more rows than fit in it (a claim reaches ahead of what runs at once): 8 rows of ~20 tokens, in one lane
-    swarm = small_server("--attn-cache-tokens", "240")
-    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
-    job = submit_batch(runtime, batch_file(8), model=str(tiny_model))
-    reference = submit_batch(runtime, batch_file(8), model=str(tiny_model))
-    rows, runner = claimed_runner(runtime, tiny_model, job.id,
-                                  PipelinePlan(claim=8, lanes=1, max_lanes=4, cache_tokens=120))
+    swarm, runtime, rows, runner, reference = small_server_run(
+        small_server, make_runtime, tiny_model, PipelinePlan(claim=8, lanes=1, max_lanes=4, cache_tokens=120))
     assert Lane([(RowState(r.id, [], []), r) for r in rows]).reservation() > 120
     # When it runs
     with caplog.at_level(logging.WARNING, logger="jobs.worker.runner"):
@@ -149,6 +139,24 @@ def test_a_claim_beyond_the_cache_share_starts_only_lanes_that_fit_in_it(
     assert not any(r.msg == NO_ROOM_LOG for r in caplog.records)
     assert refusals(swarm, runtime, tiny_model) == {}
     # and the tokens are those of the job run as the worker sizes it
+    assert_generated_as_the_worker_would(runtime, reference, rows, results)
+
+
+def small_server_run(small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], model: Path,
+                     plan: PipelinePlan) -> tuple[LocalSwarm, Runtime, list[Request], BatchRunner, Job]:
+    """A server letting one caller cache 120 tokens per block, two 8-request jobs, and a BatchRunner with `plan` over
+    all of the first (as if claimed, leases never lost); the second is the reference the worker runs itself."""
+    swarm = small_server("--attn-cache-tokens", "240")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(8), model=str(model))
+    reference = submit_batch(runtime, batch_file(8), model=str(model))
+    rows, runner = claimed_runner(runtime, model, job.id, plan)
+    return swarm, runtime, rows, runner, reference
+
+
+def assert_generated_as_the_worker_would(runtime: Runtime, reference: Job, rows: list[Request],
+                                         results: dict[int, RowResult]) -> None:
+    """The runner's tokens per request equal those of the reference job (the same requests) run by a worker."""
     run_to_completion(runtime, reference.id)
     expected = {r["custom_id"]: r["generated_ids"] for r in _generated(runtime, reference.id)}
     assert {row.custom_id: results[row.id].generated for row in rows} == expected
