@@ -187,7 +187,7 @@ class Swarm:
         claimed = answer.get("throughput")
         if isinstance(claimed, int | float) and not isinstance(claimed, bool):
             self.claimed[peer_id] = float(claimed)
-        self.links = {link: rtt for link, rtt in self.links.items() if link[0] != peer_id}  # its answer is the news
+        self.links = {link: seconds for link, seconds in self.links.items() if link[0] != peer_id}  # its answer is news
         self.links.update(reported_links(peer_id, answer.get("next_rtts")))
         self.refusals.pop(peer_id, None)
         return rtt
