@@ -88,8 +88,9 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         model.close()
 
 
-def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, max_tokens: int) -> None:
-    """Run the throughput job once per line on stdin (default settings, one store); answer one JSON line each."""
+def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, max_tokens: int, configs: str) -> None:
+    """Run the throughput job once per line on stdin ({"config": label}: default settings, or a CLAIMxLANES of
+    `configs`; one store each); answer one JSON line each."""
     import logging
 
     from jobrun import run_job
@@ -109,16 +110,26 @@ def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, ma
     texts = prompts(requests)
     data = batch_file(texts, max_tokens)
     home = Path(tempfile.mkdtemp(prefix="swarmbatch-wan-job-"))
-    runtime = job_runtime(home, "defaults", initial_peers, argparse.Namespace(batch_size=None), {}, model_dir, texts)
+    runtimes = {label: job_runtime(home, label, initial_peers, argparse.Namespace(batch_size=None), options,
+                                   model_dir, texts) for label, options in job_configs(configs).items()}
     print(json.dumps({"ready": True}), flush=True)
-    for _ in sys.stdin:
+    for line in sys.stdin:
         plans.clear()
+        runtime = runtimes[json.loads(line)["config"]]
         # the RTT just changed: measure it again now, as a worker that has run at this RTT for a minute would have
         runtime.swarm_model(str(model_dir)).swarm.pinged_at.clear()
         seconds, tokens, outputs = run_job(runtime, str(model_dir), data)
         print(json.dumps({"seconds": seconds, "tokens": tokens, "plans": sorted(set(plans)),
                           "outputs": json.dumps(outputs, sort_keys=True)}), flush=True)
-    runtime.close()
+    for runtime in runtimes.values():
+        runtime.close()
+
+
+def job_configs(configs: str) -> dict[str, dict[str, object]]:
+    """{label: worker settings}: "defaults" (the worker sizes its batch), then each CLAIMxLANES of `configs`."""
+    tuned = [tuple(int(x) for x in pair.split("x")) for pair in configs.split(",") if pair]
+    return {"defaults": {}, **{f"claim {claim}, {lanes} lanes": {"worker_batch_size": claim, "pipeline_lanes": lanes}
+                               for claim, lanes in tuned}}
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------------------------
@@ -234,7 +245,7 @@ def bench_job_lab(name: str, model: Path, servers: int, args: argparse.Namespace
         start_servers(lab, model, peers, [(lab.nodes[i + 1], a, b, extra)
                                           for i, (a, b) in enumerate(spans(num_blocks, servers))])
         client = Client(lab, model, peers, "--job-client", "--requests", str(args.requests),
-                        "--tokens", str(args.tokens))
+                        "--tokens", str(args.tokens), "--configs", args.configs)
         try:
             outputs: set[str] = set()
             for rep in range(args.reps):
@@ -242,13 +253,14 @@ def bench_job_lab(name: str, model: Path, servers: int, args: argparse.Namespace
                     for node in lab.nodes:  # "0q": 0 ms, but through the delay programs (their CPU cost alone)
                         lab.set_delay(node, float(rtt.rstrip("q")) / 2, queued=rtt.endswith("q"))
                     ping = lab.rtt_ms(lab.nodes[0], lab.nodes[1])
-                    emulation, cpu = lab.delay_cpu_seconds(), cpu_ticks()
-                    result = client.run(job=True)
-                    outputs.add(result.pop("outputs"))
-                    rows.append({"model": name, "servers": servers, "rtt": rtt, "ping_ms": ping, "rep": rep, **result,
-                                 "tokens_per_s": result["tokens"] / result["seconds"],
-                                 "delay_cpu_s": lab.delay_cpu_seconds() - emulation, "cpu_busy": busy_since(cpu)})
-                    print(json.dumps(rows[-1]), flush=True)
+                    for config in job_configs(args.configs):
+                        emulation, cpu = lab.delay_cpu_seconds(), cpu_ticks()
+                        result = client.run(config=config)
+                        outputs.add(result.pop("outputs"))
+                        rows.append({"model": name, "servers": servers, "rtt": rtt, "config": config, "ping_ms": ping,
+                                     "rep": rep, **result, "tokens_per_s": result["tokens"] / result["seconds"],
+                                     "delay_cpu_s": lab.delay_cpu_seconds() - emulation, "cpu_busy": busy_since(cpu)})
+                        print(json.dumps(rows[-1]), flush=True)
             if len(outputs) != 1:
                 raise SystemExit(f"the job's greedy outputs differ between RTTs: {name} {servers} servers")
         finally:
@@ -269,21 +281,22 @@ def busy_since(before: tuple[int, int]) -> float:
 
 
 def summarize_jobs(rows: list[dict[str, Any]]) -> str:
-    """Per (model, servers, RTT): the best run's tokens/s, its ratio to RTT 0's best (and to "0q"'s: 0 ms through
-    the delay programs), the CPU the delay programs took, the plans chosen."""
+    """Per (model, servers, config, RTT): the best run's tokens/s, its ratio to the same config's best at RTT 0 (and
+    at "0q": 0 ms through the delay programs), the CPU the delay programs took, the plans chosen."""
     best: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in rows:
-        key = (row["model"], row["servers"], row["rtt"])
+        key = (row["model"], row["servers"], row["config"], row["rtt"])
         if key not in best or row["tokens_per_s"] > best[key]["tokens_per_s"]:
             best[key] = row
-    lines = ["| model | servers | RTT (ping -U) | seconds | tokens | tokens/s | vs RTT 0 | vs 0q | delay programs' CPU "
-             "| CPU busy | plans chosen (all runs) |", "|" + " --- |" * 11]
-    for (model, servers, rtt), row in sorted(best.items(), key=lambda item: (*item[0][:2], rtt_order(item[0][2]))):
-        zero, queued = best.get((model, servers, "0")), best.get((model, servers, "0q"))
-        plans = sorted({p for r in rows if (r["model"], r["servers"], r["rtt"]) == (model, servers, rtt)
-                        for p in r["plans"]})
+    lines = ["| model | servers | config | RTT (ping -U) | seconds | tokens | tokens/s | vs RTT 0 | vs 0q | "
+             "delay programs' CPU | CPU busy | plans chosen (all runs) |", "|" + " --- |" * 12]
+    for key, row in sorted(best.items(), key=lambda item: (*item[0][:3], rtt_order(item[0][3]))):
+        model, servers, config, rtt = key
+        zero, queued = best.get((model, servers, config, "0")), best.get((model, servers, config, "0q"))
+        plans = sorted({p for r in rows if (r["model"], r["servers"], r["config"], r["rtt"]) == key for p in r["plans"]})
         ratios = ["" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" for base in (zero, queued)]
-        lines.append(f"| {model} | {servers} | {rtt} ({row['ping_ms']:.1f}) | {row['seconds']:.1f} | {row['tokens']} | "
+        lines.append(f"| {model} | {servers} | {config} | {rtt} ({row['ping_ms']:.1f}) | {row['seconds']:.1f} | "
+                     f"{row['tokens']} | "
                      f"{row['tokens_per_s']:.1f} | {' | '.join(ratios)} | {row['delay_cpu_s']:.1f} s "
                      f"({row['delay_cpu_s'] / row['seconds'] * 100:.0f}% of a core) | {row['cpu_busy'] * 100:.0f}% | "
                      f"{'; '.join(plans)} |")
@@ -323,6 +336,8 @@ def main() -> None:
     parser.add_argument("--job-client", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--job", action="store_true", help="the throughput job at each RTT instead of generations")
     parser.add_argument("--requests", type=int, default=64, help="requests of the --job job")
+    parser.add_argument("--configs", default="", help="--job: tuned settings run beside the defaults at each RTT, "
+                                                     "CLAIMxLANES,... (e.g. 64x4,64x2)")
     parser.add_argument("--server-args", default="", help="--job: more `swarmbatch serve` options for every server, "
                                                          "e.g. '--attn-cache-tokens 32768 --batch-wait-ms 0'")
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -339,7 +354,7 @@ def main() -> None:
         client_main(args.client, args.initial_peers)
         return
     if args.job_client:
-        job_client_main(args.job_client, args.initial_peers, args.requests, args.tokens)
+        job_client_main(args.job_client, args.initial_peers, args.requests, args.tokens, args.configs)
         return
     defaults = dict(models="smollm2", servers="2", rtts="0,0q,50", tokens=64, reps=2) if args.job else dict(
         models="tiny,smollm2", servers="2,3", rtts="0,20,50", tokens=24, reps=3)
