@@ -160,17 +160,22 @@ def job_runtime(home: Path, label: str, initial_peers: list[str], args: argparse
     return runtime
 
 
+def tuned_configs(spec: str) -> dict[str, dict[str, object]]:
+    """{label: worker settings} for each CLAIMxLANES of `spec` ("64x4,32x2"): a fixed claim in fixed lanes."""
+    pairs = [tuple(int(x) for x in pair.split("x")) for pair in spec.split(",") if pair]
+    return {f"claim {claim}, {lanes} lanes": {"worker_batch_size": claim, "pipeline_lanes": lanes}
+            for claim, lanes in pairs}
+
+
 def sweep_main(args: argparse.Namespace) -> None:
     """Default settings (the worker sizes its batch) against claims x lanes, interleaved; and 2 workers."""
     home, model_dir = bench_setup(args.model)
     blocks = ModelSpec.open(model_dir).num_blocks
     texts = prompts(args.requests)
     data = batch_file(texts, args.max_tokens)
-    configs: dict[str, dict[str, object]] = {DEFAULTS: {"worker_batch_size": None}}
-    swept = [tuple(int(x) for x in pair.split("x")) for pair in args.configs.split(",")] if args.configs else [
-        (claim, lanes) for claim in (8, 16, 32, 64) for lanes in (2, 4, 8)]
-    for claim, lanes in swept:
-        configs[f"claim {claim}, {lanes} lanes"] = {"worker_batch_size": claim, "pipeline_lanes": lanes}
+    grid = ",".join(f"{claim}x{lanes}" for claim in (8, 16, 32, 64) for lanes in (2, 4, 8))
+    configs: dict[str, dict[str, object]] = {DEFAULTS: {"worker_batch_size": None},
+                                             **tuned_configs(args.configs or grid)}
     rows: list[tuple[str, float, int]] = []
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm:
         runtimes = {label: job_runtime(home, label, swarm.initial_peers, args, options, model_dir, texts)

@@ -127,9 +127,9 @@ def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, ma
 
 def job_configs(configs: str) -> dict[str, dict[str, object]]:
     """{label: worker settings}: "defaults" (the worker sizes its batch), then each CLAIMxLANES of `configs`."""
-    tuned = [tuple(int(x) for x in pair.split("x")) for pair in configs.split(",") if pair]
-    return {"defaults": {}, **{f"claim {claim}, {lanes} lanes": {"worker_batch_size": claim, "pipeline_lanes": lanes}
-                               for claim, lanes in tuned}}
+    from throughput import tuned_configs
+
+    return {"defaults": {}, **tuned_configs(configs)}
 
 
 # ---- the orchestrator ----------------------------------------------------------------------------------------------
@@ -296,8 +296,7 @@ def summarize_jobs(rows: list[dict[str, Any]]) -> str:
         plans = sorted({p for r in rows if (r["model"], r["servers"], r["config"], r["rtt"]) == key for p in r["plans"]})
         ratios = ["" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}" for base in (zero, queued)]
         lines.append(f"| {model} | {servers} | {config} | {rtt} ({row['ping_ms']:.1f}) | {row['seconds']:.1f} | "
-                     f"{row['tokens']} | "
-                     f"{row['tokens_per_s']:.1f} | {' | '.join(ratios)} | {row['delay_cpu_s']:.1f} s "
+                     f"{row['tokens']} | {row['tokens_per_s']:.1f} | {' | '.join(ratios)} | {row['delay_cpu_s']:.1f} s "
                      f"({row['delay_cpu_s'] / row['seconds'] * 100:.0f}% of a core) | {row['cpu_busy'] * 100:.0f}% | "
                      f"{'; '.join(plans)} |")
     return "\n".join(lines)
