@@ -146,6 +146,7 @@ def test_a_busy_server_is_routed_around_like_a_full_one(clean) -> None:
     full, free = (server.peer_id for server in swarm.servers)
     held = [session(client, full), session(client, full)]
     client.rtts.update({full: 0.0001, free: 1.0})  # the route tries the busy server first
+    client.pinged_at.update(dict.fromkeys((full, free), time.monotonic()))  # fresh: no ping may overwrite them
     with InferenceSession(client, batch_size=1, max_length=8) as chain:
         output = chain.step(*inputs(4))
         assert [hop.peer_id for hop in chain.route] == [free]
