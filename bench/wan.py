@@ -338,7 +338,8 @@ def main() -> None:
     parser.add_argument("--configs", default="", help="--job: tuned settings run beside the defaults at each RTT, "
                                                      "CLAIMxLANES,... (e.g. 64x4,64x2)")
     parser.add_argument("--server-args", default="", help="--job: more `swarmbatch serve` options for every server, "
-                                                         "e.g. '--attn-cache-tokens 32768 --batch-wait-ms 0'")
+                                                         "e.g. --server-args='--no-lend-idle-cache --batch-wait-ms 0' "
+                                                         "(with '=': the value starts with --)")
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--models", default=None, help="default tiny,smollm2 (--job: smollm2)")
     parser.add_argument("--servers", default=None, help="default 2,3 (--job: 2)")

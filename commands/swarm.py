@@ -137,6 +137,9 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
               min=1, help="Sessions one caller (peer id) may have open here at once; more are refused as busy.")] = 16,
           max_cache_share_per_peer: Annotated[float, typer.Option(
               min=0.0, max=1.0, help="Share of the KV-cache budget one caller may reserve; more is refused as busy.")] = 0.5,
+          lend_idle_cache: Annotated[bool, typer.Option(
+              help="Let a caller alone on this server borrow past its share, until another caller is refused room "
+                   "(then each is held to its share for 2 minutes).")] = True,
           max_queued_forwards: Annotated[int, typer.Option(
               min=1, help="Stateless forwards admitted and not yet answered, all callers together.")] = 4,
           max_forwards_per_peer: Annotated[int, typer.Option(
@@ -164,7 +167,8 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
         quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
         announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
         batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens, max_sessions_per_peer=max_sessions_per_peer,
-        max_cache_share_per_peer=max_cache_share_per_peer, max_queued_forwards=max_queued_forwards,
+        max_cache_share_per_peer=max_cache_share_per_peer, lend_idle_cache=lend_idle_cache,
+        max_queued_forwards=max_queued_forwards,
         max_forwards_per_peer=max_forwards_per_peer, metrics_port=metrics_port, metrics_host=metrics_host,
         swarm_file=str(swarm_file) if swarm_file else None)
     run_server(config, print_ready)

@@ -6,6 +6,7 @@ Modules:
     block_selection  pure: which span a `--num-blocks` server should take (least covered)
     throughput       measure_throughput: block-steps per second, announced for routing (and a test-only overstatement)
     memory           CacheBudget: KV-cache tokens reserved per session within --attn-cache-tokens, a share per caller
+                     (a caller alone may borrow the rest until another is refused room)
     admission        Slots: forwards admitted and not yet answered, per caller and per server (over: busy)
     validation       checks on every request before compute
     access           MemberGate: the membership check (swarm file, member credentials) before a request is served

@@ -279,7 +279,8 @@ class BlockHandler:
 
     async def _info(self, frame: bytes, stream: Stream) -> bytes:
         self._read(frame, stream)
-        return protocol.encode([], {**self.status().info_answer(), "next_rtts": self.next_rtts()})
+        return protocol.encode([], {**self.status().info_answer(), "next_rtts": self.next_rtts(),
+                                    "cache_tokens_for_caller": self.budget.tokens_for(stream.peer)})
 
     async def _serve_forward(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                              ) -> None:

@@ -1,8 +1,12 @@
 """KV-cache budget: sessions reserve their worst case up front, so an admitted session never runs out; one caller
-may reserve at most a share of it."""
+may reserve at most a share of it, except that a caller alone on the server may borrow more (all but a reserve)
+while nobody else wants it (lending: CacheBudget)."""
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from servers.errors import RequestRejected
@@ -19,6 +23,8 @@ class CacheUse:
     limit: int       # block-tokens admitted (--attn-cache-tokens x blocks)
     num_blocks: int
     owner_limit: int = 0  # block-tokens one caller may reserve (its share of `limit`)
+    lending: bool = False  # lending now: one caller alone here may reserve up to `lend_limit`
+    lend_limit: int = 0    # block-tokens a caller alone may reserve while lending (all but the reserve)
 
     @property
     def tokens_left(self) -> int:
@@ -27,8 +33,9 @@ class CacheUse:
 
     @property
     def tokens_per_caller(self) -> int:
-        """Tokens per block one caller may reserve, all its sessions together (its share of the budget)."""
-        return self.owner_limit // self.num_blocks
+        """Tokens per block one caller may reserve now, all its sessions together: its share of the budget, or the
+        budget less its reserve while the server lends it (no other caller holds or was refused cache lately)."""
+        return (self.lend_limit if self.lending else self.owner_limit) // self.num_blocks
 
 
 @dataclass
@@ -37,14 +44,32 @@ class _Reservation:
     tokens: int  # block-tokens
 
 
+# after a refusal that lending caused, callers are held to their share for this long (a job's session lasts seconds
+# to minutes: the borrower's sessions end and the refused caller, retrying, finds its share free)
+CONTENTION_SECONDS = 120.0
+# the part of the budget never lent: a newcomer's first sessions (an interactive generate) find room at once
+LENDING_RESERVE = 0.25
+
+
 class CacheBudget:
     """Counts block-tokens (tokens cached in one block) reserved by open sessions against a limit; each owner (the
-    calling peer) may hold at most `owner_share` of the limit."""
+    calling peer) may hold at most `owner_share` of the limit.
 
-    def __init__(self, tokens_per_block: int, num_blocks: int, *, owner_share: float = 1.0) -> None:
+    With `lend`, an owner alone on the server (no other owner holds a reservation) may borrow past its share, up to
+    all but LENDING_RESERVE of the limit: one batch job's worker uses 3/4 of the cache instead of half, and a
+    newcomer's first sessions still find room at once. When another owner is then refused for lack of room while
+    someone holds more than a share, lending stops for `CONTENTION_SECONDS`: the borrower's new sessions are held to
+    its share (running ones go on; nothing is taken back mid-session), so room comes back as its sessions end, and
+    the refused owner gets in on a retry."""
+
+    def __init__(self, tokens_per_block: int, num_blocks: int, *, owner_share: float = 1.0, lend: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = tokens_per_block * num_blocks
         self.num_blocks = num_blocks
         self.owner_limit = int(self.limit * owner_share)
+        self.lend_limit = max(self.owner_limit, self.limit - int(self.limit * LENDING_RESERVE))
+        self.lend, self.clock = lend, clock
+        self.contended_until = -math.inf  # no lending before this (clock seconds)
         self._reserved: dict[str, _Reservation] = {}
 
     @property
@@ -58,21 +83,46 @@ class CacheBudget:
 
     def use(self) -> CacheUse:
         """The budget now, as one reading."""
-        return CacheUse(self.used, self.limit, self.num_blocks, self.owner_limit)
+        owners = {r.owner for r in self._reserved.values()}
+        return CacheUse(self.used, self.limit, self.num_blocks, self.owner_limit,
+                        lending=len(owners) <= 1 and self._lending(), lend_limit=self.lend_limit)
+
+    def _lending(self) -> bool:
+        return self.lend and self.clock() >= self.contended_until
+
+    def limit_for(self, owner: str) -> int:
+        """Block-tokens `owner` may hold now: `lend_limit` while it is alone here and lending is on, else its share."""
+        alone = all(r.owner == owner for r in self._reserved.values())
+        return self.lend_limit if alone and self._lending() else self.owner_limit
+
+    def tokens_for(self, owner: str) -> int:
+        """Tokens per block `owner` may still reserve now, all its new sessions together (the `info` answer's
+        `cache_tokens_for_caller`): what it may hold less what it holds, within the free cache."""
+        room = min(self.limit - self.used, self.limit_for(owner) - self.used_by(owner))
+        return max(0, room) // self.num_blocks
 
     def reserve(self, session_id: str, *, owner: str, batch_size: int, max_length: int, num_blocks: int) -> None:
         """Reserve a session's cache; raises RequestRejected: CACHE_FULL if it does not fit now, BUSY if it would
-        take its owner past its share."""
+        take its owner past what it may hold (its share, or what it is lent while alone)."""
         need = batch_size * max_length * num_blocks
         if need > self.limit - self.used:
+            self._note_contention(owner)
             raise RequestRejected(ErrorCode.CACHE_FULL,
                                   f"session needs {need} block-tokens, {self.limit - self.used} of {self.limit} free")
-        held = self.used_by(owner)
-        if held + need > self.owner_limit:
+        held, may_hold = self.used_by(owner), self.limit_for(owner)
+        if held + need > may_hold:
             raise RequestRejected(ErrorCode.BUSY,
                                   f"session needs {need} block-tokens and this caller holds {held} of the "
-                                  f"{self.owner_limit} one caller may reserve here; close a session or use another server")
+                                  f"{may_hold} one caller may reserve here; close a session or use another server")
         self._reserved[session_id] = _Reservation(owner, need)
+
+    def _note_contention(self, refused: str) -> None:
+        """A caller found no room: if another holds more than a share (it borrowed), stop lending for a while."""
+        if any(self.used_by(owner) > self.owner_limit for owner in {r.owner for r in self._reserved.values()}
+               if owner != refused):
+            self.contended_until = self.clock() + CONTENTION_SECONDS
+            logger.info("Cache lent to one caller is wanted by another: each caller is held to its share for %.0f s",
+                        CONTENTION_SECONDS)
 
     def shrink(self, session_id: str, *, batch_size: int, max_length: int, num_blocks: int) -> None:
         """Lower a session's reservation to a smaller batch (after it dropped rows); never raises it."""

@@ -70,6 +70,9 @@ class ServerCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_cache_budget_block_tokens",
                                 "KV-cache block-tokens this server admits (--attn-cache-tokens x blocks)",
                                 value=span.cache.limit)
+        yield GaugeMetricFamily(f"{PREFIX}_cache_lent", "1 while a caller alone here may borrow past its share of "
+                                "the KV cache (--lend-idle-cache), 0 while each caller is held to its share",
+                                value=int(span.cache.lending))
 
 
 @dataclass

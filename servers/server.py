@@ -57,6 +57,7 @@ class ServerConfig:
     max_merge_tokens: int = 2048            # sessions caching more (rows x length) run alone (merging copies caches)
     max_sessions_per_peer: int = 16         # sessions one caller (peer id) may have open here at once
     max_cache_share_per_peer: float = 0.5   # the share of the KV-cache budget one caller may reserve
+    lend_idle_cache: bool = True            # a caller alone here may borrow past its share until another wants room
     max_queued_forwards: int = 4            # forwards admitted and not yet answered, all callers together
     max_forwards_per_peer: int = 2          # the same, per caller
     metrics_port: int = 0                   # Prometheus /metrics port; 0 = no metrics endpoint
@@ -161,7 +162,8 @@ class BlockServer:
         span = await asyncio.get_running_loop().run_in_executor(
             None, lambda: load_span(self.spec, start, end, dtype=config.dtype, quant=config.quant))
         inject_faults(span)  # tests only: a server that lies (servers/faults.py)
-        budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer)
+        budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer,
+                             lend=config.lend_idle_cache)
         limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)
         handler = BlockHandler(span, limits, budget, self.status, session_timeout=config.session_timeout,
                                batch_wait_ms=config.batch_wait_ms, max_merge_tokens=config.max_merge_tokens,

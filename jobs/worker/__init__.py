@@ -5,7 +5,8 @@
     batch_worker  JobWorker: claim a batch of one job under a lease, run it, record the outcome (job transitions
                   through runtime.lifecycle), with its checked-output counts (README "Checked outputs"); each store
                   step one transaction, retried through a database blip (jobs.db.retry_store)
-    sizing        the batch a worker takes on: claim and lanes from what the chain can hold for one caller (records),
+    sizing        the batch a worker takes on: claim and lanes from what the chain can hold for one caller (records,
+                  and each server's `info` answer for the cache it may take now),
                   the job's next requests and a fair share among live workers (PipelinePlan)
     runner        BatchRunner: a claimed batch as pipelined micro-batches (lanes) started as the servers' cache
                   allows, finished rows replaced at once by newly claimed ones, rows without room waiting (leases

@@ -8,18 +8,21 @@ Explicit settings (SWARMBATCH_WORKER_BATCH_SIZE, SWARMBATCH_PIPELINE_LANES) win 
 """
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarmclient.routing import DEFAULT_RTT, hop_cost
 
 if TYPE_CHECKING:
+    from swarmclient.data_structures import RemoteSpanInfo
     from swarmclient.swarm import Swarm
 
 MAX_CLAIM = 256    # requests one worker process claims at most, whatever the servers could hold
 MIN_LANES, MAX_LANES = 2, 8
+MIN_ROWS_PER_LANE = 16  # lanes added to hide round trips keep at least this many rows each
 FALLBACK_CLAIM = 8  # when the swarm cannot be read now (the batch will say why): a small claim
 DEFAULT_SESSIONS_PER_PEER = 16  # what servers allow one caller when their record does not say (older ones)
 SESSIONS_PER_LANE_SLACK = 2  # a lane may hold two sessions on a server at once: its own and a failover replacement
@@ -38,14 +41,21 @@ class ChainRoom:
     compute_seconds: tuple[float, ...]  # per hop: its blocks at its trusted throughput (one decode step)
     rtt_seconds: tuple[float, ...]      # per hop: the round trip to its server
 
-    def lanes_to_fill(self) -> int:
+    def lanes_to_fill(self, *, round_trips: bool = True) -> int:
         """Micro-batches that keep the slowest server busy while a step travels the rest of the chain: one decode
-        step's time over the whole chain (compute and round trips) over the slowest hop's compute, plus one for the
-        client's own part (LM head, sampling). Far servers (long round trips) get more lanes in flight."""
+        step's time over the whole chain (compute, and round trips unless not `round_trips`) over the slowest hop's
+        compute, plus one for the client's own part (LM head, sampling). Far servers get more lanes in flight."""
         slowest = max(self.compute_seconds, default=0.0)
-        chain = sum(self.compute_seconds) + sum(self.rtt_seconds)
+        chain = sum(self.compute_seconds) + (sum(self.rtt_seconds) if round_trips else 0.0)
         depth = math.ceil(chain / slowest) if slowest > 0 else 1
         return max(MIN_LANES, min(MAX_LANES, depth + 1, self.max_lanes()))
+
+    def lanes_for(self, rows: int) -> int:
+        """Lanes for `rows` in flight at once: enough to keep every server and the client busy, and more to hide
+        the round trips only while each lane keeps MIN_ROWS_PER_LANE rows (a smaller lane costs the servers more CPU
+        per token than the latency it hides: bench/RESULTS.md, session 13)."""
+        busy = self.lanes_to_fill(round_trips=False)
+        return max(busy, min(self.lanes_to_fill(), rows // MIN_ROWS_PER_LANE))
 
     def max_lanes(self) -> int:
         """Lanes this caller may run at once without hitting the servers' per-caller session limit."""
@@ -102,7 +112,9 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
     fits = rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens * CLAIM_AHEAD)
     if fits < count:
         count, bound = max(1, fits), "cache share"
-    return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, room.rows_per_session,
+    at_once = min(count, rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens))
+    lanes_now = max(min(chosen_lanes, room.lanes_for(at_once)), -(-at_once // room.rows_per_session))
+    return PipelinePlan(count, min(lanes_now, count), max_lanes, room.cache_tokens, room.rows_per_session,
                         f"bound: {bound}")
 
 
@@ -120,16 +132,25 @@ def rows_that_fit(row_tokens: Sequence[int], lanes: int, cache_tokens: int) -> i
 
 
 async def chain_room(swarm: Swarm) -> ChainRoom:
-    """The room of the chain a session would be routed through now (reads the DHT, pings servers not pinged yet;
-    raises what `Swarm.route` raises)."""
+    """The room of the chain a session would be routed through now (reads the DHT, pings servers not pinged yet,
+    asks each hop what this caller may reserve now; raises what `Swarm.route` raises)."""
     route = await swarm.route(0, swarm.num_blocks)
     spans = {span.peer_id: span for span in await swarm.member_spans()}
     hops = [(hop, spans[hop.peer_id]) for hop in route if hop.peer_id in spans]
     throughputs = swarm.trusted_throughputs([span for _, span in hops])
+    answers = await asyncio.gather(*(swarm.call_info(hop.peer_id) for hop, _ in hops), return_exceptions=True)
     return ChainRoom(
         rows_per_session=min(span.info.max_batch_size for _, span in hops),
-        cache_tokens=min(min(span.info.cache_tokens_left, span.info.cache_tokens_per_peer or span.info.cache_tokens_left)
-                         for _, span in hops),
+        cache_tokens=min(caller_cache_tokens(span, answer) for (_, span), answer in zip(hops, answers, strict=True)),
         sessions=min(span.info.max_sessions_per_peer or DEFAULT_SESSIONS_PER_PEER for _, span in hops),
         compute_seconds=tuple(hop_cost(span, hop.end - hop.start, 0.0, throughputs[hop.peer_id]) for hop, span in hops),
         rtt_seconds=tuple(swarm.rtts.get(hop.peer_id, DEFAULT_RTT) for hop, _ in hops))
+
+
+def caller_cache_tokens(span: RemoteSpanInfo, answer: dict[str, Any] | BaseException) -> int:
+    """Tokens per block this caller may reserve on a server: what its `info` answer says now (within its share, or
+    within what the server lends a caller alone), else what its DHT record said (up to one announce period old)."""
+    live = answer.get("cache_tokens_for_caller") if isinstance(answer, dict) else None
+    if isinstance(live, int) and not isinstance(live, bool) and live >= 0:
+        return live
+    return min(span.info.cache_tokens_left, span.info.cache_tokens_per_peer or span.info.cache_tokens_left)

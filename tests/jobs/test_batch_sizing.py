@@ -87,8 +87,9 @@ def test_a_server_taking_one_row_per_session_gets_one_row_per_lane(
 def test_a_server_with_little_free_cache_gets_a_claim_that_fits(
         small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
         caplog: pytest.LogCaptureFixture) -> None:
-    # Given a server that lets one caller cache 120 tokens per block (240, half each), and requests of ~20 tokens
-    swarm = small_server("--attn-cache-tokens", "240")
+    # Given a server that lets one caller cache 120 tokens per block (240, half each; no lending past the share),
+    # and requests of ~20 tokens
+    swarm = small_server("--attn-cache-tokens", "240", "--no-lend-idle-cache")
     runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
     job = submit_batch(runtime, batch_file(16), model=str(tiny_model))
     # When a worker runs it with default settings
@@ -102,6 +103,29 @@ def test_a_server_with_little_free_cache_gets_a_claim_that_fits(
         rows = session.scalars(select(Request).where(Request.job_id == job.id)).all()
         shortest = min(len(r.prompt_ids) + r.max_tokens for r in rows)  # what a claimed row reserves at least
     assert all(int(m[1]) * shortest <= CLAIM_AHEAD * 120 for m in plans)
+    assert refusals(swarm, runtime, tiny_model) == {}
+
+
+def test_a_worker_alone_on_a_server_is_lent_the_whole_cache_and_claims_for_it(
+        small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given the same server with lending on (the default): a caller alone there may cache 180 tokens per block (all
+    # but a reserve of a quarter), not 120
+    swarm = small_server("--attn-cache-tokens", "240")
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(32), model=str(tiny_model))
+    # When a worker runs a job of 32 requests with default settings
+    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
+        run_to_completion(runtime, job.id)
+    # Then its first claim holds more rows than its share alone would let it (what fits 180 twice, not 120 twice),
+    # and the server refused nothing
+    plans = [m for m in (PLAN.search(r.getMessage()) for r in caplog.records) if m]
+    with runtime.session() as session:
+        rows = session.scalars(select(Request).where(Request.job_id == job.id)).all()
+        shortest = min(len(r.prompt_ids) + r.max_tokens for r in rows)
+    assert plans and plans[0][3] == "bound: cache share" and int(plans[0][1]) * shortest > CLAIM_AHEAD * 120, \
+        [m[0] for m in plans]
+    assert all(int(m[1]) * shortest <= CLAIM_AHEAD * 180 for m in plans)
     assert refusals(swarm, runtime, tiny_model) == {}
 
 
@@ -146,7 +170,7 @@ def small_server_run(small_server: Callable[..., LocalSwarm], make_runtime: Call
                      plan: PipelinePlan) -> tuple[LocalSwarm, Runtime, list[Request], BatchRunner, Job]:
     """A server letting one caller cache 120 tokens per block, two 8-request jobs, and a BatchRunner with `plan` over
     all of the first (as if claimed, leases never lost); the second is the reference the worker runs itself."""
-    swarm = small_server("--attn-cache-tokens", "240")
+    swarm = small_server("--attn-cache-tokens", "240", "--no-lend-idle-cache")
     runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
     job = submit_batch(runtime, batch_file(8), model=str(model))
     reference = submit_batch(runtime, batch_file(8), model=str(model))
@@ -186,7 +210,7 @@ def test_rows_waiting_for_room_keep_their_lease(
         small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path) -> None:
     # Given a server with room for a few of this job's rows at a time, a batch of 12 claimed at once (explicit setting)
     # under a 1-second lease, and sweeps running all along that return every lapsed lease to pending
-    swarm = small_server("--attn-cache-tokens", "200")
+    swarm = small_server("--attn-cache-tokens", "200", "--no-lend-idle-cache")
     runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4, lease_seconds=1.0,
                            worker_batch_size=12, pipeline_lanes=4)
     job = submit_batch(runtime, batch_file(12, max_tokens=60), model=str(tiny_model))

@@ -5,6 +5,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from factories import span
+
 from jobs.client import StoreClient
 from jobs.progress import describe_job
 from jobs.runtime import Runtime
@@ -15,6 +17,7 @@ from jobs.worker.sizing import (
     MAX_CLAIM,
     ChainRoom,
     PipelinePlan,
+    caller_cache_tokens,
     lane_reservation,
     plan_pipeline,
     rows_that_fit,
@@ -67,10 +70,26 @@ def test_lanes_cover_the_chain_step_time_over_its_slowest_hop() -> None:
     assert plan_pipeline(room(compute=(0.03, 0.03)), [10] * 64, share=64).lanes == 4
     # one slow hop among fast ones: the fast ones wait on it anyway
     assert plan_pipeline(room(compute=(0.09, 0.01, 0.01)), [10] * 64, share=64).lanes == 3
-    # far servers (50 ms round trips, 10 ms of compute per hop): as many lanes as the caps allow
-    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05), [10] * 64, share=64).lanes == 8
+    # far servers (50 ms round trips, 10 ms of compute per hop): more lanes hide the round trips, as many as the
+    # caps allow while each lane keeps 16 rows (smaller lanes cost more CPU per token than the latency they hide)
+    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05), [10] * 128, share=128).lanes == 8
+    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05), [10] * 64, share=64).lanes == 4
+    # but never fewer than keep the servers and the client busy (a hop each, plus one), however few the rows
+    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05), [10] * 20, share=20).lanes == 3
+    # and the rows that fit the cache at once count, not those claimed ahead to wait: 40 of 10 tokens fit 400
+    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05, cache=400), [10] * 128, share=128).lanes == 3
     # and never more than the per-caller session limit allows (each lane may hold two sessions during a failover)
     assert plan_pipeline(room(sessions=4, compute=(0.01,) * 6), [10] * 64, share=64).lanes == 2
+
+
+def test_the_cache_a_caller_may_take_is_the_servers_answer_now_else_its_record() -> None:
+    # a record announced while this worker's last batch held the cache says little is left; the answer says now
+    record = span("QmServer", 0, 6, cache_tokens_left=100, cache_tokens_per_peer=800)
+    assert caller_cache_tokens(record, {"cache_tokens_for_caller": 1600}) == 1600
+    # a server of an older version (no such field), a malformed answer, or a failed call: the record's figures
+    for answer in ({}, {"cache_tokens_for_caller": True}, {"cache_tokens_for_caller": -1}, TimeoutError()):
+        assert caller_cache_tokens(record, answer) == 100
+    assert caller_cache_tokens(span("QmServer", 0, 6, cache_tokens_left=900), {}) == 900  # no share announced
 
 
 def test_explicit_settings_win() -> None:

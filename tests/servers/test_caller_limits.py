@@ -5,12 +5,10 @@ Real servers and two real clients (two peers); the bad requests are sent for rea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 from raw_streams import (
     Stream,
     answer,
@@ -24,14 +22,14 @@ from raw_streams import (
     raw_stream,
     send,
 )
+from server_calls import eventually, info, inputs, session
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
 from swarmclient import protocol
-from swarmclient.data_structures import RouteHop
 from swarmclient.errors import PeerFailed
 from swarmclient.model_spec import ModelSpec
-from swarmclient.session import InferenceSession, ServerSession
+from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
 
 CACHE_TOKENS = 64  # per block; one caller may reserve half: 32
@@ -40,11 +38,13 @@ SESSION_TIMEOUT = 2.0  # server 1's
 
 @process_fixture(scope="module")
 def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm, Swarm]]:
-    """Server 0: small per-caller limits; server 1: a short session timeout. Two clients: two peers."""
+    """Server 0: small per-caller limits, held even by a caller alone (no lending: test_cache_lending.py); server 1:
+    a short session timeout. Two clients: two peers."""
     spec = ModelSpec.open(tiny_model)
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("limits")) as swarm:
         swarm.start_servers([(0, 6, ["--attn-cache-tokens", str(CACHE_TOKENS), "--max-sessions-per-peer", "2",
-                                     "--max-queued-forwards", "3", "--max-forwards-per-peer", "2"]),
+                                     "--max-queued-forwards", "3", "--max-forwards-per-peer", "2",
+                                     "--no-lend-idle-cache"]),
                              (0, 6, ["--session-timeout", str(SESSION_TIMEOUT)])])
         clients = [Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
                    for _ in range(2)]
@@ -53,32 +53,6 @@ def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         finally:
             for client in clients:
                 client.close()
-
-
-def inputs(length: int, *, batch: int = 1, hidden_size: int = 64) -> list[torch.Tensor]:
-    hidden = torch.randn(batch, length, hidden_size, generator=torch.Generator().manual_seed(length))
-    return [hidden, torch.ones(batch, length, dtype=torch.long), torch.arange(length).expand(batch, length)]
-
-
-def session(client: Swarm, peer_id: str, *, max_length: int = 8) -> ServerSession:
-    """A session on all 6 blocks of a server, opened by its first step (4 tokens)."""
-    opened = client.loop.run(ServerSession(client, RouteHop(peer_id, 0, 6), batch_size=1, max_length=max_length).open())
-    client.loop.run(opened.step(*inputs(4)))
-    return opened
-
-
-def info(client: Swarm, peer_id: str) -> dict[str, Any]:
-    return client.loop.run(client.call_info(peer_id))
-
-
-def eventually(check: Callable[[], bool], timeout: float = 15.0) -> bool:
-    """Whether `check` holds within `timeout` (a server frees a session a moment after its stream ends)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 @pytest.fixture

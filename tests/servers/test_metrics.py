@@ -74,6 +74,7 @@ def test_an_online_server_reports_its_state_span_and_cache_budget(tiny_model: Pa
     assert value(metrics, "swarmbatch_server_state", state="joining") == 0.0
     assert (value(metrics, "swarmbatch_server_span_start"), value(metrics, "swarmbatch_server_span_end")) == (0, 6)
     assert value(metrics, "swarmbatch_server_cache_budget_block_tokens") == CACHE_TOKENS * 6
+    assert value(metrics, "swarmbatch_server_cache_lent") == 1  # nobody else wants cache: a lone caller may borrow
     info = {dict(labels)["peer_id"]: dict(labels) for name, labels in metrics if name == "swarmbatch_server_span_info"}
     assert info[swarm.servers[0].peer_id]["model_id"] == ModelSpec.open(tiny_model).model_id
     assert value(metrics, "swarmbatch_server_throughput") > 0

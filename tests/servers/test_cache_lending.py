@@ -1,0 +1,156 @@
+"""A caller alone on a server may borrow past its cache share (all but a reserve); a newcomer's first sessions find
+room in the reserve at once; once another caller is refused room, each is held to its share again, nothing already
+running is taken back, and the refused caller gets its share as sessions end.
+
+The budget's rules with a fake clock, then a real server and two real clients (two peers).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from server_calls import eventually, info, inputs, session
+from tiers import process_fixture
+
+from launch.local_swarm import LocalSwarm
+from servers.errors import RequestRejected
+from servers.memory import CONTENTION_SECONDS, LENDING_RESERVE, CacheBudget
+from swarmclient.errors import PeerFailed
+from swarmclient.model_spec import ModelSpec
+from swarmclient.protocol import ErrorCode
+from swarmclient.swarm import Swarm
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lending_budget(clock: Clock, *, lend: bool = True) -> CacheBudget:
+    """100 tokens per block over 1 block; a caller's share: 50; lent to a caller alone: 75 (a reserve of 25)."""
+    return CacheBudget(100, 1, owner_share=0.5, lend=lend, clock=clock)
+
+
+def reserve(budget: CacheBudget, session_id: str, owner: str, tokens: int) -> None:
+    budget.reserve(session_id, owner=owner, batch_size=1, max_length=tokens, num_blocks=1)
+
+
+def refused(budget: CacheBudget, owner: str, tokens: int) -> ErrorCode:
+    with pytest.raises(RequestRejected) as caught:
+        reserve(budget, "refused", owner, tokens)
+    return caught.value.code
+
+
+def test_a_caller_alone_borrows_all_but_the_reserve_and_says_so_in_the_record() -> None:
+    budget = lending_budget(Clock())
+    assert LENDING_RESERVE == 0.25
+    assert budget.use().tokens_per_caller == 75 and budget.tokens_for("a") == 75
+    reserve(budget, "a1", "a", 45)
+    reserve(budget, "a2", "a", 30)  # 75: half as much again as its share
+    assert budget.tokens_for("a") == 0 and budget.use().tokens_per_caller == 75
+    assert refused(budget, "a", 1) == ErrorCode.BUSY  # the reserve is not lent
+    # a newcomer's session fits in the reserve at once; the borrower is then no longer alone: no more lending to it
+    reserve(budget, "b1", "b", 20)
+    assert budget.use().tokens_per_caller == 50 and budget.tokens_for("b") == 5
+
+
+def test_without_lending_a_caller_alone_is_held_to_its_share() -> None:
+    budget = lending_budget(Clock(), lend=False)
+    reserve(budget, "a1", "a", 50)
+    assert refused(budget, "a", 1) == ErrorCode.BUSY
+    assert budget.use().tokens_per_caller == 50 and budget.tokens_for("b") == 50
+
+
+def test_a_caller_is_lent_nothing_past_its_share_while_another_holds_cache() -> None:
+    budget = lending_budget(Clock())
+    reserve(budget, "b1", "b", 5)
+    reserve(budget, "a1", "a", 50)
+    assert refused(budget, "a", 1) == ErrorCode.BUSY  # 45 are free, but "a" is not alone
+    assert budget.use().tokens_per_caller == 50 and budget.tokens_for("a") == 0 and budget.tokens_for("b") == 45
+
+
+def test_a_caller_refused_for_what_was_lent_stops_the_lending_until_the_server_is_quiet() -> None:
+    clock = Clock()
+    budget = lending_budget(clock)
+    reserve(budget, "a1", "a", 40)
+    reserve(budget, "a2", "a", 35)  # borrowed: 75 of a share of 50
+    # another caller wants its share and finds 25 free: refused, and lending stops
+    assert refused(budget, "b", 50) == ErrorCode.CACHE_FULL
+    assert budget.use().tokens_per_caller == 50
+    # the borrower's running sessions stay; its next one is held to its share although 25 are free
+    assert refused(budget, "a", 10) == ErrorCode.BUSY and budget.used == 75
+    # one borrowed session ends: the refused caller gets its share on its retry
+    budget.release("a1")
+    reserve(budget, "b1", "b", 50)
+    budget.release("b1")
+    # the borrower alone again, but within the quiet period: still held to its share
+    clock.now += CONTENTION_SECONDS - 1
+    assert refused(budget, "a", 20) == ErrorCode.BUSY
+    # after it, lent again
+    clock.now += 2
+    reserve(budget, "a3", "a", 20)
+    assert budget.used_by("a") == 55 and budget.use().tokens_per_caller == 75
+
+
+def test_a_refusal_that_lending_did_not_cause_keeps_the_lending_on() -> None:
+    budget = lending_budget(Clock())
+    reserve(budget, "a1", "a", 50)
+    reserve(budget, "b1", "b", 40)
+    assert refused(budget, "b", 20) == ErrorCode.CACHE_FULL  # both within their shares: the budget is just full
+    budget.release("b1")
+    reserve(budget, "a2", "a", 25)  # alone again: lent at once
+    assert budget.used_by("a") == 75
+
+
+CACHE_TOKENS = 64  # per block; a caller's share: 32; lent to a caller alone: 48
+
+
+@process_fixture(scope="module")
+def lender(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm, Swarm]]:
+    """One server of all 6 blocks with a small cache and lending on (the default); two clients: two peers."""
+    spec = ModelSpec.open(tiny_model)
+    with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("lending")) as swarm:
+        swarm.start_servers([(0, 6, ["--attn-cache-tokens", str(CACHE_TOKENS)])])
+        clients = [Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
+                   for _ in range(2)]
+        try:
+            yield swarm, clients[0], clients[1]
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_a_real_server_lends_a_lone_caller_its_cache_and_takes_it_back_as_sessions_end(lender) -> None:
+    swarm, borrower, newcomer = lender
+    peer = swarm.servers[0].peer_id
+    # Given a caller alone on the server: its info answer offers it 48 tokens, not its share of 32
+    assert info(borrower, peer)["cache_tokens_for_caller"] == 48
+    held = [session(borrower, peer, max_length=24), session(borrower, peer, max_length=24)]  # 48: it borrowed 16
+    assert info(borrower, peer)["cache_tokens_for_caller"] == 0
+    # When another caller comes, its first session finds room at once, in the reserve
+    first = session(newcomer, peer, max_length=8)
+    # and when it asks for the rest of its share, there is no room (what was lent is not taken back mid-session)
+    with pytest.raises(PeerFailed, match="cache_full"):
+        session(newcomer, peer, max_length=24)
+    # Then the borrower is held to its share: its next session is refused although 8 tokens are free
+    with pytest.raises(PeerFailed, match="busy: .* of the 192 one caller may reserve"):
+        session(borrower, peer, max_length=8)
+    figures = info(borrower, peer)
+    assert (figures["cache_tokens_per_peer"], figures["cache_tokens_for_caller"]) == (32, 0)
+    assert (figures["errors"]["cache_full"], figures["errors"]["busy"]) == (1, 1)
+    # and its running sessions step on
+    hidden = inputs(1)[0]
+    output = borrower.loop.run(held[1].step(hidden, torch.ones(1, 5, dtype=torch.long), torch.tensor([[4]])))
+    assert output.shape == (1, 1, 64)
+    # When one borrowed session ends, Then the refused caller, retrying, gets the rest of its share
+    borrower.loop.run(held[0].close())
+    assert eventually(lambda: info(newcomer, peer)["cache_tokens_for_caller"] == 24)
+    served = session(newcomer, peer, max_length=24)
+    for opened, client in [(held[1], borrower), (first, newcomer), (served, newcomer)]:
+        client.loop.run(opened.close())
+    assert eventually(lambda: info(borrower, peer)["sessions"] == 0)
