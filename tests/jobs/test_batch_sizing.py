@@ -56,6 +56,28 @@ def refusals(swarm: LocalSwarm, runtime: Runtime, model: Path) -> dict[str, int]
     return dict(client.loop.run(client.call_info(peer))["errors"])
 
 
+def run_logged(swarm: LocalSwarm, make_runtime: Callable[..., Runtime], model: Path, count: int,
+               caplog: pytest.LogCaptureFixture) -> tuple[LocalSwarm, Runtime, Job]:
+    """A job of `count` requests run to completion by a worker with default settings, its plans logged in `caplog`."""
+    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
+    job = submit_batch(runtime, batch_file(count), model=str(model))
+    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
+        run_to_completion(runtime, job.id)
+    return swarm, runtime, job
+
+
+def plans_logged(caplog: pytest.LogCaptureFixture) -> list[re.Match[str]]:
+    """The plans the worker logged: (claim, lanes, bound) in groups 1-3."""
+    return [m for m in (PLAN.search(r.getMessage()) for r in caplog.records) if m]
+
+
+def shortest_row(runtime: Runtime, job_id: str) -> int:
+    """The fewest tokens a claimed row of the job reserves: its prompt + max_tokens."""
+    with runtime.session() as session:
+        rows = session.scalars(select(Request).where(Request.job_id == job_id)).all()
+        return min(len(r.prompt_ids) + r.max_tokens for r in rows)
+
+
 @pytest.fixture
 def small_server(local_swarm: Callable[..., LocalSwarm], tiny_model: Path) -> Callable[..., LocalSwarm]:
     def start(*args: str) -> LocalSwarm:
@@ -68,15 +90,10 @@ def test_a_server_taking_one_row_per_session_gets_one_row_per_lane(
         small_server: Callable[..., LocalSwarm], make_runtime: Callable[..., Runtime], tiny_model: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     # Given a server whose sessions hold one row each (--max-batch-size 1), and a 12-request job with default settings
-    swarm = small_server("--max-batch-size", "1")
-    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
-    job = submit_batch(runtime, batch_file(12), model=str(tiny_model))
     # When a worker runs it
-    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
-        run_to_completion(runtime, job.id)
+    swarm, runtime, job = run_logged(small_server("--max-batch-size", "1"), make_runtime, tiny_model, 12, caplog)
     # Then it claimed one row per lane, as many as the lanes, and the server never refused anything
-    plans = [PLAN.search(r.getMessage()) for r in caplog.records]
-    claim, lanes, bound = next((int(m[1]), int(m[2]), m[3]) for m in plans if m)
+    claim, lanes, bound = next((int(m[1]), int(m[2]), m[3]) for m in plans_logged(caplog))
     assert claim == lanes and bound == "bound: max batch size", (claim, lanes, bound)
     # And a claim set by hand (4 in 2 lanes) still runs one row per session there
     explicit = runtime.__class__(runtime.settings.model_copy(update={"worker_batch_size": 4, "pipeline_lanes": 2}))
@@ -89,19 +106,13 @@ def test_a_server_with_little_free_cache_gets_a_claim_that_fits(
         caplog: pytest.LogCaptureFixture) -> None:
     # Given a server that lets one caller cache 120 tokens per block (240, half each; no lending past the share),
     # and requests of ~20 tokens
-    swarm = small_server("--attn-cache-tokens", "240", "--no-lend-idle-cache")
-    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
-    job = submit_batch(runtime, batch_file(16), model=str(tiny_model))
     # When a worker runs it with default settings
-    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
-        run_to_completion(runtime, job.id)
+    swarm, runtime, job = run_logged(small_server("--attn-cache-tokens", "240", "--no-lend-idle-cache"), make_runtime,
+                                     tiny_model, 16, caplog)
     # Then its claim was what fits in that share and as many again (waiting to start), and no session was refused
     # (no cache_full / busy storm)
-    plans = [m for m in (PLAN.search(r.getMessage()) for r in caplog.records) if m]
+    plans, shortest = plans_logged(caplog), shortest_row(runtime, job.id)
     assert plans and all(m[3] == "bound: cache share" for m in plans), [m[0] for m in plans]
-    with runtime.session() as session:
-        rows = session.scalars(select(Request).where(Request.job_id == job.id)).all()
-        shortest = min(len(r.prompt_ids) + r.max_tokens for r in rows)  # what a claimed row reserves at least
     assert all(int(m[1]) * shortest <= CLAIM_AHEAD * 120 for m in plans)
     assert refusals(swarm, runtime, tiny_model) == {}
 
@@ -111,18 +122,11 @@ def test_a_worker_alone_on_a_server_is_lent_the_whole_cache_and_claims_for_it(
         caplog: pytest.LogCaptureFixture) -> None:
     # Given the same server with lending on (the default): a caller alone there may cache 180 tokens per block (all
     # but a reserve of a quarter), not 120
-    swarm = small_server("--attn-cache-tokens", "240")
-    runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
-    job = submit_batch(runtime, batch_file(32), model=str(tiny_model))
     # When a worker runs a job of 32 requests with default settings
-    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
-        run_to_completion(runtime, job.id)
+    swarm, runtime, job = run_logged(small_server("--attn-cache-tokens", "240"), make_runtime, tiny_model, 32, caplog)
     # Then its first claim holds more rows than its share alone would let it (what fits 180 twice, not 120 twice),
     # and the server refused nothing
-    plans = [m for m in (PLAN.search(r.getMessage()) for r in caplog.records) if m]
-    with runtime.session() as session:
-        rows = session.scalars(select(Request).where(Request.job_id == job.id)).all()
-        shortest = min(len(r.prompt_ids) + r.max_tokens for r in rows)
+    plans, shortest = plans_logged(caplog), shortest_row(runtime, job.id)
     assert plans and plans[0][3] == "bound: cache share" and int(plans[0][1]) * shortest > CLAIM_AHEAD * 120, \
         [m[0] for m in plans]
     assert all(int(m[1]) * shortest <= CLAIM_AHEAD * 180 for m in plans)

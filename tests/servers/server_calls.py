@@ -3,12 +3,16 @@ opened by hand on one server, its `info` answer, and waiting for what a server d
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from launch.local_swarm import LocalSwarm
 from swarmclient.data_structures import RouteHop
+from swarmclient.model_spec import ModelSpec
 from swarmclient.session import ServerSession
 from swarmclient.swarm import Swarm
 
@@ -39,3 +43,15 @@ def eventually(check: Callable[[], bool], timeout: float = 15.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+@contextmanager
+def two_clients(swarm: LocalSwarm, model: Path) -> Iterator[tuple[Swarm, Swarm]]:
+    """Two clients of the swarm (two peer ids: two callers to its servers), closed afterwards."""
+    spec = ModelSpec.open(model)
+    clients = [Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks) for _ in range(2)]
+    try:
+        yield clients[0], clients[1]
+    finally:
+        for client in clients:
+            client.close()

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_calls import eventually, info, inputs, session
+from server_calls import eventually, info, inputs, session, two_clients
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
 from servers.errors import RequestRejected
 from servers.memory import CONTENTION_SECONDS, LENDING_RESERVE, CacheBudget
 from swarmclient.errors import PeerFailed
-from swarmclient.model_spec import ModelSpec
 from swarmclient.protocol import ErrorCode
 from swarmclient.swarm import Swarm
 
@@ -113,16 +112,10 @@ CACHE_TOKENS = 64  # per block; a caller's share: 32; lent to a caller alone: 48
 @process_fixture(scope="module")
 def lender(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm, Swarm]]:
     """One server of all 6 blocks with a small cache and lending on (the default); two clients: two peers."""
-    spec = ModelSpec.open(tiny_model)
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("lending")) as swarm:
         swarm.start_servers([(0, 6, ["--attn-cache-tokens", str(CACHE_TOKENS)])])
-        clients = [Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
-                   for _ in range(2)]
-        try:
-            yield swarm, clients[0], clients[1]
-        finally:
-            for client in clients:
-                client.close()
+        with two_clients(swarm, tiny_model) as (first, second):
+            yield swarm, first, second
 
 
 def test_a_real_server_lends_a_lone_caller_its_cache_and_takes_it_back_as_sessions_end(lender) -> None:

@@ -22,13 +22,12 @@ from raw_streams import (
     raw_stream,
     send,
 )
-from server_calls import eventually, info, inputs, session
+from server_calls import eventually, info, inputs, session, two_clients
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
 from swarmclient import protocol
 from swarmclient.errors import PeerFailed
-from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
 
@@ -40,19 +39,13 @@ SESSION_TIMEOUT = 2.0  # server 1's
 def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalSwarm, Swarm, Swarm]]:
     """Server 0: small per-caller limits, held even by a caller alone (no lending: test_cache_lending.py); server 1:
     a short session timeout. Two clients: two peers."""
-    spec = ModelSpec.open(tiny_model)
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("limits")) as swarm:
         swarm.start_servers([(0, 6, ["--attn-cache-tokens", str(CACHE_TOKENS), "--max-sessions-per-peer", "2",
                                      "--max-queued-forwards", "3", "--max-forwards-per-peer", "2",
                                      "--no-lend-idle-cache"]),
                              (0, 6, ["--session-timeout", str(SESSION_TIMEOUT)])])
-        clients = [Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
-                   for _ in range(2)]
-        try:
-            yield swarm, clients[0], clients[1]
-        finally:
-            for client in clients:
-                client.close()
+        with two_clients(swarm, tiny_model) as (first, second):
+            yield swarm, first, second
 
 
 @pytest.fixture
