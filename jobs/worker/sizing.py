@@ -112,9 +112,10 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
     fits = rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens * CLAIM_AHEAD)
     if fits < count:
         count, bound = max(1, fits), "cache share"
-    at_once = min(count, rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens))
-    lanes_now = max(min(chosen_lanes, room.lanes_for(at_once)), -(-at_once // room.rows_per_session))
-    return PipelinePlan(count, min(lanes_now, count), max_lanes, room.cache_tokens, room.rows_per_session,
+    if lanes is None:  # sized here: as many as the rows that fit at once fill (lanes_for), and hold
+        at_once = min(count, rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens))
+        chosen_lanes = max(room.lanes_for(at_once), -(-at_once // room.rows_per_session))
+    return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, room.rows_per_session,
                         f"bound: {bound}")
 
 

@@ -95,6 +95,8 @@ def test_the_cache_a_caller_may_take_is_the_servers_answer_now_else_its_record()
 def test_explicit_settings_win() -> None:
     plan = plan_pipeline(room(rows=2, cache=100), [500] * 64, share=1, claim=48, lanes=6)
     assert (plan.claim, plan.lanes, plan.bound) == (48, 6, "set")
+    # lanes set alone win too, even where the sizing would run fewer, fuller ones (20 rows: 3 lanes)
+    assert plan_pipeline(room(compute=(0.01, 0.01), rtt=0.05), [10] * 20, share=20, lanes=6).lanes == 6
     assert plan.cache_tokens == 100  # the runner still starts lanes only as the cache allows
 
 
