@@ -81,19 +81,21 @@ class CacheBudget:
         """Block-tokens reserved now by one owner's sessions."""
         return sum(r.tokens for r in self._reserved.values() if r.owner == owner)
 
+    def owners(self) -> set[str]:
+        """The callers holding a reservation now."""
+        return {r.owner for r in self._reserved.values()}
+
     def use(self) -> CacheUse:
         """The budget now, as one reading."""
-        owners = {r.owner for r in self._reserved.values()}
         return CacheUse(self.used, self.limit, self.num_blocks, self.owner_limit,
-                        lending=len(owners) <= 1 and self._lending(), lend_limit=self.lend_limit)
+                        lending=len(self.owners()) <= 1 and self._lending(), lend_limit=self.lend_limit)
 
     def _lending(self) -> bool:
         return self.lend and self.clock() >= self.contended_until
 
     def limit_for(self, owner: str) -> int:
         """Block-tokens `owner` may hold now: `lend_limit` while it is alone here and lending is on, else its share."""
-        alone = all(r.owner == owner for r in self._reserved.values())
-        return self.lend_limit if alone and self._lending() else self.owner_limit
+        return self.lend_limit if self.owners() <= {owner} and self._lending() else self.owner_limit
 
     def tokens_for(self, owner: str) -> int:
         """Tokens per block `owner` may still reserve now, all its new sessions together (the `info` answer's
@@ -118,8 +120,7 @@ class CacheBudget:
 
     def _note_contention(self, refused: str) -> None:
         """A caller found no room: if another holds more than a share (it borrowed), stop lending for a while."""
-        if any(self.used_by(owner) > self.owner_limit for owner in {r.owner for r in self._reserved.values()}
-               if owner != refused):
+        if any(self.used_by(owner) > self.owner_limit for owner in self.owners() - {refused}):
             self.contended_until = self.clock() + CONTENTION_SECONDS
             logger.info("Cache lent to one caller is wanted by another: each caller is held to its share for %.0f s",
                         CONTENTION_SECONDS)
