@@ -22,6 +22,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     > /tmp/requirements.txt && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY README.md cli.py ./
 COPY commands ./commands
+COPY swarmnet ./swarmnet
 COPY swarmclient ./swarmclient
 COPY servers ./servers
 COPY jobs ./jobs

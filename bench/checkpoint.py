@@ -16,11 +16,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from jobrun import bench_setup, job_bench_parser, run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 
+from jobs.assembly import build_runtime  # noqa: E402
 from jobs.migrate import upgrade  # noqa: E402
-from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
 from launch.local_swarm import LocalSwarm  # noqa: E402
-from swarmclient.model_spec import ModelSpec  # noqa: E402
+from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 NO_CHECKPOINT = 10**9  # K larger than any request: only the final write happens
 
@@ -47,7 +47,7 @@ def main() -> None:
                                 worker_batch_size=args.batch_size, broker_url="memory://")
             settings.home.mkdir(parents=True, exist_ok=True)
             upgrade(settings.resolved_database_url)
-            runtime = Runtime(settings)
+            runtime = build_runtime(settings)
             run_job(runtime, str(model_dir), batch(2, 4))  # warm-up: swarm join, first routes
             results = [run_job(runtime, str(model_dir), data)[:2] for _ in range(args.reps)]
             runtime.close()

@@ -28,11 +28,11 @@ import torch  # noqa: E402
 from launch.local_swarm import LocalSwarm  # noqa: E402
 from modelprep import prepare_model, write_tiny_model  # noqa: E402
 from servers.access import MemberGate  # noqa: E402
-from swarmclient.identity import Identity  # noqa: E402
-from swarmclient.membership import MemberCredential, Membership  # noqa: E402
-from swarmclient.model_spec import ModelSpec  # noqa: E402
 from swarmclient.session import InferenceSession  # noqa: E402
 from swarmclient.swarm import Swarm  # noqa: E402
+from swarmnet.identity import Identity  # noqa: E402
+from swarmnet.membership import MemberCredential, Membership  # noqa: E402
+from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 CALLER = "12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
 

@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, insert, text
 
 from jobs.api.main import make_app
+from jobs.assembly import build_runtime
 from jobs.migrate import upgrade
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
@@ -102,7 +103,7 @@ def main() -> None:
         for label, ttl in (("every scrape reads SQL", 0.0), ("burst within the cache's lifetime", 60.0)):
             settings = Settings(home=Path(tmp), database_url=url, broker_url="memory://", metrics_cache_seconds=ttl)
             upgrade(settings.resolved_database_url)
-            runtime = Runtime(settings)
+            runtime = build_runtime(settings)
             if not rows:
                 fill(runtime, jobs=args.jobs, per_job=args.per_job, tokens=args.tokens)
                 settle(runtime)

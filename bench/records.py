@@ -8,7 +8,7 @@ client node. It times, as medians over `--reps`:
   * one announcement of a 30-block server: `store_many` of 30 block keys with a ServerInfo under its peer id,
     as `Announcer.announce` does;
   * one client read of those 30 keys (`get_remote_module_infos`);
-  * where the tree has swarmclient.records: `sign_value` and `validate` of one record (µs), in a tight loop.
+  * where the tree has swarmnet.records: `sign_value` and `validate` of one record (µs), in a tight loop.
 
 It uses only functions that exist before and after records were signed, so running it with PYTHONPATH (and the
 working directory, which `python -m cli` reads) set to an older checkout measures "before".
@@ -30,9 +30,9 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from launch.processes import ManagedProcess, cli_command
-from swarmclient.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState, block_uid
-from swarmclient.discovery import get_remote_module_infos
-from swarmclient.network import NetworkOptions, start_dht_node, stop_dht_node
+from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState, block_uid
+from swarmnet.discovery import get_remote_module_infos
+from swarmnet.network import NetworkOptions, start_dht_node, stop_dht_node
 
 MODEL_ID = "bench-model"
 
@@ -104,10 +104,10 @@ def micro(reps: int = 200) -> None:
         from hivemind.dht.validation import DHTRecord
         from hivemind.utils import MSGPackSerializer
 
-        from swarmclient.identity import Identity
-        from swarmclient.records import SignedRecordValidator
+        from swarmnet.identity import Identity
+        from swarmnet.records import SignedRecordValidator
     except ImportError:
-        print("sign/validate: this tree has no swarmclient.records")
+        print("sign/validate: this tree has no swarmnet.records")
         return
     with tempfile.TemporaryDirectory() as tmp:
         identity = Identity.create(Path(tmp) / "k.key")

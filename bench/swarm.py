@@ -330,7 +330,7 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
 def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     """Round trips of decode-sized (1x1xH) hops on the 2-server swarm; see the module docstring."""
     from servers.block_loading import load_span
-    from swarmclient.data_structures import RouteHop
+    from swarmnet.data_structures import RouteHop
 
     swarm, spec = model.swarm, model.spec
     ids, _ = prompts.batch(1)
@@ -393,7 +393,7 @@ def measure_head(model_dir: Path, rows: Sequence[int] = (1, 2, 3, 4, 8), calls: 
     import torch.nn.functional as F
 
     from swarmclient.head import ClientHead
-    from swarmclient.model_spec import ModelSpec
+    from swarmnet.model_spec import ModelSpec
 
     head = ClientHead(ModelSpec.open(model_dir))
     results = []
@@ -519,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
 
     model_dir = resolve_model(args.model)
-    from swarmclient.model_spec import ModelSpec
+    from swarmnet.model_spec import ModelSpec
 
     num_blocks = ModelSpec.open(model_dir).num_blocks
     prompts = Prompts(model_dir)

@@ -35,11 +35,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from jobrun import bench_setup, job_bench_parser, run_job  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 
+from jobs.assembly import build_runtime  # noqa: E402
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
 from launch.local_swarm import LocalSwarm  # noqa: E402
-from swarmclient.model_spec import ModelSpec  # noqa: E402
+from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 LOCAL = "local transformers generate, whole batch, 2 threads"
 TOPICS = ["a lighthouse", "a robot", "the river", "a bakery", "winter", "a train", "the moon", "a library"]
@@ -155,7 +156,7 @@ def job_runtime(home: Path, label: str, initial_peers: list[str], args: argparse
                         broker_url="memory://", **options)  # type: ignore[arg-type]
     settings.home.mkdir(parents=True, exist_ok=True)
     upgrade(settings.resolved_database_url)
-    runtime = Runtime(settings)
+    runtime = build_runtime(settings)
     run_job(runtime, str(model_dir), batch_file(texts[:2], 4))
     return runtime
 
@@ -207,7 +208,7 @@ DEFAULTS, TWO_WORKERS = "defaults (sized by the worker)", "defaults, 2 workers o
 
 def second_worker(runtime: Runtime, swarm: LocalSwarm) -> Runtime:
     """Another worker on the same store: its own Runtime, so its own swarm client (peer id, per-caller shares)."""
-    return Runtime(runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers}))
+    return build_runtime(runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers}))
 
 
 def run_job_with_two_workers(first: Runtime, second: Runtime, model: str, data: bytes) -> tuple[float, int]:

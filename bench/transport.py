@@ -31,9 +31,9 @@ def _echo_server(model_dir: str, start: int, end: int, cpu: int | None, ready: A
     from hivemind.p2p import P2P
 
     from servers.block_loading import load_span
-    from swarmclient import protocol
-    from swarmclient.model_spec import ModelSpec
-    from swarmclient.network import NetworkOptions, run_async
+    from swarmnet import protocol
+    from swarmnet.model_spec import ModelSpec
+    from swarmnet.network import NetworkOptions, run_async
 
     span = load_span(ModelSpec.open(model_dir), start, end)
     caches = span.new_caches(start, end)
@@ -75,8 +75,8 @@ async def _time_steps(maddrs: list[str], hidden_size: int, steps: int) -> list[f
     """Seconds of transport per step: round trip minus the compute the echo reports."""
     from hivemind.p2p import P2P, PeerID
 
-    from swarmclient import protocol
-    from swarmclient.network import NetworkOptions
+    from swarmnet import protocol
+    from swarmnet.network import NetworkOptions
 
     p2p = await P2P.create(initial_peers=maddrs, **NetworkOptions().p2p_kwargs())
     try:
@@ -100,8 +100,8 @@ async def _time_steps(maddrs: list[str], hidden_size: int, steps: int) -> list[f
 
 def raw_hop_costs(model_dir: Path, start: int, end: int, steps: int, cpu: int | None) -> list[float]:
     """Transport seconds of `steps` decode steps to an echo of blocks [start, end) (see the module docstring)."""
-    from swarmclient.model_spec import ModelSpec
-    from swarmclient.network import LoopThread
+    from swarmnet.model_spec import ModelSpec
+    from swarmnet.network import LoopThread
 
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()

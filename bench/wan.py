@@ -194,7 +194,7 @@ def link_bytes(before: dict[tuple[int, int], int], after: dict[tuple[int, int], 
 def bench_lab(name: str, model: Path, servers: int, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from netlab.lab import NetLab, start_dht, start_servers
 
-    from swarmclient.model_spec import ModelSpec
+    from swarmnet.model_spec import ModelSpec
 
     num_blocks = ModelSpec.open(model).num_blocks
     rows: list[dict[str, Any]] = []
@@ -235,7 +235,7 @@ def bench_job_lab(name: str, model: Path, servers: int, args: argparse.Namespace
     """The throughput job at each RTT in turn (rotated per rep), in one lab; one row per run."""
     from netlab.lab import NetLab, start_dht, start_servers
 
-    from swarmclient.model_spec import ModelSpec
+    from swarmnet.model_spec import ModelSpec
 
     num_blocks = ModelSpec.open(model).num_blocks
     rows: list[dict[str, Any]] = []

@@ -3,7 +3,6 @@
     errors   ExitCode (each code documented once) and ErrorBoundary, the root group that turns our errors into
              one line on stderr and an exit code
     options  what several modules share: --initial-peers, --json, --verbose, --swarm-file, a client's --identity
-    ready    the ready lines launchers and tests wait for ("Serving blocks ..."); no dependencies
     swarm    model prepare / tiny, dht, serve, swarm status, generate, demo; swarm init / new-key / add-member /
              remove-member / members
     batch    submit, status, results, cancel, jobs

@@ -33,7 +33,7 @@ def worker(ctx: typer.Context,
            loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info",
            swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """Run a Celery worker that generates jobs through the swarm."""
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
 
     if initial_peers:
         os.environ["SWARMBATCH_INITIAL_PEERS"] = " ".join(initial_peers)
@@ -52,7 +52,7 @@ def worker(ctx: typer.Context,
 @app.command("beat")
 def beat(loglevel: Annotated[str, typer.Option(help="Celery log level.")] = "info") -> None:
     """Run Celery beat: the schedules of SWARMBATCH_SCHEDULES (workers recover lost work by themselves)."""
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
 
     runtime = get_runtime()
     runtime.settings.home.mkdir(parents=True, exist_ok=True)
@@ -67,7 +67,7 @@ def api_server(host: Annotated[str, typer.Option(help="Listen address.")] = "127
     import uvicorn
 
     from jobs.api.main import make_app
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
 
     runtime = get_runtime()
     runtime.ensure_store()
@@ -91,7 +91,7 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
 def keys_create(name: Annotated[str, typer.Argument(help="Who the key is for.")]) -> None:
     """Create an API key; prints it once (only its hash is stored)."""
     from jobs import store
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
 
     runtime = get_runtime()
     runtime.ensure_store()
@@ -105,7 +105,7 @@ def keys_create(name: Annotated[str, typer.Argument(help="Who the key is for.")]
 def keys_list(as_json: JsonOption = False) -> None:
     """Every key: id, name, created, revoked (never the key or its hash)."""
     from jobs import store
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
 
     runtime = get_runtime()
     runtime.ensure_store()
@@ -126,7 +126,7 @@ def keys_revoke(name_or_id: Annotated[str, typer.Argument(
         metavar="NAME_OR_ID", help="The key's id (from 'keys list'), or its name if one live key has it.")]) -> None:
     """Revoke a key: every request with it gets 401 from then on."""
     from jobs import store
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
 
     runtime = get_runtime()
     runtime.ensure_store()
@@ -176,7 +176,7 @@ def schedules_list(file: SchedulesOption = None, as_json: JsonOption = False) ->
 @schedules_app.command("run")
 def schedules_run(name: str, file: SchedulesOption = None, as_json: JsonOption = False) -> None:
     """Fire one schedule now (changed and new documents only); prints the job id."""
-    from jobs.runtime import get_runtime
+    from jobs.assembly import get_runtime
     from jobs.summaries.firing import fire_now
     from jobs.summaries.schedule_file import find_schedule
 

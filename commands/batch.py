@@ -18,8 +18,8 @@ KeyOption = Annotated[str | None, typer.Option("--key", envvar="SWARMBATCH_API_K
 
 def jobs_client(api: str | None, key: str | None) -> Any:
     """The store (default) or the REST API."""
+    from jobs.assembly import get_runtime
     from jobs.client import ApiClient, StoreClient
-    from jobs.runtime import get_runtime
 
     return ApiClient(api, key) if api else StoreClient(get_runtime())
 

@@ -1,8 +1,8 @@
 """Exit codes, and the CLI's one error boundary: an error of ours becomes one line on stderr and a documented code.
 
 The boundary matches errors by the qualified names of their classes along the raised error's MRO (the most
-derived match wins). Importing the classes instead would pull torch and hivemind into every failing command
-(`swarmclient.errors` imports its package), and an error whose module was never imported cannot have been raised.
+derived match wins). Importing the classes instead would load SQLAlchemy, kombu, Alembic and every package of ours
+into every command, even `--help`; and an error whose module was never imported cannot have been raised.
 An error the table does not name is a bug: its traceback is shown as Python shows it.
 """
 from __future__ import annotations
@@ -37,12 +37,12 @@ EXIT_CODES: dict[str, ExitCode] = {
     "jobs.errors.ApiKeyNotFound": ExitCode.USAGE,
     "jobs.errors.StoreUnavailable": ExitCode.STORE_UNREACHABLE,
     "jobs.errors.JobsError": ExitCode.JOB_FAILED,
-    "swarmclient.errors.ModelDirError": ExitCode.USAGE,
+    "swarmnet.errors.ModelDirError": ExitCode.USAGE,
     "swarmclient.errors.InvalidRequest": ExitCode.USAGE,
-    "swarmclient.errors.NetworkConfigError": ExitCode.USAGE,
-    "swarmclient.membership.MembershipError": ExitCode.USAGE,  # a bad swarm file or key; not a member of the swarm
-    "swarmclient.identity.IdentityError": ExitCode.USAGE,
-    "swarmclient.errors.SwarmError": ExitCode.SWARM_UNAVAILABLE,
+    "swarmnet.errors.NetworkConfigError": ExitCode.USAGE,
+    "swarmnet.membership.MembershipError": ExitCode.USAGE,  # a bad swarm file or key; not a member of the swarm
+    "swarmnet.identity.IdentityError": ExitCode.USAGE,
+    "swarmnet.errors.SwarmError": ExitCode.SWARM_UNAVAILABLE,
     "servers.errors.ServerConfigError": ExitCode.USAGE,
     "servers.errors.ServerError": ExitCode.SWARM_UNAVAILABLE,
     "modelprep.errors.ModelPrepError": ExitCode.USAGE,

@@ -8,7 +8,7 @@ import typer
 
 PeersOption = Annotated[list[str], typer.Option("--initial-peers", envvar="SWARMBATCH_INITIAL_PEERS",
                                                 help="DHT multiaddrs to join (from 'swarmbatch dht').")]
-# where a DHT node or block server listens and what it announces (swarmclient.addresses)
+# where a DHT node or block server listens and what it announces (swarmnet.addresses)
 HostOption = Annotated[str, typer.Option(
     "--host", envvar="SWARMBATCH_HOST",
     help="Listen address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every IPv4 / IPv6 interface; their addresses "

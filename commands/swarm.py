@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from commands.options import AnnounceHostOption, HostOption, JsonOption, MemberKeyOption, PeersOption, PortOption, SwarmFileOption
-from commands.ready import serving_line
+from launch.ready import serving_line
 
 app = typer.Typer()  # top-level verbs: dht, serve, generate, demo
 model_app = typer.Typer(help="Prepare model directories.", no_args_is_help=True)
@@ -28,7 +28,7 @@ def resolve_model(name_or_path: str) -> Path:
 
 def network_options(host: str, port: int, identity: Path | None, announce_host: str | None = None) -> Any:
     """The P2P listen options of a DHT node or block server."""
-    from swarmclient.network import NetworkOptions
+    from swarmnet.network import NetworkOptions
 
     return NetworkOptions(host=host, port=port, identity_path=str(identity) if identity else None,
                           announce_host=announce_host or None)
@@ -36,7 +36,7 @@ def network_options(host: str, port: int, identity: Path | None, announce_host: 
 
 def client_access(swarm_file: Path | None, identity: Path | None, *, strict: bool = True) -> Any:
     """A client's SwarmAccess from --swarm-file and --identity (one-line errors for a bad file or a missing key)."""
-    from swarmclient.membership import SwarmAccess
+    from swarmnet.membership import SwarmAccess
 
     return SwarmAccess.load(swarm_file, identity, strict=strict)
 
@@ -44,8 +44,8 @@ def client_access(swarm_file: Path | None, identity: Path | None, *, strict: boo
 def server_membership(role: str, host: str, swarm_file: Path | None, identity: Path | None) -> Any:
     """The Membership of a DHT node or server; warns on stderr when it listens beyond loopback with none.
     `host` has passed `network_options` (an IP address)."""
-    from swarmclient.addresses import listen_ip
-    from swarmclient.membership import Membership, MembershipError
+    from swarmnet.addresses import listen_ip
+    from swarmnet.membership import Membership, MembershipError
 
     if swarm_file is None:
         if not listen_ip(host).is_loopback:
@@ -253,7 +253,7 @@ SwarmFileArgument = Annotated[Path, typer.Argument(help="The swarm file (JSON: m
 @swarm_app.command("init")
 def swarm_init(path: SwarmFileArgument) -> None:
     """Write a new swarm file with no members (refuses to overwrite one)."""
-    from swarmclient.membership import SwarmFile
+    from swarmnet.membership import SwarmFile
 
     SwarmFile.create(path)
     typer.echo(path)
@@ -263,15 +263,15 @@ def swarm_init(path: SwarmFileArgument) -> None:
 def swarm_new_key(path: Annotated[Path, typer.Argument(help="The key file to create (refuses to overwrite one).")]
                   ) -> None:
     """Create a key file (for --identity) and print its peer id, which add-member takes."""
-    from swarmclient.identity import Identity
+    from swarmnet.identity import Identity
 
     typer.echo(Identity.create(path).peer_id)
 
 
 def member_peer_id(key_or_peer: str) -> tuple[str, str]:
     """A key file's or a peer id's (peer id, default name)."""
-    from swarmclient.identity import Identity
-    from swarmclient.membership import check_peer_id
+    from swarmnet.identity import Identity
+    from swarmnet.membership import check_peer_id
 
     if Path(key_or_peer).is_file():
         return Identity.load(key_or_peer).peer_id, Path(key_or_peer).stem
@@ -284,7 +284,7 @@ def swarm_add_member(swarm_file: SwarmFileArgument,
                      name: Annotated[str | None, typer.Option(help="A name to know it by (default: the key file's "
                                                                    "name, or the peer id's end).")] = None) -> None:
     """Add a member (a server's, DHT node's or client's key) to the swarm file; copy the file to every machine."""
-    from swarmclient.membership import SwarmFile
+    from swarmnet.membership import SwarmFile
 
     swarm = SwarmFile.load(swarm_file)
     peer_id, default_name = member_peer_id(key_or_peer)
@@ -299,7 +299,7 @@ def swarm_remove_member(swarm_file: SwarmFileArgument,
                         member: Annotated[str, typer.Argument(help="A peer id, a member's name, or a key file.")]
                         ) -> None:
     """Remove a member from the swarm file; servers given the new file refuse it within seconds."""
-    from swarmclient.membership import SwarmFile
+    from swarmnet.membership import SwarmFile
 
     swarm = SwarmFile.load(swarm_file)
     peer_id, name = swarm.remove(member_peer_id(member)[0] if Path(member).is_file() else member)
@@ -311,7 +311,7 @@ def swarm_remove_member(swarm_file: SwarmFileArgument,
 @swarm_app.command("members")
 def swarm_members(swarm_file: SwarmFileArgument, as_json: JsonOption = False) -> None:
     """List the members of a swarm file: peer id and name."""
-    from swarmclient.membership import SwarmFile
+    from swarmnet.membership import SwarmFile
 
     members = SwarmFile.load(swarm_file).members
     if as_json:

@@ -1,16 +1,20 @@
-"""`Runtime`: the composition root of a process — settings, database, Celery app, lifecycle, swarm clients, tokenizers."""
+"""`Runtime`: the collaborators of one process — settings, database, Celery app, lifecycle, swarm clients, tokenizers.
+
+The runtime is built with what the core must not import itself: each job kind's hooks and the Celery app the
+process runs. jobs.assembly passes the real ones (`build_runtime`); the core only calls them.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery import Celery
 from sqlalchemy import Engine, text
@@ -19,13 +23,20 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from jobs.db import make_engine, make_session_factory
 from jobs.errors import StoreUnavailable
-from jobs.settings import Settings, get_settings
-from jobs.worker.celery_app import make_celery
+from jobs.lifecycle import JobHooks, Lifecycle
+from jobs.models import JobKind
+from jobs.settings import Settings
 
 if TYPE_CHECKING:
-    from jobs.lifecycle import Lifecycle
+    from transformers import PreTrainedTokenizerBase
+
+    from swarmclient.model import DistributedModelForCausalLM
+    from swarmnet.membership import SwarmAccess
 
 logger = logging.getLogger(__name__)
+
+HooksFactory = Callable[["Runtime"], Mapping[JobKind, JobHooks]]  # each job kind's hooks, given the runtime
+CeleryFactory = Callable[["Runtime"], Celery]  # the Celery app this process sends (and, in a worker, runs) tasks with
 
 
 @dataclass
@@ -33,8 +44,10 @@ class Runtime:
     """Lazily built collaborators of one process; workers build swarm clients after the fork."""
 
     settings: Settings
-    _models: dict[str, Any] = field(default_factory=dict)
-    _tokenizers: dict[str, Any] = field(default_factory=dict)
+    make_hooks: HooksFactory
+    make_celery: CeleryFactory
+    _models: dict[str, DistributedModelForCausalLM] = field(default_factory=dict)
+    _tokenizers: dict[str, PreTrainedTokenizerBase] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @cached_property
@@ -56,21 +69,17 @@ class Runtime:
     @cached_property
     def celery(self) -> Celery:
         """The Celery app."""
-        return make_celery(self.settings)
+        return self.make_celery(self)
 
     @cached_property
     def lifecycle(self) -> Lifecycle:
         """Job transitions with every kind's hooks registered: the one way any caller changes a job's status."""
-        from jobs.lifecycle import JobHooks, Lifecycle
-        from jobs.models import JobKind
-        from jobs.summaries.hooks import SummaryHooks
-
-        return Lifecycle({JobKind.batch: JobHooks(), JobKind.summary: SummaryHooks(self)})
+        return Lifecycle(self.make_hooks(self))
 
     @cached_property
-    def access(self) -> Any:
+    def access(self) -> SwarmAccess:
         """The swarm's membership and this process's member key (SWARMBATCH_SWARM_FILE, SWARMBATCH_IDENTITY)."""
-        from swarmclient.membership import SwarmAccess
+        from swarmnet.membership import SwarmAccess
 
         return SwarmAccess.load(self.settings.swarm_file, self.settings.identity)
 
@@ -104,7 +113,7 @@ class Runtime:
 
         return prepare_model(model, cache_dir=self.settings.models_dir)
 
-    def tokenizer(self, model: str) -> Any:
+    def tokenizer(self, model: str) -> PreTrainedTokenizerBase:
         """The model's tokenizer (cached)."""
         from swarmclient.textgen import load_tokenizer
 
@@ -113,7 +122,7 @@ class Runtime:
                 self._tokenizers[model] = load_tokenizer(self.model_dir(model))
             return self._tokenizers[model]
 
-    def swarm_model(self, model: str) -> Any:
+    def swarm_model(self, model: str) -> DistributedModelForCausalLM:
         """A DistributedModelForCausalLM joined to the swarm (cached per process: a server it bans for wrong outputs
         stays banned for every later job of this process)."""
         from swarmclient.config import ClientConfig
@@ -134,19 +143,3 @@ class Runtime:
         if "engine" in self.__dict__:
             self.engine.dispose()
 
-
-_runtime: Runtime | None = None
-
-
-def get_runtime() -> Runtime:
-    """This process's runtime (built on first use, from get_settings())."""
-    global _runtime
-    if _runtime is None:
-        _runtime = Runtime(get_settings())
-    return _runtime
-
-
-def set_runtime(runtime: Runtime | None) -> None:
-    """Replace this process's runtime (entry points and tests)."""
-    global _runtime
-    _runtime = runtime

@@ -11,47 +11,29 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from kombu.exceptions import KombuError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from jobs import files, store
 from jobs.batch_input import BatchFileRejected, InputLimits, ParsedBatch, parse_batch_file
+from jobs.durations import parse_window
 from jobs.errors import IdempotencyConflict, InvalidJob
 from jobs.models import Job
+from jobs.queue import ENQUEUE_ERRORS, enqueue_job
 from jobs.runtime import Runtime
 from jobs.store import create_job
-from jobs.worker.celery_app import PROCESS_JOB
 from modelprep import ModelPrepError
-from swarmclient.errors import ModelDirError
+from swarmnet.errors import ModelDirError
 
 logger = logging.getLogger(__name__)
 
-MAX_PARALLEL_TASKS = 8  # tasks in flight per job at submission; each re-enqueues itself while work remains
-ENQUEUE_ERRORS = (KombuError, OSError)  # kombu wraps the broker's connection errors in OperationalError
 
 
-WINDOW = re.compile(r"(?P<amount>\d{1,7}(?:\.\d{1,6})?)(?P<unit>[hms]?)")
-WINDOW_UNITS = {"h": 3600, "m": 60, "s": 1, "": 1}
-MAX_WINDOW_SECONDS = 7 * 24 * 3600  # OpenAI accepts 24h; a week is the longest deadline we keep a job for
 # the user's metadata, in OpenAI's shape: it is stored and shown back, never read by the service
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-
-
-def parse_window(value: str) -> int:
-    """'24h', '90m', '3600s' or '3600' -> seconds, from 1 s to 7 days; InvalidJob (a 400) otherwise."""
-    match = WINDOW.fullmatch(value.strip())
-    if match is None:
-        raise InvalidJob(f"completion window {value!r} is not a duration like 24h, 90m or 3600s")
-    seconds = math.floor(float(match["amount"]) * WINDOW_UNITS[match["unit"]])
-    if not 0 < seconds <= MAX_WINDOW_SECONDS:
-        raise InvalidJob(f"completion window {value!r} must be between 1s and {MAX_WINDOW_SECONDS // 3600}h (7 days)")
-    return seconds
 
 
 def check_metadata(metadata: object) -> dict[str, str]:
@@ -170,7 +152,7 @@ def _parse(runtime: Runtime, data: bytes, model: str, endpoint: str | None = Non
 def _enqueue_committed(runtime: Runtime, job: Job, parsed: ParsedBatch, *, raise_errors: bool) -> None:
     """Enqueue a committed job's work; a broker failure is logged (or raised): the job exists and a sweep sends it."""
     try:
-        enqueue_job(runtime, job.id, tasks=runtime.settings.tasks_for(len(parsed.requests)))
+        enqueue_job(runtime.celery, job.id, tasks=runtime.settings.tasks_for(len(parsed.requests)))
     except ENQUEUE_ERRORS as e:
         with runtime.session() as session:  # no chain was sent: the next sweep must dispatch the job at once
             store.release_dispatch_hold(session=session, job_id=job.id)
@@ -201,12 +183,7 @@ def _earlier_job(runtime: Runtime, idempotency_key: str, fingerprint: str) -> Jo
 
 def runtime_context_length(runtime: Runtime, model: str) -> int:
     """The model's context length, from its config."""
-    from swarmclient.model_spec import ModelSpec
+    from swarmnet.model_spec import ModelSpec
 
     return ModelSpec.open(runtime.model_dir(model)).max_length
 
-
-def enqueue_job(runtime: Runtime, job_id: str, *, tasks: int = 1, countdown: float = 0.0) -> None:
-    """Send `tasks` process_job messages (ids only) for a job."""
-    for _ in range(max(1, min(tasks, MAX_PARALLEL_TASKS))):
-        runtime.celery.send_task(PROCESS_JOB, args=[job_id], countdown=countdown or None)

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from jobs.assembly import build_runtime
 from jobs.client import StoreClient
 from jobs.progress import follow_job
-from jobs.runtime import Runtime
 from jobs.settings import Settings, get_settings
 from jobs.submission import submit_batch
 from launch.local_swarm import LocalSwarm
@@ -61,7 +61,7 @@ def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
     with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm:
         settings = settings.model_copy(update={"initial_peers": swarm.initial_peers})
         with embedded_worker(settings) as worker:
-            runtime = Runtime(settings)
+            runtime = build_runtime(settings)
             client = StoreClient(runtime)
             docs = sample_documents()
             job = submit_batch(runtime, summarization_batch(docs, max_tokens=max_tokens), model=MODEL,

@@ -6,10 +6,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from commands.ready import SERVING_BLOCKS
+from launch.ready import SERVING_BLOCKS
 from launch.processes import ManagedProcess, cli_command
-from swarmclient.identity import Identity
-from swarmclient.membership import SwarmAccess, SwarmFile
+from swarmnet.identity import Identity
+from swarmnet.membership import SwarmAccess, SwarmFile
 
 
 class LocalSwarm:

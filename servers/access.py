@@ -1,7 +1,7 @@
 """`MemberGate`: the one membership check of a block server, run before a request is decoded further.
 
 An open server (no swarm file) lets everyone in. A private one admits a caller whose libp2p-authenticated peer id is
-a member (another server), or who sends a member credential made for that peer id (`swarmclient.membership`). A
+a member (another server), or who sends a member credential made for that peer id (`swarmnet.membership`). A
 credential that verified is cached per (caller, credential) until it expires, so a client process costs the server
 one signature check; the cache is dropped whenever the swarm file's member list changes.
 """
@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from servers.errors import RequestRejected
-from swarmclient.membership import CredentialError, MemberCredential, Membership
-from swarmclient.protocol import ErrorCode
+from swarmnet.membership import CredentialError, MemberCredential, Membership
+from swarmnet.protocol import ErrorCode
 
 MAX_CACHED = 4096  # verified (caller, credential) pairs kept; only members' client processes can add one
 

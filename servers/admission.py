@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from servers.errors import RequestRejected
-from swarmclient.protocol import ErrorCode
+from swarmnet.protocol import ErrorCode
 
 
 class Slots:

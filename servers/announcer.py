@@ -9,7 +9,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from servers.status import ServerStatus
-from swarmclient.data_structures import MAX_RECORD_TTL, block_uid
+from swarmnet.data_structures import MAX_RECORD_TTL, block_uid
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from servers.errors import ServerConfigError
 from servers.span import BlockSpan
-from swarmclient.model_spec import ModelSpec
+from swarmnet.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 

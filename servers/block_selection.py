@@ -1,8 +1,8 @@
 """Which blocks a new server should hold: the window whose blocks are least covered now. Pure functions."""
 from __future__ import annotations
 
-from swarmclient.data_structures import ServerState
-from swarmclient.discovery import BlockServers
+from swarmnet.data_structures import ServerState
+from swarmnet.discovery import BlockServers
 
 
 def block_coverage(block_infos: list[BlockServers]) -> list[float]:

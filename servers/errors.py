@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-from swarmclient.protocol import ErrorCode
+from swarmnet.protocol import ErrorCode
 
 
 class ServerError(Exception):

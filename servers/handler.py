@@ -1,6 +1,6 @@
 """RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one stream = one session).
 
-All three are raw streams of length-prefixed frames (swarmclient/protocol.py), and what a caller can make the
+All three are raw streams of length-prefixed frames (swarmnet/protocol.py), and what a caller can make the
 server take is bounded before it is taken:
 
 - a message's length is checked before it is read: OPEN_FRAME_LIMIT until a session exists (and for info requests
@@ -52,8 +52,8 @@ from servers.validation import (
     validate_step,
     validate_step_id,
 )
-from swarmclient import protocol
-from swarmclient.protocol import ErrorCode
+from swarmnet import protocol
+from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 # log lines that tests read (sessions open at once): session id prefix first

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from servers.errors import RequestRejected
-from swarmclient.protocol import ErrorCode
+from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from servers.errors import ServerConfigError
 from servers.status import ServerStatus, SpanStatus
-from swarmclient.data_structures import ServerState
+from swarmnet.data_structures import ServerState
 
 logger = logging.getLogger(__name__)
 PREFIX = "swarmbatch_server"

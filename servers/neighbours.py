@@ -16,9 +16,9 @@ from collections.abc import Callable
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 
-from swarmclient import protocol
-from swarmclient.data_structures import ServerState
-from swarmclient.discovery import get_remote_module_infos
+from swarmnet import protocol
+from swarmnet.data_structures import ServerState
+from swarmnet.discovery import get_remote_module_infos
 
 logger = logging.getLogger(__name__)
 PING_PERIOD = 10.0  # seconds between rounds (servers join and leave; a round costs a few `info` calls)

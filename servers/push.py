@@ -21,7 +21,7 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 
-from swarmclient import protocol
+from swarmnet import protocol
 
 logger = logging.getLogger(__name__)
 PUSH_CONNECT_TIMEOUT = 10.0  # seconds to open a push stream and attach it to the downstream session

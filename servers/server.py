@@ -27,11 +27,11 @@ from servers.stats import ServerStats
 from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
 from servers.validation import Limits
-from swarmclient.data_structures import ANNOUNCE_PERIOD_LIMIT, PROTOCOL_VERSION, ServerState
-from swarmclient.discovery import get_remote_module_infos
-from swarmclient.membership import Membership
-from swarmclient.model_spec import ModelSpec
-from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
+from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT, PROTOCOL_VERSION, ServerState
+from swarmnet.discovery import get_remote_module_infos
+from swarmnet.membership import Membership
+from swarmnet.model_spec import ModelSpec
+from swarmnet.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from swarmclient.model_spec import ModelSpec
+from swarmnet.model_spec import ModelSpec
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from servers.memory import CacheUse
 from servers.stats import ServerStats
-from swarmclient.data_structures import ServerInfo, ServerState
+from swarmnet.data_structures import ServerInfo, ServerState
 
 
 @dataclass(frozen=True)

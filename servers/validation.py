@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from servers.errors import RequestRejected
-from swarmclient.protocol import ErrorCode
+from swarmnet.protocol import ErrorCode
 
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int64, torch.int32, torch.bool)

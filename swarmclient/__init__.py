@@ -1,16 +1,7 @@
 """swarmclient: generate with a model whose transformer blocks are served by a swarm of block servers.
 
-Modules, from the wire up:
-    data_structures  the wire contract: ServerState, ServerInfo (DHT announcements), RemoteSpanInfo, RouteHop
-    protocol         RPC names, the one frame codec (tensors + msgpack metadata), stream framing, error codes
-    model_spec       a local model directory: config, family classes, weight files, revision, model id
-    identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
-    addresses        what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
-                     for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
-    records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
-    membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
-    network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
-    discovery        the only module that reads the DHT: who announced which block
+The wire contract, peers, records, membership, the P2P node and discovery live in `swarmnet` (shared with
+`servers`). Modules here, from the route up:
     routing          pure functions: spans, round trips (client's and servers' links), trusted throughputs, free cache
                      and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
@@ -27,11 +18,10 @@ Modules, from the wire up:
     model            DistributedModelForCausalLM, the Petals-style entry point
     textgen          prompts in, texts out (tokenizer, chat template)
     coverage         the `swarm status` coverage map
-    config, errors   ClientConfig; the SwarmError tree
+    config, errors   ClientConfig; the client's errors (under swarmnet.errors.SwarmError)
 
-Boundary: nothing here imports `servers`. This `__init__` loads none of the modules above: the client stack
-loads on first use of `DistributedModelForCausalLM`, so servers import the wire contract (`data_structures`,
-`protocol`, `errors`) without it. tests/test_layers.py checks both.
+Boundary: nothing here imports `servers` or `jobs`. This `__init__` loads none of the modules above: the client stack
+(and transformers) loads on first use of `DistributedModelForCausalLM`. tests/test_layers.py checks both.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from swarmclient import protocol
+from swarmnet import protocol
 
 Answer = tuple[list[torch.Tensor], dict[str, Any]]
 PushFailure = Callable[[int, str, str], None]  # (step id, downstream peer, reason)

@@ -4,12 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from swarmclient.data_structures import PROTOCOL_VERSION, ServerState
-from swarmclient.discovery import BlockServers, online_spans
-from swarmclient.membership import Membership, SwarmAccess
-from swarmclient.model_spec import ModelSpec
 from swarmclient.routing import missing_ranges
 from swarmclient.swarm import Swarm
+from swarmnet.data_structures import PROTOCOL_VERSION, ServerState
+from swarmnet.discovery import BlockServers, online_spans
+from swarmnet.membership import Membership, SwarmAccess
+from swarmnet.model_spec import ModelSpec
 
 NOT_A_MEMBER = "not a member (ignored)"
 

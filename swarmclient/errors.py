@@ -1,9 +1,7 @@
-"""Errors raised by the swarm client.
+"""Errors raised by the swarm client on its way through the swarm (the root and the shared ones: swarmnet.errors).
 
-    SwarmError                      root: anything that went wrong talking to the swarm
-    ├── ModelDirError               the local model directory is unusable (not retryable: fix the path)
-    ├── NetworkConfigError          a listen or announce address that cannot work (fix --host / --announce-host)
-    ├── DHTUnreachable              no initial peer answered (retry after starting `swarmbatch dht`)
+    swarmnet.errors.SwarmError      root: anything that went wrong talking to the swarm
+    ├── (swarmnet.errors)           ModelDirError, NetworkConfigError, DHTUnreachable, membership.MembershipError
     ├── MissingBlocksError          no online server holds some blocks (retry later, or start a server)
     ├── InvalidRequest              a server refused a request as malformed (a client bug; not retryable)
     ├── SwarmBusy                   every server that could serve some blocks has no room for the session now
@@ -17,25 +15,10 @@
     │   ├── WrongOutput             a server's output differs from other servers' (banned for good; replayed elsewhere)
     │   └── PushReported            the server before it could not push a step to it (the client sends the step
     │                               itself; not banned unless that fails too)
-    └── membership.MembershipError  a bad swarm file or member key, or not a member of the swarm (fix the setup)
 """
 from __future__ import annotations
 
-
-class SwarmError(Exception):
-    """Root of every swarm client error."""
-
-
-class ModelDirError(SwarmError):
-    """Raised when a model directory is missing, incomplete or of an unsupported family; retrying cannot help."""
-
-
-class NetworkConfigError(SwarmError, ValueError):
-    """Raised before a P2P node starts, for a listen or announce address that cannot work; the message says which."""
-
-
-class DHTUnreachable(SwarmError):
-    """Raised when none of the initial peers could be reached; retry once a DHT node is up."""
+from swarmnet.errors import SwarmError
 
 
 class MissingBlocksError(SwarmError):

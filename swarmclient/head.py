@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarmclient.errors import ModelDirError
-from swarmclient.model_spec import ModelSpec
+from swarmnet.errors import ModelDirError
+from swarmnet.model_spec import ModelSpec
 
 FEW_ROWS = 4
 """Below this many rows, MKL's GEMM runs one GEMV per row over the [vocab, hidden] LM head, and on a CPU that

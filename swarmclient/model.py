@@ -11,13 +11,13 @@ from swarmclient.config import ClientConfig
 from swarmclient.errors import InvalidRequest
 from swarmclient.generation import TokenHook, generate_tokens
 from swarmclient.head import ClientHead
-from swarmclient.membership import SwarmAccess
-from swarmclient.model_spec import ModelSpec
-from swarmclient.network import NetworkOptions
 from swarmclient.sampling import SamplingParams
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
 from swarmclient.verification import VerificationTally
+from swarmnet.membership import SwarmAccess
+from swarmnet.model_spec import ModelSpec
+from swarmnet.network import NetworkOptions
 
 
 class DistributedModelForCausalLM:

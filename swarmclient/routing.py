@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Mapping
 
-from swarmclient.data_structures import RemoteSpanInfo, RouteHop
+from swarmnet.data_structures import RemoteSpanInfo, RouteHop
 
 DEFAULT_RTT = 0.05  # seconds assumed for a server we have not pinged yet
 

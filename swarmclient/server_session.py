@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from swarmclient import protocol
 from swarmclient.answers import AnswerReader, PushFailure, StreamBroken
-from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, SessionTimeout, Unauthorized
 from swarmclient.swarm import Swarm
+from swarmnet import protocol
+from swarmnet.data_structures import RouteHop
 
 
 class ServerSession:

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported, WrongOutput
 from swarmclient.retry import with_retries
 from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm
 from swarmclient.verification import Verdict, VerificationTally, sampled, stack_history
 from swarmclient.verifier import HopCheck, HopVerifier
+from swarmnet.data_structures import RouteHop
 
 logger = logging.getLogger(__name__)
 

@@ -12,16 +12,16 @@ import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 
-from swarmclient import protocol
 from swarmclient.config import ClientConfig
-from swarmclient.data_structures import RemoteSpanInfo, RouteHop
-from swarmclient.discovery import BlockServers, get_remote_module_infos, online_spans
 from swarmclient.errors import InvalidRequest, MissingBlocksError, NoRoom, PeerFailed, SwarmBusy, Unauthorized
-from swarmclient.membership import ADD_MEMBER, NotAMember, SwarmAccess
-from swarmclient.network import LoopThread, NetworkOptions, start_dht_node
-from swarmclient.protocol import ErrorCode
 from swarmclient.retry import BanList
 from swarmclient.routing import has_room, min_latency_route, missing_ranges, pushed_route, trusted_throughput
+from swarmnet import protocol
+from swarmnet.data_structures import RemoteSpanInfo, RouteHop
+from swarmnet.discovery import BlockServers, get_remote_module_infos, online_spans
+from swarmnet.membership import ADD_MEMBER, NotAMember, SwarmAccess
+from swarmnet.network import LoopThread, NetworkOptions, start_dht_node
+from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import Any
 
 from swarmclient.config import ClientConfig
-from swarmclient.membership import SwarmAccess
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.verification import VerificationTally
+from swarmnet.membership import SwarmAccess
 
 
 def load_tokenizer(model_dir: Path) -> Any:

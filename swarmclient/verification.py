@@ -23,7 +23,7 @@ from enum import Enum
 
 import torch
 
-from swarmclient.data_structures import ServerInfo
+from swarmnet.data_structures import ServerInfo
 
 # the largest relative error allowed between two honest servers of this precision (dtype, or quantization)
 TOLERANCES: dict[str, float] = {"float32": 1e-3, "nf4": 0.1, "bfloat16": 0.25, "int8": 0.3}

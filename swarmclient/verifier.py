@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmclient.data_structures import RemoteSpanInfo, RouteHop
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.swarm import Swarm
 from swarmclient.verification import (
@@ -26,6 +25,7 @@ from swarmclient.verification import (
     tolerance,
     verifier_order,
 )
+from swarmnet.data_structures import RemoteSpanInfo, RouteHop
 
 logger = logging.getLogger(__name__)
 # one warning per mismatch (tests read it): blocks, checked server, second server, errors, verdict, banned server

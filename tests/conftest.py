@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 
 from launch.local_swarm import LocalSwarm
 from modelprep import prepare_model, write_tiny_model
-from swarmclient.identity import Identity
+from swarmnet.identity import Identity
 
 pytest_plugins = ["tiers", "pytester"]  # tiers: the swarm marker and its guard; pytester: tiers' own test
 pytest.register_assert_rewrite("tiers")  # a plugin, imported here first
@@ -195,8 +195,8 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def make_runtime(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Callable[..., Any]]:
     """Build a migrated jobs Runtime: SQLite (embedded) or a given database URL, embedded or Redis broker."""
+    from jobs.assembly import build_runtime, set_runtime
     from jobs.migrate import upgrade
-    from jobs.runtime import Runtime, set_runtime
     from jobs.settings import Settings
 
     built: list[Any] = []
@@ -209,7 +209,7 @@ def make_runtime(tmp_path: Path, migrated_sqlite: Path) -> Iterator[Callable[...
             shutil.copyfile(migrated_sqlite, make_url(config.resolved_database_url).database or "")
         elif database_url not in MIGRATED_URLS:
             upgrade(database_url)
-        runtime = Runtime(config)
+        runtime = build_runtime(config)
         built.append(runtime)
         set_runtime(runtime)
         return runtime

@@ -6,7 +6,7 @@ from typing import Any
 from jobs import store
 from jobs.batch_input import COMPLETIONS_URL, LineError, ParsedBatch, ParsedRequest
 from jobs.runtime import Runtime
-from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState
+from swarmnet.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState
 
 
 class ManualClock:

@@ -21,13 +21,14 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 import cli
-from commands.ready import SERVING_BLOCKS
+from jobs.assembly import set_runtime
 from jobs.models import Job, Request
-from jobs.runtime import Runtime, set_runtime
+from jobs.runtime import Runtime
 from jobs.settings import get_settings
 from jobs.submission import submit_batch
 from jobs.worker.batch_worker import JobWorker
 from launch.local_swarm import LocalSwarm
+from launch.ready import SERVING_BLOCKS
 from servers.faults import FAULT_INJECTION_ENV
 from swarmclient.config import ClientConfig
 from swarmclient.generation import generate_tokens

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 import cli
 from commands.errors import EXIT_CODES, ExitCode
-from commands.ready import SERVING_BLOCKS
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess, cli_command
+from launch.ready import SERVING_BLOCKS
 from swarmclient.textgen import load_tokenizer
 
 runner = CliRunner()

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 import cli
 from commands.errors import ExitCode
 from launch.processes import ManagedProcess, cli_command
-from swarmclient.identity import Identity
-from swarmclient.membership import SwarmFile
+from swarmnet.identity import Identity
+from swarmnet.membership import SwarmFile
 
 runner = CliRunner()
 DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
@@ -104,7 +104,7 @@ def test_the_worker_refuses_a_swarm_file_without_a_member_key(tmp_path: Path, mo
     monkeypatch.setenv("SWARMBATCH_HOME", str(tmp_path / "home"))
     for name in ("SWARMBATCH_SWARM_FILE", "SWARMBATCH_IDENTITY"):  # the command sets them: restore them afterwards
         monkeypatch.setenv(name, "")
-    from jobs.runtime import set_runtime
+    from jobs.assembly import set_runtime
     from jobs.settings import get_settings
 
     get_settings.cache_clear()

@@ -1,7 +1,8 @@
 """The layers of ARCHITECTURE.md, checked on the source: which package may import which.
 
-`cli.py` and the composition roots (`launch/`, `commands/`) sit above every layer; `jobs` reaches the block
-servers only over the swarm; `swarmclient` knows nothing of servers or jobs; `modelprep` is a leaf. Every
+`cli.py` and the composition roots (`launch/`, `commands/`) sit above every layer. Bottom up: `swarmnet` (the wire
+contract, peers, DHT records, membership, discovery) is shared; `servers` and `swarmclient` build on it and know
+nothing of each other; `jobs` reaches the block servers only over the swarm; `modelprep` is a leaf. Every
 import counts, wherever it is written: module level, inside a function, under `if TYPE_CHECKING:`, or a
 constant `importlib.import_module(...)`.
 """
@@ -20,15 +21,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ABOVE_THE_LAYERS = ("launch", "commands", "cli")  # composition roots: they may import anything, nothing imports them
 FORBIDDEN = {  # package -> the top-level packages and modules it must never import
+    "swarmnet": ("swarmclient", "servers", "jobs", *ABOVE_THE_LAYERS),
     "swarmclient": ("servers", "jobs", *ABOVE_THE_LAYERS),
-    "servers": ("jobs", *ABOVE_THE_LAYERS),
+    "servers": ("swarmclient", "jobs", *ABOVE_THE_LAYERS),
     "jobs": ("servers", *ABOVE_THE_LAYERS),
     "modelprep": ("swarmclient", "servers", "jobs", *ABOVE_THE_LAYERS),
 }
-# what the wire contract must load without: the client stack (and transformers, which only it needs)
-CLIENT_STACK = ("swarmclient.model", "swarmclient.session", "swarmclient.network", "swarmclient.swarm",
-                "swarmclient.routing", "swarmclient.discovery", "swarmclient.generation", "swarmclient.head",
-                "swarmclient.textgen", "swarmclient.model_spec", "transformers")
+# inside jobs: the core (every module directly in jobs/ but the assembly) is a leaf under the features and the API;
+# the assembly, which wires them into a process's Runtime, sits above them all and nothing in jobs imports it
+JOBS_FEATURES = ("jobs.worker", "jobs.summaries", "jobs.api")
+JOBS_ASSEMBLY = "jobs.assembly"
+# launch/ starts processes for commands/; it never imports a command
+ROOT_RULES = {"launch": ("commands", "cli")}
+# what the wire contract must load without: the client and the model code (transformers)
+NOT_WIRE = ("swarmclient", "swarmnet.model_spec", "swarmnet.network", "transformers")
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,27 @@ def test_a_package_imports_nothing_its_layer_forbids(package: str) -> None:
     assert not bad, f"{package} must not import {', '.join(forbidden)}:\n  " + "\n  ".join(map(str, bad))
 
 
+def is_under(target: str, packages: tuple[str, ...]) -> bool:
+    """Whether module `target` is one of `packages` or inside one."""
+    return any(target == package or target.startswith(package + ".") for package in packages)
+
+
+def test_the_jobs_core_imports_no_feature_and_nothing_imports_the_assembly() -> None:
+    jobs_edges = edges("jobs")
+    core = [edge for edge in jobs_edges if edge.source.count("/") == 1 and edge.source != "jobs/assembly.py"]
+    bad = [edge for edge in core if is_under(edge.target, (*JOBS_FEATURES, JOBS_ASSEMBLY))]
+    bad += [edge for edge in jobs_edges if edge.source != "jobs/assembly.py" and is_under(edge.target, (JOBS_ASSEMBLY,))]
+    assert not bad, "the jobs core must not import jobs.worker, jobs.summaries, jobs.api or jobs.assembly:\n  " + \
+        "\n  ".join(map(str, bad))
+    assert any(edge.source == "jobs/submission.py" for edge in core)  # the walker read the core
+
+
+@pytest.mark.parametrize("package", sorted(ROOT_RULES))
+def test_a_composition_root_imports_no_root_above_it(package: str) -> None:
+    bad = [edge for edge in edges(package) if edge.top in ROOT_RULES[package]]
+    assert not bad, f"{package} must not import {', '.join(ROOT_RULES[package])}:\n  " + "\n  ".join(map(str, bad))
+
+
 def test_the_walker_sees_every_kind_of_import() -> None:
     source = '''
 import servers.handler
@@ -111,7 +138,7 @@ def later():
 def test_the_walker_finds_the_allowed_edges_in_the_repository() -> None:
     # the layer tests above pass vacuously if the walker reads no file: it must see what we know is there
     tops = {package: {edge.top for edge in edges(package)} for package in FORBIDDEN}
-    assert "swarmclient" in tops["servers"]  # servers import the wire contract
+    assert "swarmnet" in tops["servers"] and "swarmnet" in tops["swarmclient"]  # both import the wire contract
     assert "swarmclient" in tops["jobs"]     # workers generate through the client
     assert all(package in tops[package] for package in FORBIDDEN)  # every package imports its own modules
 
@@ -127,9 +154,9 @@ def loaded_after(code: str) -> list[str]:
 
 @pytest.mark.swarm  # a fresh interpreter
 def test_the_wire_contract_imports_without_the_client_stack() -> None:
-    loaded = loaded_after("import swarmclient.protocol, swarmclient.data_structures, swarmclient.errors")
-    assert "swarmclient.protocol" in loaded and "swarmclient.data_structures" in loaded
-    leaked = [name for name in CLIENT_STACK if name in loaded]
+    loaded = loaded_after("import swarmnet.protocol, swarmnet.data_structures, swarmnet.errors")
+    assert "swarmnet.protocol" in loaded and "swarmnet.data_structures" in loaded
+    leaked = [name for name in loaded if name in NOT_WIRE or name.split(".")[0] in NOT_WIRE]
     assert not leaked, f"importing the wire contract loaded {leaked}"
 
 

@@ -17,22 +17,22 @@ from typer.testing import CliRunner
 
 import cli
 from commands.errors import ExitCode
-from commands.ready import SERVING_BLOCKS
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import settings_env
 from launch.processes import ManagedProcess, cli_command
+from launch.ready import SERVING_BLOCKS
 from servers.throughput import TEST_OVERSTATE_ENV
-from swarmclient import protocol
 from swarmclient.config import ClientConfig
-from swarmclient.identity import Identity
-from swarmclient.membership import RECHECK_SECONDS, MemberCredential, Membership, NotAMember, SwarmAccess, SwarmFile
 from swarmclient.model import DistributedModelForCausalLM
-from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
+from swarmnet import protocol
+from swarmnet.identity import Identity
+from swarmnet.membership import RECHECK_SECONDS, MemberCredential, Membership, NotAMember, SwarmAccess, SwarmFile
+from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "The quick brown fox"]
 runner = CliRunner()

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 from tiers import process_fixture
 
-from commands.ready import SERVING_BLOCKS
 from launch.processes import ManagedProcess, cli_command
-from swarmclient.model_spec import ModelSpec
-from swarmclient.network import LoopThread, NetworkOptions, start_dht_node, stop_dht_node
+from launch.ready import SERVING_BLOCKS
 from swarmclient.swarm import Swarm
+from swarmnet.model_spec import ModelSpec
+from swarmnet.network import LoopThread, NetworkOptions, start_dht_node, stop_dht_node
 
 # joins the DHT through argv[1] from wherever it runs, then leaves; exit 0 = joined
 JOIN_SCRIPT = """
 import sys
-from swarmclient.network import NetworkOptions, run_async, start_dht_node, stop_dht_node
+from swarmnet.network import NetworkOptions, run_async, start_dht_node, stop_dht_node
 
 async def join():
     p2p, node = await start_dht_node([sys.argv[1]], NetworkOptions(), client_mode=True)

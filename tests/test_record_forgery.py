@@ -23,13 +23,13 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
-from swarmclient.data_structures import MAX_RECORD_TTL, PROTOCOL_VERSION, ServerInfo, ServerState, block_uid
-from swarmclient.discovery import BlockServers
-from swarmclient.identity import Identity
-from swarmclient.model_spec import ModelSpec
-from swarmclient.network import LoopThread
-from swarmclient.records import record_payload
 from swarmclient.swarm import Swarm
+from swarmnet.data_structures import MAX_RECORD_TTL, PROTOCOL_VERSION, ServerInfo, ServerState, block_uid
+from swarmnet.discovery import BlockServers
+from swarmnet.identity import Identity
+from swarmnet.model_spec import ModelSpec
+from swarmnet.network import LoopThread
+from swarmnet.records import record_payload
 
 ANNOUNCE_PERIOD = 2.0
 YEAR = 365 * 86400.0

@@ -12,10 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from launch.local_swarm import LocalSwarm
 from swarmclient.config import ClientConfig
-from swarmclient.errors import DHTUnreachable, MissingBlocksError
+from swarmclient.errors import MissingBlocksError
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
+from swarmnet.errors import DHTUnreachable
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and then", "one two three"]
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",

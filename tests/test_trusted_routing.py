@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 from servers.throughput import TEST_OVERSTATE_ENV
-from swarmclient.discovery import online_spans
 from swarmclient.model import DistributedModelForCausalLM
+from swarmnet.discovery import online_spans
 
 
 def test_routing_trusts_measured_steps_and_skips_a_server_without_cache_room(tiny_model: Path, local_swarm) -> None:

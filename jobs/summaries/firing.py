@@ -19,9 +19,10 @@ from sqlalchemy.exc import IntegrityError
 from jobs import clock
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, ParsedBatch
 from jobs.models import DocumentSummary, Job, JobKind, SummaryRun
+from jobs.queue import ENQUEUE_ERRORS, enqueue_job
 from jobs.runtime import Runtime
 from jobs.store import create_job
-from jobs.submission import ENQUEUE_ERRORS, enqueue_job, runtime_context_length
+from jobs.submission import runtime_context_length
 from jobs.summaries.documents import Document, collect_documents
 from jobs.summaries.mapreduce import PlannedRequest, Planner, SummaryShape
 from jobs.summaries.schedule_file import Schedule, ScheduleError, load_schedules
@@ -93,7 +94,7 @@ def fire(runtime: Runtime, schedule: Schedule, period: str) -> Firing:
                 schedule.name, period, job_id, len(fresh), len(skipped))
     if planned:
         try:
-            enqueue_job(runtime, job_id, tasks=runtime.settings.tasks_for(len(planned)))
+            enqueue_job(runtime.celery, job_id, tasks=runtime.settings.tasks_for(len(planned)))
         except ENQUEUE_ERRORS as e:  # the job is stored, with no dispatch hold: the workers' next sweep sends it
             logger.warning("Schedule %s: job %s is stored but its work could not be enqueued (%s); the workers' next "
                            "sweep dispatches it", schedule.name, job_id, " ".join(str(e).split()) or type(e).__name__)
@@ -142,7 +143,7 @@ def _document_entry(document: Document, action: str) -> dict[str, str]:
 
 def _model_id(runtime: Runtime, model: str) -> str:
     """The model's id including its weights revision: a new revision re-summarizes every document."""
-    from swarmclient.model_spec import ModelSpec
+    from swarmnet.model_spec import ModelSpec
 
     return ModelSpec.open(runtime.model_dir(model)).model_id
 

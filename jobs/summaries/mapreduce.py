@@ -25,6 +25,7 @@ from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, InputLimits, ParsedBatch
 from jobs.models import Job, Request, RequestStatus
 from jobs.runtime import Runtime
 from jobs.store import add_requests
+from jobs.submission import runtime_context_length
 from jobs.summaries.schedule_file import Schedule, ScheduleError
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,6 @@ class Planner:
 
 def planner_for(runtime: Runtime, job: Job) -> Planner:
     """The planner of a summary job, from the shape stored in its summary run."""
-    from jobs.submission import runtime_context_length
-
     if job.summary is None:
         raise ValueError(f"job {job.id} is a {job.kind} job, not a summary job")
     shape = SummaryShape(**job.summary.shape)

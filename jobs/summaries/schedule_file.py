@@ -26,6 +26,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from croniter import croniter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jobs.durations import parse_window
 from jobs.errors import InvalidJob
 
 DEFAULT_REDUCE_PROMPT = ("Below are summaries of consecutive parts of one document. Combine them into one "
@@ -80,8 +81,6 @@ class Schedule(BaseModel):
             raise ValueError("prompt must contain {document}")
         if "{summaries}" not in self.reduce_prompt:
             raise ValueError("reduce_prompt must contain {summaries}")
-        from jobs.submission import parse_window
-
         try:
             parse_window(self.misfire_grace)
         except InvalidJob:
@@ -96,8 +95,6 @@ class Schedule(BaseModel):
     @property
     def grace(self) -> timedelta:
         """How long after its time a period may still fire (beat was down, or restarting)."""
-        from jobs.submission import parse_window
-
         return timedelta(seconds=parse_window(self.misfire_grace))
 
     @property

@@ -24,8 +24,9 @@ from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
-from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy, SwarmError
+from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy
 from swarmclient.verification import VerificationCounts, VerificationTally
+from swarmnet.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -329,7 +330,7 @@ class JobWorker:
                     store.finish_request(session=session, request_id=row.request_id, token=token,
                                          status=RequestStatus.cancelled, generated=generated,
                                          finish_reason="cancelled",
-                                         output_text=tokenizer.decode(generated, skip_special_tokens=True))
+                                         output_text=str(tokenizer.decode(generated, skip_special_tokens=True)))
                 session.commit()
         self._store(f"Job {job.id}: cancel", unit)
         self._settle(job.id)

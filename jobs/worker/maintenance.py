@@ -14,8 +14,8 @@ from typing import Any
 from celery import bootsteps
 
 from jobs import liveness
-from jobs.runtime import Runtime, get_runtime
-from jobs.worker.celery_app import SWEEP
+from jobs.queue import SWEEP
+from jobs.runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -57,23 +57,25 @@ def leave(runtime: Runtime) -> None:
         logger.warning("Could not remove this worker's heartbeat (%s); it expires by itself", error)
 
 
-class Maintenance(bootsteps.StartStopStep):
-    """The worker bootstep that runs `safe_tick` on the worker's timer from start to stop."""
+def maintenance_step(runtime: Runtime) -> type[bootsteps.StartStopStep]:
+    """The worker bootstep that runs `safe_tick` for `runtime` on the worker's timer from start to stop."""
 
-    requires = {"celery.worker.components:Timer"}
+    class Maintenance(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+        requires = {"celery.worker.components:Timer"}
 
-    def __init__(self, worker: Any, **kwargs: Any) -> None:
-        super().__init__(worker, **kwargs)
-        self.timer_entry: Any = None
+        def __init__(self, worker: Any, **kwargs: Any) -> None:
+            super().__init__(worker, **kwargs)
+            self.timer_entry: Any = None
 
-    def start(self, worker: Any) -> None:
-        runtime = get_runtime()
-        safe_tick(runtime, starting=True)
-        self.timer_entry = worker.timer.call_repeatedly(runtime.settings.sweep_interval, safe_tick, (runtime,),
-                                                        priority=10)
+        def start(self, worker: Any) -> None:
+            safe_tick(runtime, starting=True)
+            self.timer_entry = worker.timer.call_repeatedly(runtime.settings.sweep_interval, safe_tick, (runtime,),
+                                                            priority=10)
 
-    def stop(self, worker: Any) -> None:
-        if self.timer_entry is not None:
-            self.timer_entry.cancel()
-            self.timer_entry = None
-            leave(get_runtime())
+        def stop(self, worker: Any) -> None:
+            if self.timer_entry is not None:
+                self.timer_entry.cancel()
+                self.timer_entry = None
+                leave(runtime)
+
+    return Maintenance

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from swarmclient.routing import DEFAULT_RTT, hop_cost
 
 if TYPE_CHECKING:
-    from swarmclient.data_structures import RemoteSpanInfo
     from swarmclient.swarm import Swarm
+    from swarmnet.data_structures import RemoteSpanInfo
 
 MAX_CLAIM = 256    # requests one worker process claims at most, whatever the servers could hold
 MIN_LANES, MAX_LANES = 2, 8

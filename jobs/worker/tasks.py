@@ -1,15 +1,18 @@
-"""Celery tasks: thin wrappers that load rows, call the worker logic, and schedule what comes next."""
+"""Celery tasks: thin wrappers that load rows, call the worker logic, and schedule what comes next.
+
+Each task reads the process's Runtime from the app that runs it (jobs.worker.celery_app.runtime_of).
+"""
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from celery import shared_task
+from celery import current_app, shared_task
 from celery.signals import worker_process_init
 
-from jobs.runtime import get_runtime
+from jobs.queue import FIRE_SCHEDULES, PROCESS_JOB, SWEEP, enqueue_job
 from jobs.worker.batch_worker import JobWorker, retry_delay
-from jobs.worker.celery_app import FIRE_SCHEDULES, PROCESS_JOB, SWEEP
+from jobs.worker.celery_app import runtime_of
 from jobs.worker.sweep import sweep_store
 
 logger = logging.getLogger(__name__)
@@ -20,8 +23,9 @@ def _init_worker_process(**_: Any) -> None:
     """After the fork: one torch thread per pool process (threads x processes <= cores), fresh DB connections."""
     import torch
 
-    torch.set_num_threads(get_runtime().settings.worker_threads)
-    get_runtime().engine.dispose(close=False)
+    runtime = runtime_of(current_app)
+    torch.set_num_threads(runtime.settings.worker_threads)
+    runtime.engine.dispose(close=False)
 
 
 @shared_task(name=PROCESS_JOB, bind=True, max_retries=None)
@@ -30,26 +34,26 @@ def process_job(self: Any, job_id: str, give_back: dict[str, Any] | None = None)
 
     `give_back`: a batch of this task that a store outage stopped, to give back uncounted first.
     """
-    runtime = get_runtime()
+    runtime = runtime_of(self.app)
     outcome = JobWorker(runtime).process(job_id, give_back=give_back)
     if outcome.retry:
         raise self.retry(args=[job_id], kwargs={"give_back": outcome.give_back} if outcome.give_back else {},
                          countdown=retry_delay(self.request.retries))
     if outcome.more:
-        runtime.celery.send_task(PROCESS_JOB, args=[job_id])
+        enqueue_job(runtime.celery, job_id)
 
 
-@shared_task(name=SWEEP)
-def sweep() -> None:
+@shared_task(name=SWEEP, bind=True)
+def sweep(self: Any) -> None:
     """Re-enqueue work whose lease expired, expire jobs past their deadline, finalize finished jobs."""
-    runtime = get_runtime()
+    runtime = runtime_of(self.app)
     for job_id in sweep_store(runtime):
-        runtime.celery.send_task(PROCESS_JOB, args=[job_id])
+        enqueue_job(runtime.celery, job_id)
 
 
-@shared_task(name=FIRE_SCHEDULES)
-def fire_schedules() -> None:
+@shared_task(name=FIRE_SCHEDULES, bind=True)
+def fire_schedules(self: Any) -> None:
     """Fire each due schedule once per period (SWARMBATCH_SCHEDULES); beat sends this every schedule_tick."""
     from jobs.summaries.firing import fire_due_schedules
 
-    fire_due_schedules(get_runtime())
+    fire_due_schedules(runtime_of(self.app))

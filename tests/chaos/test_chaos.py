@@ -22,6 +22,7 @@ from private_servers import PrivatePostgres, PrivateRedis
 from sqlalchemy.exc import DBAPIError
 
 from jobs import store
+from jobs.assembly import build_runtime
 from jobs.migrate import upgrade
 from jobs.models import RequestStatus
 from jobs.outputs import iter_results
@@ -64,7 +65,7 @@ def reference(tiny_model: Path, swarm: LocalSwarm, private_postgres: PrivatePost
               tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The batch's texts from an uninterrupted run, generated in this process before any fault."""
     upgrade(private_postgres.url)
-    runtime = Runtime(Settings(home=tmp_path_factory.mktemp("reference"), database_url=private_postgres.url,
+    runtime = build_runtime(Settings(home=tmp_path_factory.mktemp("reference"), database_url=private_postgres.url,
                                broker_url="memory://", checkpoint_every=K, initial_peers=swarm.initial_peers))
     try:
         job = submit_batch(runtime, batch_file(), model=str(tiny_model))

@@ -23,6 +23,7 @@ import redis
 from ports import free_port
 
 from jobs import clock, store
+from jobs.assembly import build_runtime
 from jobs.models import RequestStatus
 from jobs.progress import describe_job
 from jobs.runtime import Runtime
@@ -348,7 +349,7 @@ def test_healthz_answers_ok_when_the_database_is_migrated(runtime: Runtime, clie
 @pytest.mark.parametrize("path", ["/healthz", "/metrics"])
 def test_health_and_metrics_answer_503_when_the_database_is_not_migrated(tmp_path: Path, client: Client,
                                                                           path: str) -> None:
-    bare = Runtime(Settings(home=tmp_path / "bare", database_url=f"sqlite:///{tmp_path / 'empty.sqlite'}"))
+    bare = build_runtime(Settings(home=tmp_path / "bare", database_url=f"sqlite:///{tmp_path / 'empty.sqlite'}"))
     try:
         response = client(bare).get(path)
     finally:

@@ -263,15 +263,15 @@ def test_an_empty_or_blank_file_is_rejected(tokenizer: Any) -> None:
 @pytest.mark.parametrize(("window", "seconds"), [("24h", 86400), ("90m", 5400), ("3600s", 3600), ("3600", 3600),
                                                  ("1.5h", 5400), ("168h", 7 * 86400)])
 def test_a_completion_window_is_read_in_hours_minutes_or_seconds(window: str, seconds: int) -> None:
-    from jobs.submission import parse_window
+    from jobs.durations import parse_window
 
     assert parse_window(window) == seconds
 
 
 @pytest.mark.parametrize("window", ["infh", "nanh", "1e300h", "99999999999h", "169h", "0s", "-1h", "24 hours", "h"])
 def test_a_completion_window_beyond_seven_days_or_not_a_duration_is_invalid(window: str) -> None:
+    from jobs.durations import parse_window
     from jobs.errors import InvalidJob
-    from jobs.submission import parse_window
 
     with pytest.raises(InvalidJob, match="completion window"):
         parse_window(window)

@@ -27,7 +27,7 @@ from jobs.worker.runner import NO_ROOM_LOG, BatchRunner, Lane, RowResult, RowSta
 from jobs.worker.sizing import CLAIM_AHEAD, PipelinePlan
 from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
-from swarmclient.model_spec import ModelSpec
+from swarmnet.model_spec import ModelSpec
 
 PLAN = re.compile(r"Job \S+: claim (\d+) in (\d+) lanes \((.*)\)")
 

@@ -17,7 +17,7 @@ from jobs.submission import submit_batch
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
 from servers.handler import SESSION_CLOSED_LOG, SESSION_OPENED_LOG
-from swarmclient.model_spec import ModelSpec
+from swarmnet.model_spec import ModelSpec
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
 FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}

@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 import cli
 from commands.errors import ExitCode
 from jobs import store
+from jobs.assembly import build_runtime, set_runtime
 from jobs.models import ApiKey
-from jobs.runtime import Runtime, set_runtime
+from jobs.runtime import Runtime
 from jobs.settings import get_settings
 from launch.processes import cli_command
 
@@ -141,7 +142,7 @@ def test_keys_create_prints_a_key_once_and_stores_only_its_hash(embedded_home: P
     code, out, _ = invoke("keys", "create", "alice")
     key = out.strip()
     assert code == 0 and key.startswith("sb-")
-    runtime = Runtime(get_settings())
+    runtime = build_runtime(get_settings())
     with runtime.session() as session:
         row = session.query(ApiKey).one()
         assert row.name == "alice" and row.key_hash == store.hash_key(key) and key not in row.key_hash
@@ -170,7 +171,7 @@ def test_keys_list_and_revoke_and_the_revoked_key_gets_401_at_once(embedded_home
                                                                    serve: Callable[[Runtime], str]) -> None:
     # Given two keys and the API serving the CLI's own store
     alice, bob = (invoke("keys", "create", name)[1].strip() for name in ("alice", "bob"))
-    runtime = Runtime(get_settings())
+    runtime = build_runtime(get_settings())
     url = serve(runtime)
     as_alice = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {alice}"})
     as_bob = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {bob}"})

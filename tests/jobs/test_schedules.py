@@ -20,12 +20,12 @@ from jobs import clock, store
 from jobs.client import StoreClient
 from jobs.models import DocumentSummary, Job, RequestStatus, SummaryRun, utcnow
 from jobs.progress import describe_job
+from jobs.queue import FIRE_SCHEDULES
 from jobs.runtime import Runtime
 from jobs.summaries.firing import fire_due_schedules, fire_now
 from jobs.summaries.pages import MAX_PAGE_ATTEMPTS
 from jobs.summaries.schedule_file import ScheduleError, load_schedules
 from jobs.worker.batch_worker import JobWorker
-from jobs.worker.celery_app import FIRE_SCHEDULES
 from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import settings_env, start_local_worker

@@ -250,8 +250,8 @@ def start_servers(lab: NetLab, model_dir: Path, initial_peers: Sequence[str],
                   specs: Sequence[tuple[Node, int, int, Sequence[str]]], *, ready_timeout: float = 180.0
                   ) -> list[ManagedProcess]:
     """Start block servers, each (node, start, end, extra args), on their nodes at once; wait until all serve."""
-    from commands.ready import SERVING_BLOCKS
     from launch.processes import cli_command
+    from launch.ready import SERVING_BLOCKS
 
     started = [lab.run(node, cli_command("serve", str(model_dir), "--blocks", f"{start}:{end}", "--host", node.ip,
                                          "--num-threads", "1", *extra, "--initial-peers", *initial_peers),

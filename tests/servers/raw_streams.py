@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from hivemind.p2p import PeerID
 
-from swarmclient import protocol
 from swarmclient.swarm import Swarm
+from swarmnet import protocol
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from launch.local_swarm import LocalSwarm
-from swarmclient.data_structures import RouteHop
-from swarmclient.model_spec import ModelSpec
 from swarmclient.session import ServerSession
 from swarmclient.swarm import Swarm
+from swarmnet.data_structures import RouteHop
+from swarmnet.model_spec import ModelSpec
 
 
 def inputs(length: int, *, batch: int = 1, hidden_size: int = 64) -> list[torch.Tensor]:

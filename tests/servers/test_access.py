@@ -8,9 +8,9 @@ from factories import ManualClock
 
 from servers.access import MemberGate
 from servers.errors import RequestRejected
-from swarmclient.identity import Identity
-from swarmclient.membership import MemberCredential, Membership, SwarmFile
-from swarmclient.protocol import ErrorCode
+from swarmnet.identity import Identity
+from swarmnet.membership import MemberCredential, Membership, SwarmFile
+from swarmnet.protocol import ErrorCode
 
 CLIENT = "12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
 NOW = 1_800_000_000.0

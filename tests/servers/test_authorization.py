@@ -9,8 +9,8 @@ from hivemind.p2p import P2P, PeerID
 
 from servers.errors import RequestRejected
 from servers.server import BlockServer, ServerConfig
-from swarmclient import protocol
-from swarmclient.network import run_async
+from swarmnet import protocol
+from swarmnet.network import run_async
 
 
 async def first_answer(client: P2P, server: BlockServer, rpc: str, frame: bytes) -> dict[str, Any]:

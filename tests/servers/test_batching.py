@@ -16,11 +16,11 @@ from servers.batching import DecodeBatcher, DecodeStep, run_merged
 from servers.block_loading import load_span
 from servers.span import BlockSpan
 from servers.stats import ServerStats
-from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest
-from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
+from swarmnet.data_structures import RouteHop
+from swarmnet.model_spec import ModelSpec
 
 TOLERANCE = 1e-4
 

@@ -5,7 +5,7 @@ import pytest
 from factories import block_infos, span
 
 from servers.block_selection import block_coverage, choose_best_blocks
-from swarmclient.data_structures import ServerState
+from swarmnet.data_structures import ServerState
 
 
 def test_an_empty_swarm_gets_the_first_blocks() -> None:

@@ -18,8 +18,8 @@ from launch.local_swarm import LocalSwarm
 from servers.errors import RequestRejected
 from servers.memory import CONTENTION_SECONDS, LENDING_RESERVE, CacheBudget
 from swarmclient.errors import PeerFailed
-from swarmclient.protocol import ErrorCode
 from swarmclient.swarm import Swarm
+from swarmnet.protocol import ErrorCode
 
 
 class Clock:

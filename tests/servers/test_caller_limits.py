@@ -26,10 +26,10 @@ from server_calls import eventually, info, inputs, session, two_clients
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
-from swarmclient import protocol
 from swarmclient.errors import PeerFailed
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
+from swarmnet import protocol
 
 CACHE_TOKENS = 64  # per block; one caller may reserve half: 32
 SESSION_TIMEOUT = 2.0  # server 1's

@@ -17,12 +17,12 @@ from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
 from launch.processes import cli_command
-from swarmclient import protocol
-from swarmclient.data_structures import ServerInfo
 from swarmclient.model import DistributedModelForCausalLM
-from swarmclient.model_spec import ModelSpec
 from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
+from swarmnet import protocol
+from swarmnet.data_structures import ServerInfo
+from swarmnet.model_spec import ModelSpec
 
 CACHE_TOKENS = 256
 ANNOUNCE_PERIOD = 1.0  # short, so a test sees the DHT record follow the server's load

@@ -16,15 +16,15 @@ from test_swarm_generation import PROMPTS, reference_tokens
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
-from swarmclient import protocol
 from swarmclient.config import ClientConfig
-from swarmclient.data_structures import RouteHop
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
-from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
+from swarmnet import protocol
+from swarmnet.data_structures import RouteHop
+from swarmnet.model_spec import ModelSpec
 
 PUSH = ClientConfig(push=True)
 

@@ -12,12 +12,12 @@ from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
 from servers.block_loading import load_span
-from swarmclient import protocol
-from swarmclient.data_structures import RouteHop
 from swarmclient.errors import InvalidRequest, PeerFailed
-from swarmclient.model_spec import ModelSpec
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
+from swarmnet import protocol
+from swarmnet.data_structures import RouteHop
+from swarmnet.model_spec import ModelSpec
 
 MAX_BATCH = 2
 HUGE_BATCH = 8192  # server 2's limit: a valid session there could send 8192 x 2048 x 64 float32 = 4 GiB in one step

@@ -13,8 +13,8 @@ from servers.memory import CacheBudget
 from servers.server import BlockServer, ServerConfig
 from servers.stats import ServerStats
 from servers.status import ServerStatus, SpanStatus
-from swarmclient.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
-from swarmclient.network import run_async
+from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
+from swarmnet.network import run_async
 
 
 def a_status(*, span: SpanStatus | None) -> ServerStatus:

@@ -12,9 +12,9 @@ from servers.block_loading import DType, load_span
 from servers.errors import ServerConfigError
 from swarmclient.generation import generate_tokens
 from swarmclient.head import ClientHead
-from swarmclient.model_spec import ModelSpec
 from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
+from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and", "one two"]
 

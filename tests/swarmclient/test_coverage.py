@@ -4,7 +4,7 @@ from __future__ import annotations
 from factories import block_infos, span
 
 from swarmclient.coverage import coverage_report, render_coverage
-from swarmclient.data_structures import ServerState
+from swarmnet.data_structures import ServerState
 
 
 def test_a_previous_protocol_server_shows_as_not_used_and_its_blocks_as_missing() -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmclient.head import FEW_ROWS, ClientHead
-from swarmclient.model_spec import ModelSpec
+from swarmnet.model_spec import ModelSpec
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])

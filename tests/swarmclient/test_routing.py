@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from factories import block_infos, span
 
-from swarmclient.data_structures import RouteHop, ServerState
-from swarmclient.discovery import online_spans
 from swarmclient.routing import has_room, link_rtt, min_latency_route, missing_ranges, pushed_route, trusted_throughput
+from swarmnet.data_structures import RouteHop, ServerState
+from swarmnet.discovery import online_spans
 
 
 def test_a_single_server_holding_everything_is_one_hop() -> None:

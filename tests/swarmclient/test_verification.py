@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from swarmclient.config import ClientConfig
-from swarmclient.data_structures import RemoteSpanInfo, RouteHop, ServerInfo, ServerState
 from swarmclient.retry import BanList
 from swarmclient.verification import (
     TOLERANCES,
@@ -22,6 +21,7 @@ from swarmclient.verification import (
     verifier_order,
 )
 from swarmclient.verifier import MAX_FORWARD_BYTES, HopCheck, row_chunks
+from swarmnet.data_structures import RemoteSpanInfo, RouteHop, ServerInfo, ServerState
 
 
 def info(dtype: str = "float32", quant: str = "none", *, max_batch_size: int = 64, max_length: int = 2048) -> ServerInfo:

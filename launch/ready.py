@@ -1,6 +1,6 @@
 """Ready lines: what a long-running command prints on stdout once it is up; launchers and tests wait for them.
 
-No dependencies, so that launch/ and the tests read it without importing typer or the CLI.
+`swarmbatch serve` (commands/swarm.py) prints them. No dependencies, so tests read it without typer or the CLI.
 """
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ import base58
 import msgpack
 import multihash
 
-from swarmclient.errors import SwarmError
-from swarmclient.identity import Identity, peer_id_of_public_key, verify
+from swarmnet.errors import SwarmError
+from swarmnet.identity import Identity, peer_id_of_public_key, verify
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from swarmclient import protocol
+from swarmnet import protocol
 
 
 @pytest.mark.parametrize("dtype", list(protocol.DTYPES.values()), ids=list(protocol.DTYPES))

@@ -9,8 +9,8 @@ import msgpack
 import pytest
 from factories import ManualClock
 
-from swarmclient.identity import Identity, IdentityError
-from swarmclient.membership import (
+from swarmnet.identity import Identity, IdentityError
+from swarmnet.membership import (
     MAX_CREDENTIAL_AHEAD,
     CredentialError,
     MemberCredential,

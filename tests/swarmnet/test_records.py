@@ -10,9 +10,9 @@ from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
-from swarmclient.data_structures import ANNOUNCE_PERIOD_LIMIT, MAX_RECORD_TTL, RECORD_TTL_SLACK
-from swarmclient.identity import Identity
-from swarmclient.records import (
+from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT, MAX_RECORD_TTL, RECORD_TTL_SLACK
+from swarmnet.identity import Identity
+from swarmnet.records import (
     NoCache,
     SignedRecordValidator,
     expiring_when_its_records_do,

@@ -37,8 +37,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
-from swarmclient.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
-from swarmclient.identity import Identity, peer_id_of_public_key, verify
+from swarmnet.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
+from swarmnet.identity import Identity, peer_id_of_public_key, verify
 
 logger = logging.getLogger(__name__)
 

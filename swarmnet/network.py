@@ -21,10 +21,10 @@ import uvloop
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
-from swarmclient.addresses import AddressPlan, host_maddr, listen_ip
-from swarmclient.errors import DHTUnreachable, NetworkConfigError
-from swarmclient.identity import Identity
-from swarmclient.records import GuardedDHTNode, SignedRecordValidator, reader_validator
+from swarmnet.addresses import AddressPlan, host_maddr, listen_ip
+from swarmnet.errors import DHTUnreachable, NetworkConfigError
+from swarmnet.identity import Identity
+from swarmnet.records import GuardedDHTNode, SignedRecordValidator, reader_validator
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NetworkOptions:
-    """Where a P2P node listens and how it identifies itself (what it announces: `swarmclient.addresses`)."""
+    """Where a P2P node listens and how it identifies itself (what it announces: `swarmnet.addresses`)."""
 
     host: str = "127.0.0.1"          # listen address (an IP); 0.0.0.0 or :: to accept peers from other machines
     port: int = 0                    # 0 = any free port
@@ -69,7 +69,7 @@ async def start_dht_node(
 ) -> tuple[P2P, DHTNode]:
     """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers.
 
-    Every node is a GuardedDHTNode checking records with a SignedRecordValidator (swarmclient/records.py). A full
+    Every node is a GuardedDHTNode checking records with a SignedRecordValidator (swarmnet/records.py). A full
     node (server, bootstrap) also signs its own records, with the key its libp2p peer id is made of:
     `options.identity_path`, or an ephemeral key (`node_key`). A client-mode node stores nothing for others; it
     only checks what it reads.

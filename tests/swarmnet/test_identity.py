@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from swarmclient.identity import Identity, IdentityError, decode_key_message, encode_key_message, peer_id_of_public_key, verify
+from swarmnet.identity import Identity, IdentityError, decode_key_message, encode_key_message, peer_id_of_public_key, verify
 
 
 def test_peer_id_matches_hiveminds_derivation(tmp_path: Path) -> None:

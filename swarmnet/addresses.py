@@ -21,7 +21,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from swarmclient.errors import NetworkConfigError
+from swarmnet.errors import NetworkConfigError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")

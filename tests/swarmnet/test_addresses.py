@@ -1,4 +1,4 @@
-"""What a P2P node listens on and announces (swarmclient.addresses); pure, plus the CLI refusing bad addresses."""
+"""What a P2P node listens on and announces (swarmnet.addresses); pure, plus the CLI refusing bad addresses."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +6,9 @@ from typer.testing import CliRunner
 
 import cli
 from commands.errors import ExitCode
-from swarmclient.addresses import AddressPlan, announce_maddrs, host_maddr, listen_ip
-from swarmclient.errors import NetworkConfigError
-from swarmclient.network import NetworkOptions
+from swarmnet.addresses import AddressPlan, announce_maddrs, host_maddr, listen_ip
+from swarmnet.errors import NetworkConfigError
+from swarmnet.network import NetworkOptions
 
 # a machine with loopback, a LAN address, a link-local and a ULA IPv6 address, and a link-local IPv4 one
 INTERFACES = ["127.0.0.1", "::1", "192.168.1.20", "fe80::1", "fd00::2", "169.254.3.4"]

@@ -14,7 +14,7 @@ PROTOCOL_VERSION = "swarmbatch/3"  # /3: open messages, bounded frames, info/for
 
 # How long a DHT record may live, swarm-wide. A server re-announces every period (at most ANNOUNCE_PERIOD_LIMIT)
 # and its records expire after two; every node refuses a record expiring later than MAX_RECORD_TTL from its own
-# clock (swarmclient/records.py), so a record can never outlive its writer by much. The slack absorbs clock skew.
+# clock (swarmnet/records.py), so a record can never outlive its writer by much. The slack absorbs clock skew.
 ANNOUNCE_PERIOD_LIMIT = 30.0
 RECORD_TTL_SLACK = 10.0
 MAX_RECORD_TTL = 2 * ANNOUNCE_PERIOD_LIMIT + RECORD_TTL_SLACK

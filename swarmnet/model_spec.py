@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from swarmclient.errors import ModelDirError
+from swarmnet.errors import ModelDirError
 
 # model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
 FAMILIES: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}

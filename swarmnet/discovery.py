@@ -5,7 +5,7 @@ import logging
 
 from hivemind.dht.node import DHTNode
 
-from swarmclient.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState, block_uid
+from swarmnet.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInfo, ServerState, block_uid
 
 logger = logging.getLogger(__name__)
 
