@@ -14,7 +14,7 @@ from jobs.models import Request
 from jobs.runtime import Runtime
 from jobs.store import job_counts
 from jobs.submission import submit_batch
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from modelprep import prepare_model
 
 

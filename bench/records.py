@@ -30,9 +30,10 @@ from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from launch.processes import ManagedProcess, cli_command
+from swarmnet.addresses import NetworkOptions
 from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState, block_uid
 from swarmnet.discovery import get_remote_module_infos
-from swarmnet.network import NetworkOptions, start_dht_node, stop_dht_node
+from swarmnet.network import start_dht_node, stop_dht_node
 
 MODEL_ID = "bench-model"
 

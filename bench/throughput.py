@@ -217,7 +217,7 @@ def run_job_with_two_workers(first: Runtime, second: Runtime, model: str, data: 
 
     from jobs.store import job_counts
     from jobs.submission import submit_batch
-    from jobs.worker.batch_worker import JobWorker
+    from jobs.worker.job_worker import JobWorker
 
     job = submit_batch(first, data, model=model)
     began = time.perf_counter()

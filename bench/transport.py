@@ -32,8 +32,9 @@ def _echo_server(model_dir: str, start: int, end: int, cpu: int | None, ready: A
 
     from servers.block_loading import load_span
     from swarmnet import protocol
+    from swarmnet.addresses import NetworkOptions
     from swarmnet.model_spec import ModelSpec
-    from swarmnet.network import NetworkOptions, run_async
+    from swarmnet.network import run_async
 
     span = load_span(ModelSpec.open(model_dir), start, end)
     caches = span.new_caches(start, end)
@@ -76,7 +77,7 @@ async def _time_steps(maddrs: list[str], hidden_size: int, steps: int) -> list[f
     from hivemind.p2p import P2P, PeerID
 
     from swarmnet import protocol
-    from swarmnet.network import NetworkOptions
+    from swarmnet.addresses import NetworkOptions
 
     p2p = await P2P.create(initial_peers=maddrs, **NetworkOptions().p2p_kwargs())
     try:

@@ -8,7 +8,7 @@ weights (two servers of one precision load identical ones):
   - two sessions whose decode steps are merged into one forward (servers/batching.run_merged), as a busy server
     does;
 and compares every step's output with the stateless forward of its history (the whole batch, and row by row as
-a verifier sends an oversized history), as swarmclient.verification.relative_error. It also prints the error
+a verifier sends an oversized history), as swarmclient.verification_policy.relative_error. It also prints the error
 that Gaussian noise of a few sizes would make (what SWARMBATCH_FAULT_INJECTION=noise:STD adds), and the error
 between a float32 and a bfloat16 server.
 
@@ -27,12 +27,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from servers.batching import DecodeStep, run_merged  # noqa: E402
-from servers.block_loading import DType, Quant, load_span  # noqa: E402
+from servers.block_loading import load_span  # noqa: E402
+from servers.config import DType, Quant  # noqa: E402
 from servers.span import BlockSpan  # noqa: E402
 from swarmclient.generation import prefill_positions  # noqa: E402
 from swarmclient.head import ClientHead  # noqa: E402
 from swarmclient.textgen import load_tokenizer  # noqa: E402
-from swarmclient.verification import relative_error  # noqa: E402
+from swarmclient.verification_policy import relative_error  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 PROMPTS = ["The lighthouse keeper looked at the sea and said", "Once upon a time",
@@ -128,7 +129,7 @@ def cross_errors(spec: ModelSpec, head: ClientHead, batch: dict[str, torch.Tenso
         dtype, quant = PRECISIONS[precision]
         try:
             outputs[precision] = load_span(spec, 0, end, dtype=dtype, quant=quant)(hidden, mask, positions).float()
-        except Exception:  # noqa: BLE001 - reported as missing
+        except Exception:  # reported as missing
             continue
     return {p: relative_error(out, outputs["float32"], mask) for p, out in outputs.items() if p != "float32"}
 
@@ -155,7 +156,7 @@ def main() -> None:
         for end in (spec.num_blocks // 2, spec.num_blocks):
             try:
                 worst = measure(spec, head, batch, precision, args.steps, end)
-            except Exception as e:  # noqa: BLE001 - e.g. bitsandbytes without a CPU backend for nf4
+            except Exception as e:  # e.g. bitsandbytes without a CPU backend for nf4
                 print(f"| {precision} | 0:{end} | failed: {type(e).__name__}: {str(e)[:80]} | | |")
                 continue
             print(f"| {precision} | 0:{end} | {worst['prefill']:.2e} | {worst['decode']:.2e} | "

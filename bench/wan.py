@@ -96,7 +96,7 @@ def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, ma
     from jobrun import run_job
     from throughput import batch_file, job_runtime, prompts
 
-    from jobs.worker.batch_worker import logger as worker_logger
+    from jobs.worker.job_worker import logger as worker_logger
 
     plans: list[str] = []
 
@@ -152,7 +152,7 @@ class Client:
     def __init__(self, lab: Any, model: Path, peers: list[str], mode: str = "--client", *extra: str) -> None:
         args = ["ip", "netns", "exec", lab.nodes[0].namespace, sys.executable, __file__, mode, str(model),
                 *extra, "--initial-peers", *peers]
-        self.log = open(lab.log_dir / "client.log", "ab")  # noqa: SIM115 - closed in close()
+        self.log = open(lab.log_dir / "client.log", "ab")  # closed in close()
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
         self._read()

@@ -74,6 +74,20 @@ def api_server(host: Annotated[str, typer.Option(help="Listen address.")] = "127
     uvicorn.run(make_app(runtime), host=host, port=port)
 
 
+@app.command("config")
+def config(as_json: JsonOption = False) -> None:
+    """Every setting (a SWARMBATCH_* variable): its value here, its default and what it does."""
+    from jobs.settings import get_settings, settings_reference
+
+    rows = settings_reference(get_settings())
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for row in rows:
+        changed = "" if row["value"] == row["default"] else f"  (default: {row['default']})"
+        typer.echo(f"{row['env']}={'' if row['value'] is None else row['value']}{changed}\n    {row['description']}")
+
+
 # ---- database and keys ---------------------------------------------------------------------------------------------
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:

@@ -19,9 +19,9 @@ KeyOption = Annotated[str | None, typer.Option("--key", envvar="SWARMBATCH_API_K
 def jobs_client(api: str | None, key: str | None) -> Any:
     """The store (default) or the REST API."""
     from jobs.assembly import get_runtime
-    from jobs.client import ApiClient, StoreClient
+    from jobs.backends import ApiBackend, StoreBackend
 
-    return ApiClient(api, key) if api else StoreClient(get_runtime())
+    return ApiBackend(api, key) if api else StoreBackend(get_runtime())
 
 
 def print_job(job: dict[str, Any], as_json: bool) -> None:

@@ -46,6 +46,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "servers.errors.ServerConfigError": ExitCode.USAGE,
     "servers.errors.ServerError": ExitCode.SWARM_UNAVAILABLE,
     "modelprep.errors.ModelPrepError": ExitCode.USAGE,
+    "launch.errors.LaunchError": ExitCode.SWARM_UNAVAILABLE,  # a local DHT, server or worker did not come up
     # Alembic's own errors: an unknown revision (`db upgrade nosuchrev`); a database it cannot reach is a DBAPIError
     "alembic.util.exc.CommandError": ExitCode.USAGE,
     DATABASE_ERROR: ExitCode.STORE_UNREACHABLE,

@@ -10,8 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
+from commands.config_options import config_values, with_config_options
 from commands.options import AnnounceHostOption, HostOption, JsonOption, MemberKeyOption, PeersOption, PortOption, SwarmFileOption
 from launch.ready import serving_line
+from servers.config import ServerConfig  # light: no torch, no hivemind (its options are built at import)
 
 app = typer.Typer()  # top-level verbs: dht, serve, generate, demo
 model_app = typer.Typer(help="Prepare model directories.", no_args_is_help=True)
@@ -28,7 +30,7 @@ def resolve_model(name_or_path: str) -> Path:
 
 def network_options(host: str, port: int, identity: Path | None, announce_host: str | None = None) -> Any:
     """The P2P listen options of a DHT node or block server."""
-    from swarmnet.network import NetworkOptions
+    from swarmnet.addresses import NetworkOptions
 
     return NetworkOptions(host=host, port=port, identity_path=str(identity) if identity else None,
                           announce_host=announce_host or None)
@@ -114,63 +116,24 @@ def parse_blocks(value: str | None) -> tuple[int, int] | None:
 
 
 @app.command("serve")
+@with_config_options(ServerConfig)
 def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
           initial_peers: PeersOption,
           blocks: Annotated[str | None, typer.Option(help="Serve blocks START:END.")] = None,
-          num_blocks: Annotated[int | None, typer.Option(min=1, help="Serve N blocks where coverage is weakest.")] = None,
           host: HostOption = "127.0.0.1", port: PortOption = 0, announce_host: AnnounceHostOption = None,
           identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id.")] = None,
-          dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
-          quant: Annotated[str, typer.Option(help="none, int8 or nf4 (bitsandbytes).")] = "none",
-          attn_cache_tokens: Annotated[int, typer.Option(min=1, help="KV-cache tokens per block, all sessions.")] = 16384,
-          max_batch_size: Annotated[int, typer.Option(min=1, help="Largest batch accepted.")] = 64,
-          announce_period: Annotated[float, typer.Option(help="Seconds between DHT announcements.")] = 15.0,
-          session_timeout: Annotated[float, typer.Option(help="Idle seconds before a session is closed.")] = 300.0,
-          num_threads: Annotated[int | None, typer.Option(min=1, help="torch threads.")] = None,
-          batch_wait_ms: Annotated[float, typer.Option(
-              min=0, help="Wait up to this many ms to merge concurrent sessions' decode steps into one forward "
-                          "(at most --max-batch-size rows); 0 = no merging.")] = 2.0,
-          max_merge_tokens: Annotated[int, typer.Option(
-              min=0, help="Sessions caching more tokens (rows x length) than this run alone: merging copies "
-                          "their caches.")] = 2048,
-          max_sessions_per_peer: Annotated[int, typer.Option(
-              min=1, help="Sessions one caller (peer id) may have open here at once; more are refused as busy.")] = 16,
-          max_cache_share_per_peer: Annotated[float, typer.Option(
-              min=0.0, max=1.0, help="Share of the KV-cache budget one caller may reserve; more is refused as busy.")] = 0.5,
-          lend_idle_cache: Annotated[bool, typer.Option(
-              help="Let a caller alone on this server borrow past its share, until another caller is refused room "
-                   "(then each is held to its share for 2 minutes).")] = True,
-          max_queued_forwards: Annotated[int, typer.Option(
-              min=1, help="Stateless forwards admitted and not yet answered, all callers together.")] = 4,
-          max_forwards_per_peer: Annotated[int, typer.Option(
-              min=1, help="The same, per caller.")] = 2,
-          metrics_port: Annotated[int, typer.Option(min=0, max=65535,
-                                                    help="Serve Prometheus /metrics on this port; 0 = off.")] = 0,
-          metrics_host: Annotated[str, typer.Option(help="Listen address of /metrics.")] = "127.0.0.1",
-          swarm_file: SwarmFileOption = None) -> None:
-    """Run a block server for a span of the model's blocks."""
-    from servers.block_loading import DType, Quant
-    from servers.server import ServerConfig, run_server
+          swarm_file: SwarmFileOption = None, **tuning: Any) -> None:
+    """Run a block server for a span of the model's blocks (each further option: servers/config.py)."""
+    from servers.server import run_server
 
     if not initial_peers:
         raise typer.BadParameter("a block server needs at least one DHT multiaddr (run 'swarmbatch dht')",
                                  param_hint="--initial-peers")
-    try:
-        dtype_choice, quant_choice = DType(dtype), Quant(quant)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--dtype/--quant") from None
     network = network_options(host, port, identity, announce_host)  # a bad address fails before the model loads
     server_membership("server", host, swarm_file, identity)  # the warning, and one-line errors before loading
-    config = ServerConfig(
-        model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
-        num_blocks=num_blocks, network=network, dtype=dtype_choice,
-        quant=quant_choice, attn_cache_tokens=attn_cache_tokens, max_batch_size=max_batch_size,
-        announce_period=announce_period, session_timeout=session_timeout, num_threads=num_threads,
-        batch_wait_ms=batch_wait_ms, max_merge_tokens=max_merge_tokens, max_sessions_per_peer=max_sessions_per_peer,
-        max_cache_share_per_peer=max_cache_share_per_peer, lend_idle_cache=lend_idle_cache,
-        max_queued_forwards=max_queued_forwards,
-        max_forwards_per_peer=max_forwards_per_peer, metrics_port=metrics_port, metrics_host=metrics_host,
-        swarm_file=str(swarm_file) if swarm_file else None)
+    config = ServerConfig(model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
+                          network=network, swarm_file=str(swarm_file) if swarm_file else None,
+                          **config_values(ServerConfig, tuning))
     run_server(config, print_ready)
 
 
@@ -214,7 +177,7 @@ def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local mod
              as_json: JsonOption = False, swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """One-off generation through the swarm."""
     from swarmclient.textgen import generate_texts
-    from swarmclient.verification import VerificationTally
+    from swarmclient.verification_policy import VerificationTally
 
     access = client_access(swarm_file, identity)
     began = time.perf_counter()

@@ -13,18 +13,26 @@ The batch core (this package):
     liveness     worker heartbeats and the maintenance slot (one sweep per interval across all workers)
     lifecycle    Lifecycle: the one owner of job transitions (start, settle, finalize, cancel, expire), running
                  each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
+    queue        the task names, the Celery app that sends them (Redis or the embedded SQLite broker), enqueue_job
+    durations    '24h', '90m', '3600s' -> seconds (completion windows, schedules' grace)
     submission   submit_batch: validate against the model (and the user's metadata), store, enqueue (idempotency
                  keys; a failed enqueue is left to the sweep)
     outputs      results / errors JSONL and the batch object, in the OpenAI shapes
-    runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients)
-    client       StoreClient / ApiClient: how the CLI reaches jobs
+    runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients),
+                 given each job kind's hooks and the Celery app to build
+    backends     StoreBackend / ApiBackend: how the CLI reaches jobs (straight through the store, or over REST)
     progress     status lines and the live progress bar
     clock        now(): the scheduler's clock (the one thing tests fake)
 
-Sub-packages:
-    worker/      the Celery side: the app, the tasks, the batch worker, its runner, the sweep, the maintenance tick
+Sub-packages (above the core; the core imports none of them):
+    worker/      the Celery side: the worker's app, the tasks, the job worker, its runner, the sweep, the maintenance tick
     summaries/   the nightly summaries feature: schedule file, firing, documents, map-reduce, Markdown pages
     api/         the FastAPI app (REST)
 
+On top of them all:
+    assembly     build_runtime(settings): the core wired with every job kind's hooks and the worker's Celery app;
+                 get_runtime() / set_runtime(), this process's runtime (entry points, benches and tests build here)
+
 Boundary: nothing here imports `servers`; jobs reach block servers only over the swarm (`swarmclient`).
+tests/test_layers.py checks the core, the assembly and the boundary.
 """

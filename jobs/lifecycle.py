@@ -10,7 +10,7 @@ OpenAI's statuses: a job is `validating` from its submission (its lines were che
 a worker claims its first requests. A job that ends gets its output and error files (jobs.files) in the same
 transaction, partial ones for a cancelled or expired job, as OpenAI does.
 
-The callers: the API's cancel route and the CLI's StoreClient (cancel), the batch worker (start, settle, and
+The callers: the API's cancel route and the CLI's StoreBackend (cancel), the batch worker (start, settle, and
 expire when it finds a job overdue), the sweep (settle, expire, and the retries below), and a schedule's firing
 (settle, for a night with nothing to summarize). None of them changes a job's status any other way, so none can
 skip a hook (as rq's on_success/on_failure/on_stopped callbacks and dramatiq's middleware run whoever ends a job).

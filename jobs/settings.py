@@ -4,26 +4,29 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # what the API serves when SWARMBATCH_API_MODELS is unset or empty: the built-in model, never a server path
 DEFAULT_API_MODELS = ("smollm2",)
+ENV_PREFIX = "SWARMBATCH_"
 DISPATCH_BATCH = 8  # requests per process_job task sent for a new job when the worker sizes its own claim
 
 
 class Settings(BaseSettings):
     """Process-wide settings; CLI flags override them per command."""
 
-    model_config = SettingsConfigDict(env_prefix="SWARMBATCH_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     home: Path = Field(default=Path.home() / ".swarmbatch", description="embedded state: models, SQLite, broker")
     initial_peers: Annotated[list[str], NoDecode] = Field(default_factory=list,
                                                           description="DHT multiaddrs, comma-separated in env")
-    database_url: str | None = None
-    broker_url: str | None = None
+    database_url: str | None = Field(default=None, description="the job store's SQLAlchemy URL (PostgreSQL in "
+                                     "production); unset: SQLite under SWARMBATCH_HOME")
+    broker_url: str | None = Field(default=None, description="the Celery broker (redis://...); unset: an embedded "
+                                   "SQLite broker under SWARMBATCH_HOME")
 
     @field_validator("initial_peers", mode="before")
     @classmethod
@@ -96,6 +99,25 @@ class Settings(BaseSettings):
     def models_dir(self) -> Path:
         """Where prepared models are cached."""
         return self.home / "models"
+
+
+def settings_reference(settings: Settings) -> list[dict[str, Any]]:
+    """Every setting: its variable, its value in `settings`, its default and its description (secrets masked)."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        rows.append({"name": name, "env": f"{ENV_PREFIX}{name.upper()}", "value": _shown(getattr(settings, name)),
+                     "default": _shown(default), "description": field.description or ""})
+    return rows
+
+
+def _shown(value: object) -> object:
+    """A value as `swarmbatch config` shows it: paths as strings, secrets masked."""
+    if isinstance(value, SecretStr):
+        return "**********"
+    if isinstance(value, list):  # as the variable is written
+        return " ".join(map(str, value))
+    return str(value) if isinstance(value, Path) else value
 
 
 @lru_cache

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from jobs.assembly import build_runtime
-from jobs.client import StoreClient
+from jobs.backends import StoreBackend
 from jobs.progress import follow_job
 from jobs.settings import Settings, get_settings
 from jobs.submission import submit_batch
@@ -62,7 +62,7 @@ def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
         settings = settings.model_copy(update={"initial_peers": swarm.initial_peers})
         with embedded_worker(settings) as worker:
             runtime = build_runtime(settings)
-            client = StoreClient(runtime)
+            client = StoreBackend(runtime)
             docs = sample_documents()
             job = submit_batch(runtime, summarization_batch(docs, max_tokens=max_tokens), model=MODEL,
                                filename="samples/documents")

@@ -6,8 +6,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from launch.ready import SERVING_BLOCKS
 from launch.processes import ManagedProcess, cli_command
+from launch.ready import SERVING_BLOCKS
 from swarmnet.identity import Identity
 from swarmnet.membership import SwarmAccess, SwarmFile
 

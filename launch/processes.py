@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from servers.errors import ServerError
+from launch.errors import ProcessNotReady
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -45,19 +45,19 @@ class ManagedProcess:
             self.lines.put(raw.decode(errors="replace").rstrip("\n"))
 
     def wait_for_line(self, prefix: str, timeout: float) -> str:
-        """The first stdout line starting with `prefix`; raises ServerError if the process dies or times out."""
+        """The first stdout line starting with `prefix`; raises ProcessNotReady if the process dies or times out."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 line = self.lines.get(timeout=0.2)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise ServerError(f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}") from None
+                    raise ProcessNotReady(f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}") from None
                 continue
             if line.startswith(prefix):
                 self.ready_line = line
                 return line
-        raise ServerError(f"{self.name} was not ready in {timeout:.0f} s; see {self.log_path}")
+        raise ProcessNotReady(f"{self.name} was not ready in {timeout:.0f} s; see {self.log_path}")
 
     def terminate(self, timeout: float = 15.0) -> None:
         """SIGTERM to the process (graceful: a server announces OFFLINE), then SIGKILL its group.

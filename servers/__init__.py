@@ -14,13 +14,18 @@ Modules:
     batching         DecodeBatcher: concurrent sessions' decode steps on the same blocks merged into one forward
     push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push)
     neighbours       NextServerPings: round trips to the servers that may follow this one, for push routing
-    handler          BlockHandler: the info / forward / inference / push streams, their frame limits, the authorize hook
-                     on a stream's first message, per-caller limits; errors become responses in one place
+    sessions         Stream and Session: what the server keeps per stream and per inference session
+    streams          StreamService: bounded frame reads, the authorize hook on a stream's first message, one answer per
+                     message, and the one place where exceptions become error answers
+    push_receiver    PushReceiver: another server's push stream into one of our sessions; pushing our outputs on
+    handler          BlockHandler: the info / forward / inference streams, their frame limits, sessions' cache
+                     reservations and per-caller limits
     announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown
     server           ServerConfig + BlockServer: composition, start-up, status() and ordered shutdown
     bootstrap        the `swarmbatch dht` bootstrap node
     faults           TEST-ONLY: SWARMBATCH_FAULT_INJECTION=noise:STD makes the span's outputs wrong (checked outputs)
     metrics          the Prometheus endpoint (--metrics-port): the status as steps, tokens, errors, KV-cache use,
                      sessions, state
-    stats, errors    counters; the ServerError tree
+    counters         ServerCounters: steps, tokens, merges and errors counted since start
+    errors           the ServerError tree
 """

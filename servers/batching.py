@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from servers.counters import ServerCounters
 from servers.span import BlockSpan
-from servers.stats import ServerStats
 
 SpanKey = tuple[int, int]
 
@@ -157,7 +157,7 @@ class DecodeBatcher:
     and on a CPU copying a big cache costs as much as the weight reads the merge saves (README).
     """
 
-    def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerStats,
+    def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerCounters,
                  max_merge_tokens: int = 2048) -> None:
         self.span, self.wait, self.max_rows, self.stats = span, wait_ms / 1000, max_rows, stats
         self.max_merge_tokens = max_merge_tokens

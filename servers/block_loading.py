@@ -2,36 +2,16 @@
 from __future__ import annotations
 
 import logging
-from enum import Enum
 
 import torch
 from torch import nn
 
+from servers.config import DType, Quant
 from servers.errors import ServerConfigError
 from servers.span import BlockSpan
 from swarmnet.model_spec import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-
-class DType(str, Enum):
-    """Weights and activations dtype of a span."""
-
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-
-    @property
-    def torch(self) -> torch.dtype:
-        """The torch dtype."""
-        return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[self]
-
-
-class Quant(str, Enum):
-    """Weight quantization of a span's linear layers (bitsandbytes)."""
-
-    none = "none"
-    int8 = "int8"
-    nf4 = "nf4"
 
 
 def load_span(spec: ModelSpec, start: int, end: int, *, dtype: DType = DType.float32,

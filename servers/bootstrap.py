@@ -5,8 +5,9 @@ import asyncio
 import signal
 from collections.abc import Callable
 
+from swarmnet.addresses import NetworkOptions
 from swarmnet.membership import Membership
-from swarmnet.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
+from swarmnet.network import run_async, start_dht_node, stop_dht_node, visible_maddrs
 
 
 def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_ready: Callable[[list[str]], None],

@@ -6,7 +6,10 @@
 """
 from __future__ import annotations
 
-from swarmnet.protocol import ErrorCode
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the protocol loads torch; ServerConfigError is raised by light modules too (servers/config.py)
+    from swarmnet.protocol import ErrorCode
 
 
 class ServerError(Exception):

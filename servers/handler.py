@@ -1,29 +1,23 @@
-"""RPC handlers of a block server: `info`, `forward` (stateless) and `inference` (one stream = one session).
+"""RPC handlers of a block server: `info`, `forward` (stateless), `inference` (one stream = one session) and `push`.
 
-All three are raw streams of length-prefixed frames (swarmnet/protocol.py), and what a caller can make the
-server take is bounded before it is taken:
+All are raw streams of length-prefixed frames, served by the stream machinery of servers/streams.py (bounded reads,
+authorization of a stream's first message, one place where exceptions become error answers), with push streams in
+servers/push_receiver.py. What a caller can make the server take is bounded before it is taken:
 
 - a message's length is checked before it is read: OPEN_FRAME_LIMIT until a session exists (and for info requests
-  and forward headers), then what the session's (or the forward header's) shape allows; an oversized one gets an
-  `invalid_request` answer and ends the stream;
-- a stream's first message is authorized (`authorize`, in `_read`, the one place) before anything else is done;
+  and forward headers), then what the session's (or the forward header's) shape allows;
 - a forward's header is answered {"admitted": true} before its tensors are sent, so that a refusal never leaves
   a client's bytes unread: p2pd resets a stream ended with unread bytes, and the client then loses the answer;
 - a session reserves its KV cache only once its open message is valid, within the caller's share of sessions
   and cache; a refused open takes nothing;
-- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer;
-- a stream is closed `session_timeout` after its last accepted message (refused ones do not keep it alive), and
-  after MAX_REFUSED_BEFORE_OPEN refused messages in a row before a session exists.
-
-Every exception is turned into an in-band error response in one place (`_answer`), so a bad request never stops
-the server or the stream it came on.
+- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,12 +28,15 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from servers.admission import Slots
 from servers.batching import DecodeBatcher, DecodeStep
+from servers.counters import ServerCounters
 from servers.errors import RequestRejected
 from servers.memory import CacheBudget
 from servers.push import Pusher
+from servers.push_receiver import PushReceiver
+from servers.sessions import SESSION_CLOSED_LOG, SESSION_OPENED_LOG, AppliedStep, Session, Stream, check_session_id
 from servers.span import BlockSpan
-from servers.stats import ServerStats
 from servers.status import ServerStatus
+from servers.streams import Authorize, allow_everyone
 from servers.validation import (
     Limits,
     reject,
@@ -56,108 +53,10 @@ from swarmnet import protocol
 from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
-# log lines that tests read (sessions open at once): session id prefix first
-SESSION_OPENED_LOG = "Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens"
-SESSION_CLOSED_LOG = "Session %s closed after %d tokens"
-MAX_REFUSED_BEFORE_OPEN = 8  # refused messages in a row after which a stream without a session is ended
-LINGER_SECONDS = 3.0  # how long a stream the server ends waits for the caller to close it first (`let_go`)
-LINGER_BYTES = 1 << 16  # the most it reads (and drops) meanwhile
-
-Authorize = Callable[[str, dict[str, Any]], None]
-
-
-def allow_everyone(caller: str, meta: dict[str, Any]) -> None:
-    """The default `authorize`: every caller may use the server."""
-
-
-@dataclass(frozen=True)
-class AppliedStep:
-    """A step a session applied: its answer, and what pushing it on takes (a duplicate may name a new route)."""
-
-    step_id: int
-    answer: bytes
-    pushed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # output, attention mask, position ids
-    keep_rows: Any
 
 
 @dataclass
-class Session:
-    """One client's inference session on this server."""
-
-    session_id: str
-    peer: str  # the caller that opened it
-    start: int
-    end: int
-    batch_size: int
-    max_length: int
-    caches: list[Any]
-    length: int = 0
-    pushable: bool = False  # opened with "push": its client's route may push steps into it (push.py)
-    stream: Stream | None = None  # the stream that opened it: answers to pushed steps go there
-    applied: int = 0  # steps applied; a step id below it is a duplicate
-    last_step: AppliedStep | None = None  # the last step applied: what a duplicate of it gets again
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time (a push and a direct step race)
-
-
-def check_session_id(meta: dict[str, Any], session: Session) -> None:
-    """A stream carries one session: a message naming another is refused (and changes nothing)."""
-    if meta.get("session_id") != session.session_id:
-        raise RequestRejected(ErrorCode.UNKNOWN_SESSION,
-                              f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
-
-
-class StreamOver(Exception):
-    """The stream is over: the caller ended it, sent nothing accepted for too long, or sent an oversized message."""
-
-
-@dataclass
-class Stream:
-    """One stream of one caller: when it expires, whether its first message passed, its session, its refusals."""
-
-    peer: str  # the caller's peer id, authenticated by libp2p
-    timeout: float
-    deadline: float = 0.0  # event-loop time after which the stream is closed, unless a message is accepted before
-    authorized: bool = False
-    session: Session | None = None
-    refused: int = 0  # refused messages in a row
-    ended: bool = False
-    writer: asyncio.StreamWriter | None = None
-    step_id: int | None = None  # the step id of the message being answered (its refusal carries it too)
-    push_target: Session | None = None  # a push stream: the session it was attached to
-
-    def __post_init__(self) -> None:
-        self.accepted()
-
-    def accepted(self) -> None:
-        """A message was accepted: the stream lives `timeout` more seconds from now."""
-        self.deadline = asyncio.get_running_loop().time() + self.timeout
-        self.refused = 0
-
-
-StreamServer = Callable[[Stream, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-async def let_go(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """End a stream once the caller has closed its side, or after LINGER_SECONDS or LINGER_BYTES.
-
-    p2pd resets a stream that the server closes (or half-closes) while the caller still holds it open, and a reset
-    loses the answers still in flight: measured, about 1 in 500 one-request streams lost its answer that way, none
-    of 5400 with this wait. A caller closes as soon as it has its last answer; what it sends meanwhile is read and
-    dropped, up to LINGER_BYTES.
-    """
-    try:
-        async with asyncio.timeout(LINGER_SECONDS):
-            left = LINGER_BYTES
-            while left > 0 and (chunk := await reader.read(min(left, 1 << 16))):
-                left -= len(chunk)
-    except (TimeoutError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-
-
-@dataclass
-class BlockHandler:
+class BlockHandler(PushReceiver):
     """Serves one BlockSpan over P2P."""
 
     span: BlockSpan
@@ -173,7 +72,7 @@ class BlockHandler:
     # who may use the server: called with the caller's peer id and its stream's first message's meta; raises
     # RequestRejected(UNAUTHORIZED) to refuse (an in-band error; nothing is reserved or computed)
     authorize: Authorize = allow_everyone
-    stats: ServerStats = field(default_factory=ServerStats)
+    stats: ServerCounters = field(default_factory=ServerCounters)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
     pusher: Pusher = field(default_factory=Pusher)
@@ -215,62 +114,6 @@ class BlockHandler:
     async def rpc_push(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Another server's pushes into one session of ours: an attach message naming it, then steps (push.py)."""
         await self._serve(info, reader, writer, self._serve_push)
-
-    # ---- streams ---------------------------------------------------------------------------------------------
-    async def _serve(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     serve: StreamServer) -> None:
-        stream = Stream(peer=str(info.peer_id), timeout=self.session_timeout, writer=writer)
-        try:
-            await serve(stream, reader, writer)
-        except (StreamOver, ConnectionError):  # over, or the caller went away while we computed
-            pass
-        finally:
-            if stream.session is not None:
-                self._close(stream.session)
-            await let_go(reader, writer)
-
-    async def _receive(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       limit: int) -> bytes:
-        """The stream's next message, of at most `limit` bytes; raises StreamOver when there is none to answer."""
-        try:
-            async with asyncio.timeout_at(stream.deadline):  # no extra task per step, unlike wait_for
-                return await protocol.read_frame(reader, limit)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            raise StreamOver from None  # the caller ended the stream (or died)
-        except TimeoutError:
-            logger.info("No message accepted from %s for %.0f s; closing its stream", stream.peer[-6:], stream.timeout)
-            raise StreamOver from None
-        except protocol.FrameTooLarge as e:  # the stream cannot be resynchronized: answer, then end it
-            self.stats.record_error(ErrorCode.INVALID.value)
-            protocol.write_frame(writer, protocol.encode_error(ErrorCode.INVALID, str(e)))
-            raise StreamOver from None
-
-    async def _reply(self, stream: Stream, writer: asyncio.StreamWriter, handle: Callable[[], Awaitable[bytes]]
-                     ) -> None:
-        """Answer one message; only an accepted one keeps the stream alive, and too many refusals end it."""
-        stream.step_id = None
-        answer, error = await self._answer(handle)
-        if error is None:
-            stream.accepted()
-        else:
-            if stream.step_id is not None:  # a push client files answers by step id (swarmclient/answers.py)
-                answer = protocol.encode([], {**protocol.decode_meta(answer), "step_id": stream.step_id})
-            stream.refused += 1
-            if stream.session is None and stream.refused >= MAX_REFUSED_BEFORE_OPEN:
-                logger.info("Ending the stream of %s after %d refused messages (last: %s)", stream.peer[-6:],
-                            stream.refused, error.value)
-                stream.ended = True
-        protocol.write_frame(writer, answer)
-        await writer.drain()
-
-    def _read(self, frame: bytes, stream: Stream) -> tuple[list[torch.Tensor], dict[str, Any]]:
-        """Decode a message. A stream's first message is authorized here, the one place, before anything is done
-        with it; until one passes, each message is taken for the first (and refused like it)."""
-        tensors, meta = protocol.decode(frame)
-        if not stream.authorized:
-            self.authorize(stream.peer, meta)
-            stream.authorized = True
-        return tensors, meta
 
     # ---- info and forward ------------------------------------------------------------------------------------
     async def _serve_info(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -314,55 +157,11 @@ class BlockHandler:
             frame = await self._receive(stream, reader, writer, self._frame_limit(stream))
             await self._reply(stream, writer, lambda: self._message(frame, stream))  # noqa: B023 - awaited here
 
-    # ---- push (the upstream side is push.py) ----------------------------------------------------------------------
-    async def _serve_push(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """An attach message (authorized like any stream's first message), then pushed steps of that session."""
-        attach = await self._receive(stream, reader, writer, protocol.OPEN_FRAME_LIMIT)
-        await self._reply(stream, writer, lambda: self._attach(attach, stream))
-        while stream.push_target is not None and not stream.ended:
-            session = stream.push_target
-            limit = protocol.step_frame_limit(batch=session.batch_size, tokens=session.max_length - session.length,
-                                              mask_length=session.max_length, hidden_size=self.limits.hidden_size)
-            frame = await self._receive(stream, reader, writer, limit)
-            await self._reply(stream, writer, lambda: self._pushed(frame, stream))  # noqa: B023 - awaited here
-
-    async def _attach(self, frame: bytes, stream: Stream) -> bytes:
-        """Attach a push stream to a session that its client opened for push (a member's stream: `_read`)."""
-        tensors, meta = self._read(frame, stream)
-        session = self.sessions.get(str(meta.get("session_id")))
-        if tensors or meta.get("attach") is not True:
-            raise reject("a push stream starts with {\"attach\": true, \"session_id\"} and no tensors")
-        if session is None or not session.pushable:
-            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"no session {str(meta.get('session_id'))[:64]!r} "
-                                                             "open for push here")
-        stream.push_target = session
-        return protocol.encode([], {"attached": True})
-
-    async def _pushed(self, frame: bytes, stream: Stream) -> bytes:
-        """Apply a pushed step to the attached session; its answer goes to the session's client, the pusher gets
-        {"accepted": step_id}."""
-        session = stream.push_target
-        assert session is not None
-        tensors, meta = self._read(frame, stream)
-        if self.sessions.get(session.session_id) is not session:
-            stream.push_target = None
-            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"session {session.session_id[:8]} is closed")
-        check_session_id(meta, session)
-        if validate_step_id(meta.get("step_id")) is None:
-            raise reject("a pushed step needs a 'step_id'")
-        answer = await self._apply(session, tensors, meta)
-        if session.stream is not None:
-            session.stream.accepted()  # the client's stream carries no message of its own for pushed steps
-        await self._tell_client(session, answer)
-        return protocol.encode([], {"accepted": meta["step_id"]})
-
     def _frame_limit(self, stream: Stream) -> int:
         """The largest message the stream may send now: small until a session is open, then a step of it."""
-        session = stream.session
-        if session is None:
+        if stream.session is None:
             return protocol.OPEN_FRAME_LIMIT
-        return protocol.step_frame_limit(batch=session.batch_size, tokens=session.max_length - session.length,
-                                         mask_length=session.max_length, hidden_size=self.limits.hidden_size)
+        return stream.session.step_frame_limit(self.limits.hidden_size)
 
     async def _message(self, frame: bytes, stream: Stream) -> bytes:
         """Answer one message of a stream: the open message, a step, or the client's request to end the session."""
@@ -443,32 +242,6 @@ class BlockHandler:
             return session.last_step
         raise reject(f"step {step_id} is out of order: session {session.session_id[:8]} expects step {session.applied}")
 
-    def _push_on(self, session: Session, step_id: int | None, route: list[tuple[str, str]], output: torch.Tensor,
-                 mask: torch.Tensor, positions: torch.Tensor, keep_rows: Any) -> None:
-        """Push a step's outputs to the next hop of its route, in the background; a failure is told the client."""
-        (peer, target), rest = route[0], route[1:]
-        meta: dict[str, Any] = {"session_id": target, "step_id": step_id, "route": [list(hop) for hop in rest]}
-        if keep_rows is not None:
-            meta["keep_rows"] = keep_rows
-        frame = protocol.encode([output, mask, positions], meta)
-
-        async def report(downstream: str, reason: str) -> None:
-            await self._tell_client(session, protocol.encode([], {
-                "session_id": session.session_id, "step_id": step_id,
-                "push_failed": {"peer": downstream, "reason": reason[:500]}}))
-        self.pusher.push_later(session.session_id, (peer, target), frame, report)
-
-    async def _tell_client(self, session: Session, frame: bytes) -> None:
-        """Write a message the client did not ask for on the session's own stream (push answers and reports)."""
-        writer = session.stream.writer if session.stream is not None else None
-        if writer is None or writer.is_closing() or self.sessions.get(session.session_id) is not session:
-            return
-        protocol.write_frame(writer, frame)
-        try:
-            await writer.drain()
-        except ConnectionError:
-            pass
-
     async def _compute_step(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]
                             ) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(answer, output, mask, positions) of one validated step."""
@@ -526,21 +299,3 @@ class BlockHandler:
         self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
         return output.float()
 
-    async def _answer(self, handle: Callable[[], Awaitable[bytes]]) -> tuple[bytes, ErrorCode | None]:
-        """The one place where exceptions become error responses: (the answer, the error code if refused)."""
-        try:
-            return await handle(), None
-        except StreamOver:
-            raise
-        except RequestRejected as e:
-            logger.info("Rejected a request: %s: %s", e.code.value, e)
-            return self._error(e.code, str(e))
-        except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
-            return self._error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
-        except Exception as e:
-            logger.exception("Request failed")
-            return self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
-
-    def _error(self, code: ErrorCode, message: str) -> tuple[bytes, ErrorCode]:
-        self.stats.record_error(code.value)
-        return protocol.encode_error(code, message), code

@@ -54,7 +54,7 @@ class NextServerPings:
         while True:
             try:
                 await self.measure()
-            except Exception as e:  # noqa: BLE001 - a DHT read or ping round failed: the next round tries again
+            except Exception as e:  # a DHT read or ping round failed: the next round tries again
                 logger.info("Measuring the next servers' round trips failed: %s: %s", type(e).__name__, e)
             await asyncio.sleep(PING_PERIOD)
 

@@ -7,15 +7,17 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from hivemind.dht.node import DHTNode
 
 from servers.access import MemberGate
 from servers.announcer import Announcer
-from servers.block_loading import DType, Quant, load_span
+from servers.block_loading import load_span
 from servers.block_selection import choose_best_blocks
+from servers.config import ServerConfig
+from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
 from servers.faults import inject_faults
 from servers.handler import BlockHandler
@@ -23,65 +25,16 @@ from servers.memory import CacheBudget
 from servers.metrics import start_metrics
 from servers.neighbours import NextServerPings
 from servers.span import BlockSpan
-from servers.stats import ServerStats
 from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
 from servers.validation import Limits
-from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT, PROTOCOL_VERSION, ServerState
+from swarmnet.data_structures import PROTOCOL_VERSION, ServerState
 from swarmnet.discovery import get_remote_module_infos
 from swarmnet.membership import Membership
 from swarmnet.model_spec import ModelSpec
-from swarmnet.network import NetworkOptions, run_async, start_dht_node, stop_dht_node, visible_maddrs
+from swarmnet.network import run_async, start_dht_node, stop_dht_node, visible_maddrs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything `swarmbatch serve` accepts."""
-
-    model_dir: str
-    initial_peers: list[str]
-    blocks: tuple[int, int] | None = None   # explicit span [start, end)
-    num_blocks: int | None = None           # or: this many blocks, where coverage is weakest
-    network: NetworkOptions = field(default_factory=NetworkOptions)
-    dtype: DType = DType.float32
-    quant: Quant = Quant.none
-    attn_cache_tokens: int = 16384          # tokens cached per block, over all sessions
-    max_batch_size: int = 64
-    max_length: int | None = None           # longest session; default: the model's context
-    announce_period: float = 15.0           # seconds between DHT refreshes
-    session_timeout: float = 300.0          # an idle session is closed and its cache freed after this
-    num_threads: int | None = None          # torch threads for compute; None keeps torch's default
-    batch_wait_ms: float = 2.0              # a decode step waits this long to merge with other sessions'; 0 = never
-    max_merge_tokens: int = 2048            # sessions caching more (rows x length) run alone (merging copies caches)
-    max_sessions_per_peer: int = 16         # sessions one caller (peer id) may have open here at once
-    max_cache_share_per_peer: float = 0.5   # the share of the KV-cache budget one caller may reserve
-    lend_idle_cache: bool = True            # a caller alone here may borrow past its share until another wants room
-    max_queued_forwards: int = 4            # forwards admitted and not yet answered, all callers together
-    max_forwards_per_peer: int = 2          # the same, per caller
-    metrics_port: int = 0                   # Prometheus /metrics port; 0 = no metrics endpoint
-    metrics_host: str = "127.0.0.1"         # where /metrics listens (0.0.0.0 for a scraper elsewhere)
-    swarm_file: str | None = None           # a private swarm's members; None = open (everyone may call us)
-
-    def __post_init__(self) -> None:
-        if (self.blocks is None) == (self.num_blocks is None):
-            raise ServerConfigError("pass exactly one of --blocks A:B and --num-blocks N")
-        if self.attn_cache_tokens < 1 or self.max_batch_size < 1 or self.announce_period <= 0:
-            raise ServerConfigError("--attn-cache-tokens, --max-batch-size and --announce-period must be positive")
-        if self.announce_period > ANNOUNCE_PERIOD_LIMIT:
-            raise ServerConfigError(f"--announce-period {self.announce_period:g} is above the swarm's limit of "
-                                    f"{ANNOUNCE_PERIOD_LIMIT:g} s (peers refuse records living longer than two "
-                                    f"periods); pass {ANNOUNCE_PERIOD_LIMIT:g} or less")
-        if self.batch_wait_ms < 0:
-            raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
-        if self.swarm_file and not self.network.identity_path:
-            raise ServerConfigError("a server of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose "
-                                    "peer id is in the swarm file ('swarmbatch swarm new-key', then add-member)")
-        if min(self.max_sessions_per_peer, self.max_queued_forwards, self.max_forwards_per_peer) < 1 \
-                or not 0 < self.max_cache_share_per_peer <= 1:
-            raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards and --max-forwards-per-peer must be "
-                                    "positive, and --max-cache-share-per-peer in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -107,7 +60,7 @@ class BlockServer:
         self.spec = ModelSpec.open(config.model_dir)
         self.membership = Membership.from_file(config.swarm_file) if config.swarm_file else Membership.open()
         self.max_length = min(config.max_length or self.spec.max_length, self.spec.max_length)
-        self.stats = ServerStats()
+        self.stats = ServerCounters()
         self.state = ServerState.JOINING
         self.peer_id = ""  # set once the server has joined the DHT
         self.throughput = 0.0  # measured once the span is loaded

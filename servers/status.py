@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from servers.counters import ServerCounters
 from servers.memory import CacheUse
-from servers.stats import ServerStats
 from swarmnet.data_structures import ServerInfo, ServerState
 
 
@@ -39,7 +39,7 @@ class ServerStatus:
     max_batch_size: int
     max_length: int
     max_sessions_per_peer: int
-    stats: ServerStats  # a copy: counters since start-up
+    stats: ServerCounters  # a copy: counters since start-up
     span: SpanStatus | None  # None while joining, before the span is loaded
 
     def loaded_span(self) -> SpanStatus:

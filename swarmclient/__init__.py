@@ -6,8 +6,9 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
                      and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
     swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes, forward)
-    verification     checked outputs, the policy: sampled steps, tolerances by precision, the majority rule, counts
-    verifier         HopVerifier: recomputes a sampled hop step on other holders, bans the one that lies
+    verification_policy  checked outputs, the policy: sampled steps, tolerances by precision, the majority rule,
+                     counts
+    hop_verifier     HopVerifier: recomputes a sampled hop step on other holders, bans the one that lies
     answers          AnswerReader: a push session's answers, read in the background and matched to steps by step id
     server_session   ServerSession: one inference stream to one server (request/answer, or push: send / answer)
     session          InferenceSession: a chain that fails over by replaying its StepRecords, checks sampled steps, and

@@ -76,7 +76,7 @@ class AnswerReader:
             raise
         except asyncio.IncompleteReadError:
             self._break("the stream closed (server gone)")
-        except Exception as e:  # noqa: BLE001 - a reset stream, an undecodable answer
+        except Exception as e:  # a reset stream, an undecodable answer
             self._break(f"{type(e).__name__}: {e}")
 
     def _file(self, answer: Answer) -> None:

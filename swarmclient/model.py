@@ -14,10 +14,10 @@ from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
-from swarmclient.verification import VerificationTally
+from swarmclient.verification_policy import VerificationTally
+from swarmnet.addresses import NetworkOptions
 from swarmnet.membership import SwarmAccess
 from swarmnet.model_spec import ModelSpec
-from swarmnet.network import NetworkOptions
 
 
 class DistributedModelForCausalLM:

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported, WrongOutput
+from swarmclient.hop_verifier import HopCheck, HopVerifier
 from swarmclient.retry import with_retries
 from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm
-from swarmclient.verification import Verdict, VerificationTally, sampled, stack_history
-from swarmclient.verifier import HopCheck, HopVerifier
+from swarmclient.verification_policy import Verdict, VerificationTally, sampled, stack_history
 from swarmnet.data_structures import RouteHop
 
 logger = logging.getLogger(__name__)

@@ -17,10 +17,11 @@ from swarmclient.errors import InvalidRequest, MissingBlocksError, NoRoom, PeerF
 from swarmclient.retry import BanList
 from swarmclient.routing import has_room, min_latency_route, missing_ranges, pushed_route, trusted_throughput
 from swarmnet import protocol
+from swarmnet.addresses import NetworkOptions
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop
 from swarmnet.discovery import BlockServers, get_remote_module_infos, online_spans
 from swarmnet.membership import ADD_MEMBER, NotAMember, SwarmAccess
-from swarmnet.network import LoopThread, NetworkOptions, start_dht_node
+from swarmnet.network import LoopThread, start_dht_node
 from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from typing import Any
 
 from swarmclient.config import ClientConfig
 from swarmclient.model import DistributedModelForCausalLM
-from swarmclient.verification import VerificationTally
+from swarmclient.verification_policy import VerificationTally
 from swarmnet.membership import SwarmAccess
 
 

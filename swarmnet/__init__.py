@@ -9,11 +9,11 @@ Modules:
                      DHTUnreachable
     model_spec       a local model directory: config, family classes, weight files, revision, model id
     identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
-    addresses        what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
+    addresses        NetworkOptions: what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
                      for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
     records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
     membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
-    network          in-process hivemind P2P + DHT node, NetworkOptions, uvloop loops, LoopThread (sync facade)
+    network          in-process hivemind P2P + DHT node, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
 
 Boundary: nothing here imports `swarmclient`, `servers` or `jobs`; `protocol`, `data_structures` and `errors` load

@@ -13,7 +13,6 @@ import signal
 import tempfile
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,47 +20,13 @@ import uvloop
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
-from swarmnet.addresses import AddressPlan, host_maddr, listen_ip
-from swarmnet.errors import DHTUnreachable, NetworkConfigError
+from swarmnet.addresses import NetworkOptions
+from swarmnet.errors import DHTUnreachable
 from swarmnet.identity import Identity
 from swarmnet.records import GuardedDHTNode, SignedRecordValidator, reader_validator
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NetworkOptions:
-    """Where a P2P node listens and how it identifies itself (what it announces: `swarmnet.addresses`)."""
-
-    host: str = "127.0.0.1"          # listen address (an IP); 0.0.0.0 or :: to accept peers from other machines
-    port: int = 0                    # 0 = any free port
-    identity_path: str | None = None  # a private key file: keeps the peer id across restarts (created if missing)
-    announce_host: str | None = None  # the address (IPv4, IPv6 or DNS name) other machines dial, if not `host`
-
-    def __post_init__(self) -> None:
-        """Refuse addresses that cannot work before anything starts (NetworkConfigError)."""
-        listen_ip(self.host)
-        if self.announce_host:
-            host_maddr(self.announce_host, 1)
-        if not 0 <= self.port <= 65535:
-            raise NetworkConfigError(f"--port {self.port} is not a TCP port (1-65535, or 0 for any free port)")
-
-    def plan(self) -> AddressPlan:
-        """The listen and announce multiaddrs; reads the interfaces, and picks a free port if an announcement needs one."""
-        return AddressPlan.make(self.host, self.port, self.announce_host or None)
-
-    def p2p_kwargs(self, plan: AddressPlan | None = None) -> dict[str, Any]:
-        """Keyword arguments for `P2P.create`. NAT port mapping, AutoNAT and relays stay off: no LAN probing."""
-        plan = plan or self.plan()
-        kwargs: dict[str, Any] = dict(
-            host_maddrs=plan.listen,
-            nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
-            identity_path=self.identity_path,
-        )
-        if plan.announce is not None:
-            kwargs["announce_maddrs"] = plan.announce
-        return kwargs
 
 
 async def start_dht_node(

@@ -129,7 +129,7 @@ def _fresh_database(template: str | None) -> Iterator[str]:
     try:
         with admin.connect() as connection:
             connection.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
-    except Exception as e:  # noqa: BLE001 - any connection failure means the service is missing
+    except Exception as e:  # any connection failure means the service is missing
         admin.dispose()
         _service_missing("PostgreSQL", e)
     try:
@@ -185,7 +185,7 @@ def redis_url() -> Iterator[str]:
     client = redis.Redis.from_url(REDIS_URL)
     try:
         client.flushdb()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         _service_missing("Redis", e)
     yield REDIS_URL
     client.flushdb()

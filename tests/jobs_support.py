@@ -9,7 +9,7 @@ from sqlalchemy import select
 
 from jobs.models import Job, Request
 from jobs.runtime import Runtime
-from jobs.worker.batch_worker import CLAIMED_FOR_FREED_SLOTS_LOG, CLAIMED_LOG
+from jobs.worker.job_worker import CLAIMED_FOR_FREED_SLOTS_LOG, CLAIMED_LOG
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:

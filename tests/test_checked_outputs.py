@@ -26,7 +26,7 @@ from jobs.models import Job, Request
 from jobs.runtime import Runtime
 from jobs.settings import get_settings
 from jobs.submission import submit_batch
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from launch.local_swarm import LocalSwarm
 from launch.ready import SERVING_BLOCKS
 from servers.faults import FAULT_INJECTION_ENV
@@ -34,7 +34,7 @@ from swarmclient.config import ClientConfig
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
-from swarmclient.verification import VerificationTally
+from swarmclient.verification_policy import VerificationTally
 
 LIAR = {FAULT_INJECTION_ENV: "noise:0.1"}  # relative error ~1.4 on the tiny model's outputs; float32 allows 1e-3
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog and then", "one two three"]

@@ -21,13 +21,15 @@ from tiers import process_fixture
 from launch.processes import ManagedProcess, cli_command
 from launch.ready import SERVING_BLOCKS
 from swarmclient.swarm import Swarm
+from swarmnet.addresses import NetworkOptions
 from swarmnet.model_spec import ModelSpec
-from swarmnet.network import LoopThread, NetworkOptions, start_dht_node, stop_dht_node
+from swarmnet.network import LoopThread, start_dht_node, stop_dht_node
 
 # joins the DHT through argv[1] from wherever it runs, then leaves; exit 0 = joined
 JOIN_SCRIPT = """
 import sys
-from swarmnet.network import NetworkOptions, run_async, start_dht_node, stop_dht_node
+from swarmnet.network import run_async, start_dht_node, stop_dht_node
+from swarmnet.addresses import NetworkOptions
 
 async def join():
     p2p, node = await start_dht_node([sys.argv[1]], NetworkOptions(), client_mode=True)

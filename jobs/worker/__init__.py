@@ -1,8 +1,9 @@
 """The worker side of jobs: what a Celery worker process runs.
 
-    celery_app    make_celery(settings): Redis or the embedded SQLite broker; the task names
+    celery_app    make_worker_celery(runtime): the core's app (jobs.queue) with the tasks and the maintenance step,
+                  carrying the process's Runtime (runtime_of)
     tasks         the Celery tasks: process_job, sweep, fire_schedules (thin: load, call, enqueue next)
-    batch_worker  JobWorker: claim a batch of one job under a lease, run it, record the outcome (job transitions
+    job_worker    JobWorker: claim a batch of one job under a lease, run it, record the outcome (job transitions
                   through runtime.lifecycle), with its checked-output counts (README "Checked outputs"); each store
                   step one transaction, retried through a database blip (jobs.db.retry_store)
     sizing        the batch a worker takes on: claim and lanes from what the chain can hold for one caller (records,

@@ -42,7 +42,7 @@ def safe_tick(runtime: Runtime, *, starting: bool = False) -> None:
     """A tick that never raises: a database or broker blip is logged and the next tick tries again."""
     try:
         tick(runtime, starting=starting)
-    except Exception as error:  # noqa: BLE001 - the timer must keep ticking through any outage
+    except Exception as error:  # the timer must keep ticking through any outage
         logger.warning("Maintenance tick failed (%s: %s); retrying in %.0f s", type(error).__name__,
                        str(error).splitlines()[0] if str(error) else "", runtime.settings.sweep_interval)
 
@@ -53,7 +53,7 @@ def leave(runtime: Runtime) -> None:
         with runtime.session() as session:
             liveness.forget_worker(session=session, worker=runtime.worker_name)
             session.commit()
-    except Exception as error:  # noqa: BLE001 - stopping must not fail; the heartbeat then just ages out
+    except Exception as error:  # stopping must not fail; the heartbeat then just ages out
         logger.warning("Could not remove this worker's heartbeat (%s); it expires by itself", error)
 
 

@@ -22,7 +22,7 @@ from swarmclient.errors import SwarmBusy
 from swarmclient.generation import TokenLogprobs
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.sampling import SamplingParams
-from swarmclient.verification import VerificationTally
+from swarmclient.verification_policy import VerificationTally
 
 logger = logging.getLogger(__name__)
 STEP_LOG = "step %d: %s"  # a debug line per decode step, read by tests: "ID=TOKENS" per row, space-separated

@@ -42,7 +42,7 @@ def sweep_store(runtime: Runtime) -> list[str]:
         return needing
     try:
         purge_consumed_messages(runtime)
-    except Exception as e:  # noqa: BLE001 - pruning the embedded broker is housekeeping; the dispatches matter
+    except Exception as e:  # pruning the embedded broker is housekeeping; the dispatches matter
         logger.warning("Sweep: could not prune the embedded broker (%s); next sweep tries again", e)
     return needing
 
@@ -57,7 +57,7 @@ def _each(runtime: Runtime, job_id: str, step: Callable[[str], bool]) -> bool:
         return _store(runtime, f"Sweep: job {job_id}", lambda: step(job_id))
     except StoreUnavailable:
         raise
-    except Exception:  # noqa: BLE001 - one bad job must not stop the sweep of the others
+    except Exception:  # one bad job must not stop the sweep of the others
         logger.exception("Sweep: job %s failed; the other jobs go on", job_id)
         return False
 

@@ -11,8 +11,8 @@ from celery import current_app, shared_task
 from celery.signals import worker_process_init
 
 from jobs.queue import FIRE_SCHEDULES, PROCESS_JOB, SWEEP, enqueue_job
-from jobs.worker.batch_worker import JobWorker, retry_delay
 from jobs.worker.celery_app import runtime_of
+from jobs.worker.job_worker import JobWorker, retry_delay
 from jobs.worker.sweep import sweep_store
 
 logger = logging.getLogger(__name__)

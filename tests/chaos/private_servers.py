@@ -121,7 +121,7 @@ class PrivatePostgres:
 def _answers(ping: Callable[[], object]) -> bool:
     try:
         return bool(ping())
-    except Exception:  # noqa: BLE001 - not up yet
+    except Exception:  # not up yet
         return False
 
 

@@ -29,7 +29,7 @@ from jobs.outputs import iter_results
 from jobs.runtime import Runtime
 from jobs.settings import Settings
 from jobs.submission import submit_batch
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
 from launch.processes import ManagedProcess

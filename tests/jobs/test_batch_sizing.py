@@ -22,7 +22,7 @@ from jobs import store
 from jobs.models import Job, Request
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from jobs.worker.runner import NO_ROOM_LOG, BatchRunner, Lane, RowResult, RowState
 from jobs.worker.sizing import CLAIM_AHEAD, PipelinePlan
 from jobs.worker.sweep import sweep_store
@@ -61,7 +61,7 @@ def run_logged(swarm: LocalSwarm, make_runtime: Callable[..., Runtime], model: P
     """A job of `count` requests run to completion by a worker with default settings, its plans logged in `caplog`."""
     runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4)
     job = submit_batch(runtime, batch_file(count), model=str(model))
-    with caplog.at_level(logging.INFO, logger="jobs.worker.batch_worker"):
+    with caplog.at_level(logging.INFO, logger="jobs.worker.job_worker"):
         run_to_completion(runtime, job.id)
     return swarm, runtime, job
 

@@ -16,7 +16,7 @@ from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
-from servers.handler import SESSION_CLOSED_LOG, SESSION_OPENED_LOG
+from servers.sessions import SESSION_CLOSED_LOG, SESSION_OPENED_LOG
 from swarmnet.model_spec import ModelSpec
 
 FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}

@@ -213,7 +213,7 @@ def test_revoking_an_unknown_key_is_a_usage_error_in_one_line(embedded_home: Pat
                                                        (503, "StoreUnavailable", 3)])
 def test_an_api_error_answer_becomes_the_error_and_exit_code_it_means(status: int, error: str, code: int) -> None:
     from commands.errors import exit_code_for
-    from jobs.client import api_error
+    from jobs.backends import api_error
 
     raised = api_error(status, "why")
     assert type(raised).__name__ == error and exit_code_for(raised) == code and f"API answered {status}: why" in str(raised)

@@ -21,7 +21,7 @@ from jobs.outputs import job_public
 from jobs.queue import SWEEP
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from jobs.worker.maintenance import SWEEP_SLOT, tick
 from jobs.worker.sizing import PipelinePlan
 from jobs.worker.sweep import sweep_store

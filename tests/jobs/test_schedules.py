@@ -17,7 +17,7 @@ from sqlalchemy import select
 from tiers import process_fixture
 
 from jobs import clock, store
-from jobs.client import StoreClient
+from jobs.backends import StoreBackend
 from jobs.models import DocumentSummary, Job, RequestStatus, SummaryRun, utcnow
 from jobs.progress import describe_job
 from jobs.queue import FIRE_SCHEDULES
@@ -25,7 +25,7 @@ from jobs.runtime import Runtime
 from jobs.summaries.firing import fire_due_schedules, fire_now
 from jobs.summaries.pages import MAX_PAGE_ATTEMPTS
 from jobs.summaries.schedule_file import ScheduleError, load_schedules
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import settings_env, start_local_worker
@@ -210,7 +210,7 @@ def test_the_second_night_summarizes_only_the_changed_document(
     assert "| a.txt | unchanged (skipped) | a.txt.md |" in index and "| notes/b.md | summarized |" in index
     assert second.job_id in (tmp_path / "summaries" / "notes__b.md.md").read_text()
     assert first.job_id in (tmp_path / "summaries" / "a.txt.md").read_text()
-    assert "2 unchanged documents skipped" in describe_job(StoreClient(runtime).get(second.job_id))
+    assert "2 unchanged documents skipped" in describe_job(StoreBackend(runtime).get(second.job_id))
     with runtime.session() as session:
         by_document = {s.document: s.job_id for s in session.scalars(select(DocumentSummary))}
     assert by_document == {"a.txt": first.job_id, "notes/c.txt": first.job_id, "notes/b.md": second.job_id}
@@ -346,7 +346,7 @@ def test_a_night_cancelled_or_expired_with_nothing_running_still_writes_its_fini
     document = finish_first_summary(runtime, night.job_id)
     # When it is cancelled (nothing runs, so it ends at once) or its window ends, and the workers' sweep comes by
     if end == "cancelled":
-        assert StoreClient(runtime).cancel(night.job_id)["status"] == "cancelled"
+        assert StoreBackend(runtime).cancel(night.job_id)["status"] == "cancelled"
     else:
         with runtime.session() as session:
             session.get(Job, night.job_id).expires_at = utcnow() - timedelta(seconds=1)
@@ -382,7 +382,7 @@ def test_a_night_cancelled_over_the_api_or_the_cli_writes_its_pages_at_once_and_
     def cancel() -> dict[str, Any]:
         if api is not None:
             return dict(api.post(f"/v1/batches/{night.job_id}/cancel").json())
-        return StoreClient(runtime).cancel(night.job_id)
+        return StoreBackend(runtime).cancel(night.job_id)
 
     # When it is cancelled, with no worker and no sweep running
     job = cancel()
@@ -428,7 +428,7 @@ def test_pages_that_cannot_be_written_are_recorded_and_a_later_sweep_writes_them
     (night,) = fire_due_schedules(runtime)
     document = finish_first_summary(runtime, night.job_id)
     # When it is cancelled: the cancel succeeds, and the failed write is recorded, not raised
-    job = StoreClient(runtime).cancel(night.job_id)
+    job = StoreBackend(runtime).cancel(night.job_id)
     assert job["status"] == "cancelled" and job["summary"]["pages_written_at"] is None
     assert "pages not written: FileExistsError" in describe_job(job)
     assert summarized_documents(runtime) == []
@@ -458,7 +458,7 @@ def test_a_page_write_that_keeps_failing_is_tried_a_bounded_number_of_times(
     (tmp_path / "summaries").write_text("not a folder")
     (night,) = fire_due_schedules(runtime)
     finish_first_summary(runtime, night.job_id)
-    StoreClient(runtime).cancel(night.job_id)
+    StoreBackend(runtime).cancel(night.job_id)
     # When sweeps run for days, each one after the previous retry was due
     for day in range(1, 11):
         monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda day=day: utcnow() + timedelta(days=day))
@@ -467,4 +467,4 @@ def test_a_page_write_that_keeps_failing_is_tried_a_bounded_number_of_times(
     run = summary_run(runtime, night.job_id)
     assert run.pages_attempts == MAX_PAGE_ATTEMPTS and run.pages_retry_at is None
     assert run.pages_error is not None and run.pages_error.startswith("FileExistsError")
-    assert StoreClient(runtime).get(night.job_id)["summary"]["pages_error"] == run.pages_error
+    assert StoreBackend(runtime).get(night.job_id)["summary"]["pages_error"] == run.pages_error

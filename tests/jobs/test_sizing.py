@@ -7,11 +7,11 @@ from pathlib import Path
 
 from factories import span
 
-from jobs.client import StoreClient
+from jobs.backends import StoreBackend
 from jobs.progress import describe_job
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
-from jobs.worker.batch_worker import JobWorker
+from jobs.worker.job_worker import JobWorker
 from jobs.worker.sizing import (
     CLAIM_AHEAD,
     MAX_CLAIM,
@@ -117,5 +117,5 @@ def test_status_shows_the_batch_each_worker_sized_while_the_job_runs(make_runtim
     claim = JobWorker(runtime)._claim(job.id, "token-1", plan)
     assert claim is not None and len(claim.requests) == 2
     # Then `status` says which worker runs how much, and why that much
-    shown = describe_job(StoreClient(runtime).get(job.id))
+    shown = describe_job(StoreBackend(runtime).get(job.id))
     assert f"{runtime.worker_name}: claim 2 in 2 lanes (bound: cache share)" in shown, shown

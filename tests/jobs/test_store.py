@@ -160,7 +160,7 @@ def test_two_concurrent_claimers_never_get_the_same_request(runtime: Runtime) ->
                     if not rows and not store.job_counts(session=session, job_id=job_id).pending:
                         break
                     session.commit()  # end the read so the next claim sees the other worker's commits
-        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+        except BaseException as e:  # reported by the main thread
             errors.append(e)
         claimed[worker] = got
 

@@ -27,7 +27,7 @@ from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 from jobs.summaries.firing import fire_now
 from jobs.summaries.schedule_file import load_schedules
-from jobs.worker.batch_worker import JobWorker, Outcome
+from jobs.worker.job_worker import JobWorker, Outcome
 from jobs.worker.sweep import sweep_store
 from launch.local_swarm import LocalSwarm
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.client import StoreClient
+from jobs.backends import StoreBackend
 from jobs.errors import WorkerGone
 from jobs.progress import follow_job
 from jobs.runtime import Runtime
@@ -31,7 +31,7 @@ def test_following_a_job_whose_worker_was_killed_fails_with_one_line_instead_of_
 
         # Then following the job raises WorkerGone at the next poll, naming the exit code and the log
         with pytest.raises(WorkerGone, match=r"exited with code -9 .*swarmbatch worker.* Log: "):
-            follow_job(StoreClient(runtime), job.id, interval=0.1, check_alive=lambda: require_running(worker))
+            follow_job(StoreBackend(runtime), job.id, interval=0.1, check_alive=lambda: require_running(worker))
         assert time.monotonic() - began < 5
     finally:
         worker.terminate()

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.errors import ProcessNotReady
 from launch.processes import ManagedProcess
-from servers.errors import ServerError
 
 SUBNET = "10.250.0"  # inside the lab's own namespaces only: it collides with nothing outside them
 QUEUE = 1  # a node's own NFQUEUE (per namespace); QUEUE + 1 + i: the queue of a delayed link from node i
@@ -200,7 +200,7 @@ class NetLab:
                                   "--delay-ms", str(delay_ms)], name=f"delay{node.index}-q{queue}-{delay_ms:g}ms")
         try:
             program.wait_for_line("ready", timeout=30)
-        except ServerError as e:  # e.g. "nfqueue unavailable: ..." in its log
+        except ProcessNotReady as e:  # e.g. "nfqueue unavailable: ..." in its log
             raise LabError(f"the delay program did not start: {program.log_path.read_text()[-300:].strip()}") from e
         return program
 

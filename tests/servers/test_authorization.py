@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from hivemind.p2p import P2P, PeerID
 
+from servers.config import ServerConfig
 from servers.errors import RequestRejected
-from servers.server import BlockServer, ServerConfig
+from servers.server import BlockServer
 from swarmnet import protocol
 from swarmnet.network import run_async
 

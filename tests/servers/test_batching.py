@@ -14,8 +14,8 @@ from transformers import DynamicCache
 from launch.local_swarm import LocalSwarm
 from servers.batching import DecodeBatcher, DecodeStep, run_merged
 from servers.block_loading import load_span
+from servers.counters import ServerCounters
 from servers.span import BlockSpan
-from servers.stats import ServerStats
 from swarmclient.errors import InvalidRequest
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
@@ -108,14 +108,14 @@ def test_the_batcher_merges_concurrent_steps_up_to_the_row_limit(span: BlockSpan
         results = await asyncio.gather(*(batcher.run(step, 0, 6, peers=count) for step in steps))
         return [merged for _, merged in results]
 
-    stats = ServerStats()
+    stats = ServerCounters()
     assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=1000, max_rows=64, stats=stats), 3)) == [3, 3, 3]
     assert (stats.merged_steps, stats.max_merged, stats.merged_rows) == (1, 3, 6)
     # 2 rows a session and at most 4 rows a forward: pairs
-    assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=1000, max_rows=4, stats=ServerStats()), 3)) == [2, 2, 1]
-    assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=0, max_rows=64, stats=ServerStats()), 3)) == [1, 1, 1]
+    assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=1000, max_rows=4, stats=ServerCounters()), 3)) == [2, 2, 1]
+    assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=0, max_rows=64, stats=ServerCounters()), 3)) == [1, 1, 1]
     # sessions caching 2 x 3 tokens each, above a merge limit of 5: each runs alone, without waiting
-    alone = DecodeBatcher(span, wait_ms=1000, max_rows=64, stats=ServerStats(), max_merge_tokens=5)
+    alone = DecodeBatcher(span, wait_ms=1000, max_rows=64, stats=ServerCounters(), max_merge_tokens=5)
     assert asyncio.run(step_all(alone, 3)) == [1, 1, 1]
 
 

@@ -8,17 +8,18 @@ from pathlib import Path
 import pytest
 from ports import free_port
 
+from servers.config import ServerConfig
+from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
 from servers.memory import CacheBudget
-from servers.server import BlockServer, ServerConfig
-from servers.stats import ServerStats
+from servers.server import BlockServer
 from servers.status import ServerStatus, SpanStatus
 from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
 from swarmnet.network import run_async
 
 
 def a_status(*, span: SpanStatus | None) -> ServerStatus:
-    stats = ServerStats(steps=3, tokens=12, merged_steps=1, merged_sessions=2, max_merged=2)
+    stats = ServerCounters(steps=3, tokens=12, merged_steps=1, merged_sessions=2, max_merged=2)
     stats.record_error("invalid_request")
     return ServerStatus(state=ServerState.ONLINE, model_id="tiny", peer_id="QmPeer", dtype="float32", quant="none",
                         version=PROTOCOL_VERSION, revision="abc", max_batch_size=8, max_length=64,

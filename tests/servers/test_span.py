@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from modelprep import write_tiny_model
-from servers.block_loading import DType, load_span
+from servers.block_loading import load_span
+from servers.config import DType
 from servers.errors import ServerConfigError
 from swarmclient.generation import generate_tokens
 from swarmclient.head import ClientHead

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from swarmclient.config import ClientConfig
+from swarmclient.hop_verifier import MAX_FORWARD_BYTES, HopCheck, row_chunks
 from swarmclient.retry import BanList
-from swarmclient.verification import (
+from swarmclient.verification_policy import (
     TOLERANCES,
     Verdict,
     VerificationCounts,
@@ -20,7 +21,6 @@ from swarmclient.verification import (
     tolerance,
     verifier_order,
 )
-from swarmclient.verifier import MAX_FORWARD_BYTES, HopCheck, row_chunks
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop, ServerInfo, ServerState
 
 

@@ -6,9 +6,8 @@ from typer.testing import CliRunner
 
 import cli
 from commands.errors import ExitCode
-from swarmnet.addresses import AddressPlan, announce_maddrs, host_maddr, listen_ip
+from swarmnet.addresses import AddressPlan, NetworkOptions, announce_maddrs, host_maddr, listen_ip
 from swarmnet.errors import NetworkConfigError
-from swarmnet.network import NetworkOptions
 
 # a machine with loopback, a LAN address, a link-local and a ULA IPv6 address, and a link-local IPv4 one
 INTERFACES = ["127.0.0.1", "::1", "192.168.1.20", "fe80::1", "fd00::2", "169.254.3.4"]

@@ -10,8 +10,9 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from swarmnet.addresses import NetworkOptions
 from swarmnet.identity import Identity
-from swarmnet.network import NetworkOptions, start_dht_node, stop_dht_node
+from swarmnet.network import start_dht_node, stop_dht_node
 from swarmnet.records import SignedRecordValidator
 
 pytestmark = pytest.mark.swarm  # each test starts a p2pd daemon

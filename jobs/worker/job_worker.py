@@ -24,9 +24,10 @@ from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
+from modelprep import ModelPrepError
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy
-from swarmclient.verification import VerificationCounts, VerificationTally
-from swarmnet.errors import SwarmError
+from swarmclient.verification_policy import VerificationCounts, VerificationTally
+from swarmnet.errors import ModelDirError, SwarmError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,7 +135,7 @@ class JobWorker:
         try:
             swarm = self.runtime.swarm_model(model).swarm
             return swarm.loop.run(chain_room(swarm))  # type: ignore[no-any-return]
-        except Exception as e:  # noqa: BLE001 - sizing must never stop a batch: generating reports the real error
+        except Exception as e:  # sizing must never stop a batch: generating reports the real error
             logger.info("Sizing the batch without the servers' figures: %s", e)
             return None
 
@@ -219,7 +220,7 @@ class JobWorker:
         except LeaseLost as e:
             logger.warning("Job %s: %s; leaving the batch to it", job.id, e)
             return Outcome(more=True)
-        except InvalidRequest as e:
+        except (InvalidRequest, ModelDirError, ModelPrepError) as e:  # retrying cannot help: fail with the reason
             self._fail_all(job, token, runner.requests if runner else claimed, str(e))
             return Outcome(more=True)
         except (MissingBlocksError, SwarmError) as e:

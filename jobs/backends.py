@@ -15,7 +15,7 @@ from jobs.runtime import Runtime
 from jobs.submission import submit_batch
 
 
-class StoreClient:
+class StoreBackend:
     """Direct access to the store (embedded SQLite by default)."""
 
     def __init__(self, runtime: Runtime) -> None:
@@ -50,7 +50,7 @@ class StoreClient:
             yield from iter_errors(session=session, job=store.get_job(session=session, job_id=job_id))
 
 
-class ApiClient:
+class ApiBackend:
     """The REST API with a bearer key."""
 
     def __init__(self, url: str, key: str | None) -> None:

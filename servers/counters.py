@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 
 @dataclass
-class ServerStats:
+class ServerCounters:
     """Cumulative counters since start-up."""
 
     steps: int = 0
@@ -33,6 +33,6 @@ class ServerStats:
         self.merged_rows += rows
         self.max_merged = max(self.max_merged, sessions)
 
-    def copy(self) -> ServerStats:
+    def copy(self) -> ServerCounters:
         """An independent copy: a reading that later requests do not change."""
         return replace(self, errors=Counter(self.errors))

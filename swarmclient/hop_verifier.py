@@ -15,7 +15,7 @@ import torch
 
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.swarm import Swarm
-from swarmclient.verification import (
+from swarmclient.verification_policy import (
     Verdict,
     VerificationTally,
     comparable,

@@ -1,0 +1,101 @@
+"""`ServerConfig`: everything `swarmbatch serve` accepts, each default and description written once.
+
+A field with `option(...)` metadata becomes a `serve` option of the same name (commands/config_options.py builds it
+from the field: its type, default, help and bounds); the others are built by `serve` itself from its own arguments
+(the model, the peers, --blocks, the network options, the swarm file).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from servers.errors import ServerConfigError
+from swarmnet.addresses import NetworkOptions
+from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT
+
+if TYPE_CHECKING:
+    import torch
+
+HELP = "help"  # the metadata key of an option's help text; "min" and "max" bound numbers
+
+
+def option(default: Any, help: str, **bounds: float) -> Any:
+    """A config field that is also a CLI option: its default, its help text and its bounds (min=, max=)."""
+    return field(default=default, metadata={HELP: help, **bounds})
+
+
+class DType(str, Enum):
+    """Weights and activations dtype of a span."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+    @property
+    def torch(self) -> torch.dtype:
+        """The torch dtype."""
+        import torch  # not at module level: `swarmbatch --help` builds its options from this module
+
+        return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[self]
+
+
+class Quant(str, Enum):
+    """Weight quantization of a span's linear layers (bitsandbytes)."""
+
+    none = "none"
+    int8 = "int8"
+    nf4 = "nf4"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `swarmbatch serve` accepts."""
+
+    model_dir: str
+    initial_peers: list[str]
+    blocks: tuple[int, int] | None = None   # explicit span [start, end) (--blocks A:B)
+    num_blocks: int | None = option(None, "Serve N blocks where coverage is weakest.", min=1)
+    network: NetworkOptions = field(default_factory=NetworkOptions)  # --host, --port, --announce-host, --identity
+    dtype: DType = option(DType.float32, "Weights and activations dtype.")
+    quant: Quant = option(Quant.none, "Weight quantization (bitsandbytes).")
+    attn_cache_tokens: int = option(16384, "KV-cache tokens per block, all sessions.", min=1)
+    max_batch_size: int = option(64, "Largest batch accepted.", min=1)
+    max_length: int | None = option(None, "Longest session in tokens; default: the model's context.", min=1)
+    announce_period: float = option(15.0, "Seconds between DHT announcements.")
+    session_timeout: float = option(300.0, "Idle seconds before a session is closed and its cache freed.")
+    num_threads: int | None = option(None, "torch threads for compute; default: torch's.", min=1)
+    batch_wait_ms: float = option(2.0, "Wait up to this many ms to merge concurrent sessions' decode steps into one "
+                                       "forward (at most --max-batch-size rows); 0 = no merging.", min=0)
+    max_merge_tokens: int = option(2048, "Sessions caching more tokens (rows x length) than this run alone: merging "
+                                         "copies their caches.", min=0)
+    max_sessions_per_peer: int = option(16, "Sessions one caller (peer id) may have open here at once; more are "
+                                            "refused as busy.", min=1)
+    max_cache_share_per_peer: float = option(0.5, "Share of the KV-cache budget one caller may reserve; more is "
+                                                  "refused as busy.", min=0.0, max=1.0)
+    lend_idle_cache: bool = option(True, "Let a caller alone on this server borrow past its share, until another "
+                                         "caller is refused room (then each is held to its share for 2 minutes).")
+    max_queued_forwards: int = option(4, "Stateless forwards admitted and not yet answered, all callers together.",
+                                      min=1)
+    max_forwards_per_peer: int = option(2, "Stateless forwards admitted and not yet answered, per caller.", min=1)
+    metrics_port: int = option(0, "Serve Prometheus /metrics on this port; 0 = off.", min=0, max=65535)
+    metrics_host: str = option("127.0.0.1", "Listen address of /metrics (0.0.0.0 for a scraper elsewhere).")
+    swarm_file: str | None = None           # a private swarm's members (--swarm-file); None = open to everyone
+
+    def __post_init__(self) -> None:
+        if (self.blocks is None) == (self.num_blocks is None):
+            raise ServerConfigError("pass exactly one of --blocks A:B and --num-blocks N")
+        if self.attn_cache_tokens < 1 or self.max_batch_size < 1 or self.announce_period <= 0:
+            raise ServerConfigError("--attn-cache-tokens, --max-batch-size and --announce-period must be positive")
+        if self.announce_period > ANNOUNCE_PERIOD_LIMIT:
+            raise ServerConfigError(f"--announce-period {self.announce_period:g} is above the swarm's limit of "
+                                    f"{ANNOUNCE_PERIOD_LIMIT:g} s (peers refuse records living longer than two "
+                                    f"periods); pass {ANNOUNCE_PERIOD_LIMIT:g} or less")
+        if self.batch_wait_ms < 0:
+            raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
+        if self.swarm_file and not self.network.identity_path:
+            raise ServerConfigError("a server of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose "
+                                    "peer id is in the swarm file ('swarmbatch swarm new-key', then add-member)")
+        if min(self.max_sessions_per_peer, self.max_queued_forwards, self.max_forwards_per_peer) < 1 \
+                or not 0 < self.max_cache_share_per_peer <= 1:
+            raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards and --max-forwards-per-peer must be "
+                                    "positive, and --max-cache-share-per-peer in (0, 1]")

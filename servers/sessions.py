@@ -1,0 +1,89 @@
+"""What a block server keeps per stream and per inference session: Stream, Session, AppliedStep.
+
+A stream carries at most one session (the one its open message created, or, for a push stream, the one it attached
+to); a session lives from its open message until its client closes it or its stream ends.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from servers.errors import RequestRejected
+from swarmnet import protocol
+from swarmnet.protocol import ErrorCode
+
+# log lines that tests read (sessions open at once): session id prefix first
+SESSION_OPENED_LOG = "Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens"
+SESSION_CLOSED_LOG = "Session %s closed after %d tokens"
+
+
+@dataclass(frozen=True)
+class AppliedStep:
+    """A step a session applied: its answer, and what pushing it on takes (a duplicate may name a new route)."""
+
+    step_id: int
+    answer: bytes
+    pushed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # output, attention mask, position ids
+    keep_rows: Any
+
+
+@dataclass
+class Session:
+    """One client's inference session on this server."""
+
+    session_id: str
+    peer: str  # the caller that opened it
+    start: int
+    end: int
+    batch_size: int
+    max_length: int
+    caches: list[Any]
+    length: int = 0
+    pushable: bool = False  # opened with "push": its client's route may push steps into it (push.py)
+    stream: Stream | None = None  # the stream that opened it: answers to pushed steps go there
+    applied: int = 0  # steps applied; a step id below it is a duplicate
+    last_step: AppliedStep | None = None  # the last step applied: what a duplicate of it gets again
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time (a push and a direct step race)
+
+    def step_frame_limit(self, hidden_size: int) -> int:
+        """The largest step message this session may still be sent: its rows, its remaining tokens."""
+        return protocol.step_frame_limit(batch=self.batch_size, tokens=self.max_length - self.length,
+                                         mask_length=self.max_length, hidden_size=hidden_size)
+
+
+def check_session_id(meta: dict[str, Any], session: Session) -> None:
+    """A stream carries one session: a message naming another is refused (and changes nothing)."""
+    if meta.get("session_id") != session.session_id:
+        raise RequestRejected(ErrorCode.UNKNOWN_SESSION,
+                              f"unknown session {str(meta.get('session_id'))[:64]!r} on this stream")
+
+
+class StreamOver(Exception):
+    """The stream is over: the caller ended it, sent nothing accepted for too long, or sent an oversized message."""
+
+
+@dataclass
+class Stream:
+    """One stream of one caller: when it expires, whether its first message passed, its session, its refusals."""
+
+    peer: str  # the caller's peer id, authenticated by libp2p
+    timeout: float
+    deadline: float = 0.0  # event-loop time after which the stream is closed, unless a message is accepted before
+    authorized: bool = False
+    session: Session | None = None
+    refused: int = 0  # refused messages in a row
+    ended: bool = False
+    writer: asyncio.StreamWriter | None = None
+    step_id: int | None = None  # the step id of the message being answered (its refusal carries it too)
+    push_target: Session | None = None  # a push stream: the session it was attached to
+
+    def __post_init__(self) -> None:
+        self.accepted()
+
+    def accepted(self) -> None:
+        """A message was accepted: the stream lives `timeout` more seconds from now."""
+        self.deadline = asyncio.get_running_loop().time() + self.timeout
+        self.refused = 0
