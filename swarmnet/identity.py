@@ -11,6 +11,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import base58
 import multihash
@@ -21,6 +22,8 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 _PADDING = padding.PKCS1v15()
 _HASH = hashes.SHA256()
 KEY_BITS = 2048
+ACCEPTED_KEY_BITS = (2048, 3072)  # the keys whose signatures we check (others are refused unread)
+PUBLIC_EXPONENT = 65537
 RSA_KEY_TYPE = 0  # libp2p's crypto.pb KeyType.RSA
 
 
@@ -79,6 +82,24 @@ def decode_key_message(encoded: bytes) -> tuple[int, bytes]:
     return key_type, data
 
 
+def usable_key(key: object) -> TypeGuard[rsa.RSAPublicKey]:
+    """Whether a public key is one we verify signatures of: RSA of ACCEPTED_KEY_BITS with the exponent 65537.
+
+    The cost of a check grows with the exponent, which a key's owner picks: a 3072-bit exponent made one check ~70x
+    dearer. libp2p and hivemind make 2048-bit keys with e = 65537, and so do we (KEY_BITS).
+    """
+    return (isinstance(key, rsa.RSAPublicKey) and key.key_size in ACCEPTED_KEY_BITS
+            and key.public_numbers().e == PUBLIC_EXPONENT)
+
+
+def accepted_public_key(public_key_der: bytes) -> bool:
+    """Whether a DER public key parses and is one we verify signatures of (`usable_key`)."""
+    try:
+        return usable_key(serialization.load_der_public_key(public_key_der))
+    except (ValueError, TypeError):
+        return False
+
+
 def peer_id_of_public_key(public_key_der: bytes) -> str:
     """The base58 libp2p peer id of an RSA public key (DER SubjectPublicKeyInfo), as libp2p derives it."""
     encoded = encode_key_message(RSA_KEY_TYPE, public_key_der)
@@ -87,10 +108,11 @@ def peer_id_of_public_key(public_key_der: bytes) -> str:
 
 
 def verify(public_key_der: bytes, data: bytes, signature: bytes) -> bool:
-    """Whether `signature` is the owner of `public_key_der` signing `data`; False on any malformed input."""
+    """Whether `signature` is the owner of `public_key_der` signing `data`; False on any malformed input, and for any
+    key but RSA-2048/3072 with e = 65537 (a huge exponent would make each check cost milliseconds; see `usable_key`)."""
     try:
         key = serialization.load_der_public_key(public_key_der)
-        if not isinstance(key, rsa.RSAPublicKey):
+        if not usable_key(key):
             return False
         key.verify(signature, data, _PADDING, _HASH)
         return True

@@ -13,6 +13,12 @@ runs on every DHT node, on every record it is asked to store and every record a 
 Everything else is refused. A non-member's correctly self-signed record is valid here: this module makes records
 unforgeable, and who belongs to the swarm is decided where records are read.
 
+What a stranger controls costs a node little: sizes are checked before anything is parsed (MAX_KEY_BYTES,
+MAX_SUBKEY_BYTES, MAX_VALUE_BYTES; an announcement is about 1 KB), msgpack unpacks under limits that fit a peer id or an
+envelope and nothing bigger, only RSA-2048/3072 keys with e = 65537 are verified (`identity.usable_key`), and the cache
+of verified records keeps successes only, keyed by a digest (`VerifiedRecords`): a flood of refused records leaves
+nothing behind.
+
 hivemind drops a peer's whole answer for a key when one of its entries is invalid. A forged entry thus hides only
 the answer of the node that keeps it; honest nodes refuse it on store, so their answers stay whole and readers
 still get every honest record from them. That holds only if readers never refuse what honest nodes accepted: a
@@ -25,8 +31,9 @@ answer's expiration time is the latest of its records' (one claiming "never" wou
 """
 from __future__ import annotations
 
-import functools
+import hashlib
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import msgpack
@@ -38,12 +45,17 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
 from swarmnet.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
-from swarmnet.identity import Identity, peer_id_of_public_key, verify
+from swarmnet.identity import Identity, accepted_public_key, peer_id_of_public_key, verify
 
 logger = logging.getLogger(__name__)
 
 SIGNATURE_DOMAIN = "swarmbatch/dht-record/1"  # signatures by the same key over other data can never pass as records
 READ_CLOCK_TOLERANCE = RECORD_TTL_SLACK  # read-only nodes accept a record this much further ahead (clock skew)
+MAX_KEY_BYTES = 64         # a DHTID is 20 bytes
+MAX_SUBKEY_BYTES = 128     # a msgpack-serialized peer id is about 50
+MAX_VALUE_BYTES = 8192     # a signed announcement is about 1 KB: its ServerInfo, a 294-byte key, a 256-byte signature
+MAX_PEER_ID_CHARS = 100    # a base58 RSA peer id has 46
+VERIFIED_CACHE_SIZE = 4096  # digests of verified records kept (32 bytes each)
 
 
 def record_payload(record: DHTRecord, value: bytes) -> bytes:
@@ -53,9 +65,13 @@ def record_payload(record: DHTRecord, value: bytes) -> bytes:
 
 
 def open_envelope(value: bytes) -> tuple[bytes, bytes, bytes] | None:
-    """(value, public key DER, signature) of a signed value; None when `value` is not an envelope."""
+    """(value, public key DER, signature) of a signed value; None when `value` is not an envelope.
+
+    Unpacked under limits: three byte strings, none longer than the value itself, and no other container.
+    """
     try:
-        fields = msgpack.unpackb(value, raw=False, use_list=True)
+        fields = msgpack.unpackb(value, raw=False, use_list=True, max_array_len=3, max_bin_len=MAX_VALUE_BYTES,
+                                 max_str_len=0, max_map_len=0, max_ext_len=0)
     except Exception:  # msgpack raises several unrelated types on malformed input
         return None
     if not (isinstance(fields, list) and len(fields) == 3 and all(isinstance(f, bytes) for f in fields)):
@@ -66,25 +82,68 @@ def open_envelope(value: bytes) -> tuple[bytes, bytes, bytes] | None:
 def subkey_peer_id(subkey: bytes) -> str | None:
     """The peer id a subkey names (hivemind msgpack-serializes subkeys); None for no subkey or another type."""
     try:
-        value: Any = msgpack.unpackb(subkey, raw=False)
-    except Exception:
+        value: Any = msgpack.unpackb(subkey, raw=False, max_str_len=MAX_PEER_ID_CHARS, max_bin_len=0,
+                                     max_array_len=0, max_map_len=0, max_ext_len=0)
+    except Exception:  # over a limit, or not msgpack
         return None
     return value if isinstance(value, str) and value else None
 
 
-@functools.lru_cache(maxsize=4096)
-def owner_signature_refusal(record: DHTRecord, peer_id: str) -> str | None:
-    """Why the record is not signed by `peer_id`'s key, or None when it is.
+class VerifiedRecords:
+    """Digests of the records whose signatures were verified, the latest VERIFIED_CACHE_SIZE (successes only).
 
-    Cached: the answer depends on the record's bytes only, and a reader gets the same records from every node that
-    stores them (and again at every read), so each is verified once.
+    A reader gets the same records from every node that stores them, and again at every read, so each is verified
+    once. Refusals are never kept: what a stranger sends leaves nothing behind.
     """
+
+    def __init__(self, size: int = VERIFIED_CACHE_SIZE) -> None:
+        self.size = size
+        self.digests: OrderedDict[bytes, None] = OrderedDict()
+        self.verifications = 0  # signatures checked (cache misses that got as far as the key)
+
+    def __contains__(self, digest: bytes) -> bool:
+        if digest in self.digests:
+            self.digests.move_to_end(digest)
+            return True
+        return False
+
+    def add(self, digest: bytes) -> None:
+        """Remember a verified record, forgetting the least recently used past `size`."""
+        self.digests[digest] = None
+        if len(self.digests) > self.size:
+            self.digests.popitem(last=False)
+
+
+VERIFIED = VerifiedRecords()  # one per process: every validator of it shares what was verified
+
+
+def record_digest(record: DHTRecord) -> bytes:
+    """SHA-256 of everything a record's validity depends on."""
+    return hashlib.sha256(msgpack.packb([record.key, record.subkey, record.value, float(record.expiration_time)],
+                                        use_bin_type=True)).digest()
+
+
+def owner_signature_refusal(record: DHTRecord, peer_id: str) -> str | None:
+    """Why the record is not signed by `peer_id`'s key, or None when it is (verified once per record: VERIFIED)."""
+    digest = record_digest(record)
+    if digest in VERIFIED:
+        return None
+    refusal = _signature_refusal(record, peer_id)
+    if refusal is None:
+        VERIFIED.add(digest)
+    return refusal
+
+
+def _signature_refusal(record: DHTRecord, peer_id: str) -> str | None:
     envelope = open_envelope(record.value)
     if envelope is None:
         return f"unsigned record under {peer_id}"
     value, public_key, signature = envelope
     if peer_id_of_public_key(public_key) != peer_id:
         return f"record under {peer_id} signed by another key"
+    if not accepted_public_key(public_key):  # before any RSA arithmetic: the key's owner picks its cost
+        return f"record under {peer_id} signed by a key other than RSA-2048/3072 with e = 65537"
+    VERIFIED.verifications += 1
     if not verify(public_key, record_payload(record, value), signature):
         return f"bad signature under {peer_id}"
     return None
@@ -116,7 +175,10 @@ class SignedRecordValidator(RecordValidatorBase):
         return refusal is None
 
     def refusal(self, record: DHTRecord) -> str | None:
-        """Why the record is refused, or None when it is valid."""
+        """Why the record is refused, or None when it is valid. Sizes first: nothing oversized is parsed."""
+        oversized = size_refusal(record)
+        if oversized is not None:
+            return oversized
         peer_id = subkey_peer_id(record.subkey)
         if peer_id is None:
             return "no peer id subkey"
@@ -128,6 +190,15 @@ class SignedRecordValidator(RecordValidatorBase):
         """The value inside the envelope (called only on records that passed `validate`)."""
         envelope = open_envelope(record.value)
         return record.value if envelope is None else envelope[0]
+
+
+def size_refusal(record: DHTRecord) -> str | None:
+    """Why a record is too big to look at (its key, subkey or value), or None."""
+    for part, data, limit in (("key", record.key, MAX_KEY_BYTES), ("subkey", record.subkey, MAX_SUBKEY_BYTES),
+                              ("value", record.value, MAX_VALUE_BYTES)):
+        if len(data) > limit:
+            return f"a {part} of {len(data)} bytes (limit {limit})"
+    return None
 
 
 def reader_validator() -> SignedRecordValidator:

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import msgpack
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
@@ -11,12 +14,14 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
 from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT, MAX_RECORD_TTL, RECORD_TTL_SLACK
-from swarmnet.identity import Identity
+from swarmnet.identity import Identity, peer_id_of_public_key
 from swarmnet.records import (
+    MAX_SUBKEY_BYTES,
+    MAX_VALUE_BYTES,
+    VERIFIED,
     NoCache,
     SignedRecordValidator,
     expiring_when_its_records_do,
-    owner_signature_refusal,
     reader_validator,
     record_payload,
 )
@@ -137,7 +142,59 @@ def test_the_cache_keeps_nothing() -> None:
 def test_a_record_is_verified_once_however_often_it_is_read(keys: dict[str, Identity]) -> None:
     server = keys["server"]
     mine = signed(SignedRecordValidator(server), record(server.peer_id))
-    before = owner_signature_refusal.cache_info()
+    before = VERIFIED.verifications
     assert all(SignedRecordValidator().validate(mine) for _ in range(5))
-    after = owner_signature_refusal.cache_info()
-    assert (after.misses - before.misses, after.hits - before.hits) == (1, 4)
+    assert VERIFIED.verifications - before == 1
+
+
+# ---- what a stranger controls costs little (security audit 2, N2) --------------------------------------------------
+def test_an_oversized_subkey_or_value_is_refused_by_its_length_before_any_parsing(keys: dict[str, Identity]) -> None:
+    # a 4 MiB subkey of nested empty arrays took 2.26 s and 269 MiB to unpack before sizes were checked
+    bomb = DHTRecord(KEY, b"\x91" * (4 << 20) + b"\x90", VALUE, get_dht_time() + 30)
+    assert SignedRecordValidator().refusal(bomb) == f"a subkey of {(4 << 20) + 1} bytes (limit {MAX_SUBKEY_BYTES})"
+    server = keys["server"]
+    huge = signed(SignedRecordValidator(server), record(server.peer_id, value=b"\x00" * MAX_VALUE_BYTES))
+    assert SignedRecordValidator().refusal(huge) == f"a value of {len(huge.value)} bytes (limit {MAX_VALUE_BYTES})"
+
+
+def test_a_subkey_within_the_size_limit_but_not_a_peer_id_string_is_refused_unexpanded() -> None:
+    nested = DHTRecord(KEY, b"\x91" * 100 + b"\x90", VALUE, get_dht_time() + 30)  # 100 nested arrays
+    long_string = DHTRecord(KEY, MSGPackSerializer.dumps("x" * 120), VALUE, get_dht_time() + 30)
+    for bad in (nested, long_string):
+        assert SignedRecordValidator().refusal(bad) == "no peer id subkey"
+
+
+def test_a_correct_signature_by_a_key_with_another_exponent_is_refused_without_verifying_it(tmp_path: Path) -> None:
+    # a key's owner picks its exponent, and a huge one made each check ~70x dearer: such keys are never verified
+    odd = Identity(rsa.generate_private_key(public_exponent=3, key_size=2048), tmp_path / "unused.key")
+    theirs = signed(SignedRecordValidator(odd), record(odd.peer_id))
+    before = VERIFIED.verifications
+    refusal = SignedRecordValidator().refusal(theirs)
+    assert refusal is not None and "other than RSA-2048/3072 with e = 65537" in refusal
+    assert VERIFIED.verifications == before
+
+
+def test_a_huge_exponent_key_is_refused_without_verifying_its_signature() -> None:
+    modulus = rsa.generate_private_key(public_exponent=65537, key_size=3072).public_key().public_numbers().n
+    der = rsa.RSAPublicNumbers((1 << 3071) + 1, modulus).public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    peer_id = peer_id_of_public_key(der)
+    unsigned = record(peer_id)
+    forged = dataclasses.replace(unsigned, value=msgpack.packb([VALUE, der, b"\x01" * 384], use_bin_type=True))
+    before = VERIFIED.verifications
+    refusal = SignedRecordValidator().refusal(forged)
+    assert refusal is not None and "other than RSA-2048/3072 with e = 65537" in refusal
+    assert VERIFIED.verifications == before
+
+
+def test_refused_records_leave_nothing_in_the_cache_of_verified_ones(keys: dict[str, Identity]) -> None:
+    server, outsider = keys["server"], keys["outsider"]
+    mine = signed(SignedRecordValidator(server), record(server.peer_id))
+    cached = len(VERIFIED.digests)
+    for i in range(1000):
+        # signed by another key than the subkey's (refused before verifying), and re-dated (a bad signature)
+        forged = signed(SignedRecordValidator(outsider), record(outsider.peer_id, value=VALUE + bytes([i % 256])))
+        assert not SignedRecordValidator().validate(dataclasses.replace(forged, subkey=MSGPackSerializer.dumps(
+            server.peer_id)))
+        assert not SignedRecordValidator().validate(dataclasses.replace(mine, expiration_time=mine.expiration_time - i - 1))
+    assert len(VERIFIED.digests) == cached
