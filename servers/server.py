@@ -75,7 +75,9 @@ class BlockServer:
         if self.config.metrics_port:  # up before loading, so a health check can see "joining"
             metrics = start_metrics(self.status, self.config.metrics_host, self.config.metrics_port)
             self._running.callback(metrics.stop)  # stopped last: a scraper sees "offline" until the server is gone
-        p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False)
+        writers = None if self.membership.is_open else self.membership.allows  # a private swarm stores members' only
+        p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False,
+                                         writers=writers)
         self._running.push_async_callback(stop_dht_node, p2p, node)
         self.peer_id = p2p.peer_id.to_base58()
         self.membership.require(self.peer_id, "server", self.config.network.identity_path)

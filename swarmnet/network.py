@@ -12,7 +12,7 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 async def start_dht_node(
-    initial_peers: Sequence[str], options: NetworkOptions, *, client_mode: bool
+    initial_peers: Sequence[str], options: NetworkOptions, *, client_mode: bool,
+    writers: Callable[[str], bool] | None = None,
 ) -> tuple[P2P, DHTNode]:
     """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers.
 
@@ -38,6 +39,8 @@ async def start_dht_node(
     node (server, bootstrap) also signs its own records, with the key its libp2p peer id is made of:
     `options.identity_path`, or an ephemeral key (`node_key`). A client-mode node stores nothing for others; it
     only checks what it reads.
+
+    writers: whose records a full node stores (a private swarm's `Membership.allows`); None stores everyone's.
     """
     plan = options.plan()
     for level, note in plan.notes(options.host):
@@ -64,6 +67,8 @@ async def start_dht_node(
         await p2p.shutdown()
         raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
                              "Start 'swarmbatch dht' or fix --initial-peers") from e
+    if writers is not None and not client_mode:
+        await node.admit_writers(p2p, writers)
     return p2p, node
 
 

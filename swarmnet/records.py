@@ -25,6 +25,10 @@ still get every honest record from them. That holds only if readers never refuse
 reader whose clock is behind would refuse a record stored at the edge of the limit and drop the storing node's whole
 answer, so read-only nodes accept READ_CLOCK_TOLERANCE seconds more (see `reader_validator`).
 
+In a private swarm a full node stores records from members only (`GuardedDHTNode.admit_writers`): a stranger who
+reaches its port can neither fill its storage nor swell its answers past p2pd's 4 MiB message limit, which would drop
+every honest record from them. Members are peer ids (servers and DHT nodes); client-mode nodes never store.
+
 Two more ways one peer could hide honest records from a reader are closed by `GuardedDHTNode`, the DHT node every
 swarmbatch process runs: a node answers finds from all it stores (its cache keeps nothing, see `NoCache`), and an
 answer's expiration time is the latest of its records' (one claiming "never" would end a reader's search at once).
@@ -34,14 +38,17 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
 from swarmnet.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
@@ -56,6 +63,7 @@ MAX_SUBKEY_BYTES = 128     # a msgpack-serialized peer id is about 50
 MAX_VALUE_BYTES = 8192     # a signed announcement is about 1 KB: its ServerInfo, a 294-byte key, a 256-byte signature
 MAX_PEER_ID_CHARS = 100    # a base58 RSA peer id has 46
 VERIFIED_CACHE_SIZE = 4096  # digests of verified records kept (32 bytes each)
+MAX_LOGGED_STRANGERS = 100  # refused writers logged by name (one line each); more are refused silently
 
 
 def record_payload(record: DHTRecord, value: bytes) -> bytes:
@@ -245,6 +253,25 @@ class GuardedDHTNode(DHTNode):
         node.protocol.cache = NoCache()
         assert isinstance(node, GuardedDHTNode)
         return node
+
+    async def admit_writers(self, p2p: P2P, allows: Callable[[str], bool]) -> None:
+        """Store records only from peers `allows` admits (a private swarm's members); others' stores are refused whole,
+        before any record is looked at. Replaces the store handler hivemind registered on `p2p`."""
+        protocol = self.protocol
+        name = DHTProtocol._get_handle_name(None, DHTProtocol.rpc_store.__name__)
+        refused: set[str] = set()
+
+        async def store_from_members(request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
+            writer = context.remote_id.to_base58()
+            if not allows(writer):
+                if writer not in refused and len(refused) < MAX_LOGGED_STRANGERS:  # a line per stranger, bounded
+                    refused.add(writer)
+                    logger.info("Refused DHT records from %s: not a member of this swarm", writer[-8:])
+                return dht_pb2.StoreResponse(store_ok=[False] * len(request.keys), peer=protocol.node_info)
+            return await protocol.rpc_store(request, context)
+
+        await p2p.remove_protobuf_handler(name)
+        await p2p.add_protobuf_handler(name, store_from_members, dht_pb2.StoreRequest)
 
     async def _call_find_with_blacklist(self, peer_id: PeerID, keys: Any) -> Any:
         response = await super()._call_find_with_blacklist(peer_id, keys)

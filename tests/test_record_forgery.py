@@ -11,29 +11,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
-from hivemind.dht.node import DHTNode
+from dht_outsider import Outsider, honest_peers, wire
 from hivemind.dht.routing import DHTID
-from hivemind.dht.storage import DictionaryDHTValue
-from hivemind.dht.validation import DHTRecord
-from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import dht_pb2
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
 from swarmclient.swarm import Swarm
-from swarmnet.data_structures import MAX_RECORD_TTL, PROTOCOL_VERSION, ServerInfo, ServerState, block_uid
+from swarmnet.data_structures import MAX_RECORD_TTL, ServerState, block_uid
 from swarmnet.discovery import BlockServers
 from swarmnet.identity import Identity
 from swarmnet.model_spec import ModelSpec
-from swarmnet.network import LoopThread
-from swarmnet.records import record_payload
 
 ANNOUNCE_PERIOD = 2.0
 YEAR = 365 * 86400.0
-FIND_HANDLER = "DHTProtocol.rpc_find"  # hivemind's handler name for finds
 
 
 @process_fixture(scope="module")
@@ -43,81 +36,11 @@ def swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield local
 
 
-class Outsider:
-    """Someone on the network but outside the swarm: a hivemind DHT node with its own key and no validator."""
-
-    def __init__(self, initial_peers: list[str], key_path: Path) -> None:
-        self.identity = Identity.create(key_path)
-        self.loop = LoopThread("outsider")
-        self.p2p, self.node = self.loop.run(self._start(initial_peers), timeout=60)
-
-    async def _start(self, initial_peers: list[str]) -> tuple[P2P, DHTNode]:
-        p2p = await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                               identity_path=str(self.identity.path), check_if_identity_free=False)
-        return p2p, await DHTNode.create(p2p=p2p, initial_peers=initial_peers)
-
-    def store_at(self, peer_id: str, key: str, subkey: Any, value: bytes, expiration_time: float,
-                 in_cache: bool = False) -> bool:
-        """Ask one node to store one record (value: the bytes on the wire); whether it accepted."""
-        result = self.loop.run(self.node.protocol.call_store(
-            PeerID.from_base58(peer_id), keys=[DHTID.generate(source=key)], values=[value],
-            expiration_time=[expiration_time], subkeys=[subkey], in_cache=in_cache), timeout=30)
-        assert result is not None, f"{peer_id} did not answer the store"
-        return bool(result[0])
-
-    def keep(self, key: str, subkey: str, value: bytes, expiration_time: float) -> None:
-        """Keep a record in the outsider's own storage: it answers finds with it."""
-        assert self.node.protocol.storage.store(DHTID.generate(source=key), value, expiration_time, subkey=subkey)
-
-    def sign(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bytes:
-        """`value` in an envelope signed with the outsider's own key, whatever the subkey."""
-        record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), value, expiration_time)
-        signature = self.identity.sign(record_payload(record, value))
-        return msgpack.packb([value, self.identity.public_key_der, signature], use_bin_type=True)
-
-    def answer_finds_with_an_endless_empty_record(self) -> None:
-        """From now on, answer every find with an empty dictionary that expires never (and true neighbours).
-
-        hivemind ends a search for the latest record as soon as one answer expires no earlier than `inf`.
-        """
-        async def endless(request: dht_pb2.FindRequest, context: P2PContext) -> dht_pb2.FindResponse:
-            response = await self.node.protocol.rpc_find(request, context)
-            for result in response.results:
-                result.type, result.expiration_time = dht_pb2.FOUND_DICTIONARY, float("inf")
-                result.value = MSGPackSerializer.dumps(DictionaryDHTValue())
-            return response
-
-        async def replace() -> None:
-            await self.p2p.remove_protobuf_handler(FIND_HANDLER)
-            await self.p2p.add_protobuf_handler(FIND_HANDLER, endless, dht_pb2.FindRequest)
-        self.loop.run(replace(), timeout=10)
-
-    def close(self) -> None:
-        async def stop() -> None:
-            await self.node.shutdown()
-            await self.p2p.shutdown()
-        try:
-            self.loop.run(stop(), timeout=10)
-        finally:
-            self.loop.stop()
-
-
 @process_fixture()
 def outsider(swarm: LocalSwarm, tmp_path: Path) -> Iterator[Outsider]:
     node = Outsider(swarm.initial_peers, tmp_path / "outsider.key")
     yield node
     node.close()
-
-
-def honest_peers(swarm: LocalSwarm) -> list[str]:
-    """Peer ids of the DHT node and the servers."""
-    return [swarm.initial_peers[0].rsplit("/p2p/", 1)[1], *(server.peer_id for server in swarm.servers)]
-
-
-def wire(state: ServerState, start: int, end: int) -> bytes:
-    info = ServerInfo(state=state, start=start, end=end, throughput=1e6, cache_tokens_left=10**6, dtype="float32",
-                      quant="none", version=PROTOCOL_VERSION, revision="r", max_batch_size=64, max_length=2048)
-    return MSGPackSerializer.dumps(info.to_wire())
 
 
 def read_blocks(swarm: LocalSwarm, tiny_model: Path) -> list[BlockServers]:
