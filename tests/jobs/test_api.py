@@ -72,7 +72,7 @@ def new_key(runtime: Runtime, name: str = "tester") -> str:
 def request_line(custom_id: str, prompt: str = "Hello there", **body: Any) -> dict[str, Any]:
     """One OpenAI batch request line for /v1/completions."""
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": prompt, "max_tokens": 4, **body}}
+            "body": {"prompt": prompt, "max_tokens": 4, "temperature": 0, **body}}
 
 
 def jsonl(lines: list[Any]) -> bytes:

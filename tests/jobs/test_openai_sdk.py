@@ -44,7 +44,7 @@ PROMPTS = ["The city council voted", "Once upon a time", "Rain fell on the", "My
 def line(custom_id: str, prompt: str, model: str, *, url: str = "/v1/completions", **body: Any) -> dict[str, Any]:
     """One OpenAI batch request line."""
     return {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": {"model": model, "prompt": prompt, "max_tokens": 6, **body}}
+            "body": {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, **body}}
 
 
 def jsonl(lines: list[Any]) -> bytes:
