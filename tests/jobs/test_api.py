@@ -411,7 +411,8 @@ def test_a_model_the_operator_does_not_list_is_refused_alike_whether_its_path_ex
     assert missing.content == existing.content
     assert missing.json() == {"error": {"type": "InvalidJob", "code": "invalid_job", "param": None,
                                         "message": f"model {str(elsewhere)!r} is not served "
-                                        "here; ask the operator (SWARMBATCH_API_MODELS)"}}
+                                        "here; list the models with GET /v1/models, or ask the operator "
+                                        "(SWARMBATCH_API_MODELS, SWARMBATCH_MODEL_ALIASES)"}}
     assert api.get("/v1/batches").json()["data"] == []
 
 
