@@ -28,7 +28,7 @@ NO_CHECKPOINT = 10**9  # K larger than any request: only the final write happens
 def batch(requests: int, max_tokens: int) -> bytes:
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"messages": [{"role": "user", "content": f"Write a short story about robot {i}."}],
-                                  "max_tokens": max_tokens}}) for i in range(requests)]
+                                  "max_tokens": max_tokens, "temperature": 0}}) for i in range(requests)]
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -55,7 +55,8 @@ def prompts(count: int) -> list[str]:
 
 def batch_file(texts: list[str], max_tokens: int) -> bytes:
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}})
+                         "body": {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                                  "temperature": 0}})
              for i, text in enumerate(texts)]
     return ("\n".join(lines) + "\n").encode()
 

@@ -32,6 +32,15 @@ class FileNotFound(JobsError):
         super().__init__(f"no file {file_id!r}; list yours with GET /v1/files")
 
 
+class ModelNotFound(JobsError):
+    """Raised when a model id is neither served here nor an alias of a served model (GET /v1/models/{id})."""
+
+    param = "model"
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(f"the model {model_id!r} does not exist here; list the models with GET /v1/models")
+
+
 class InvalidJob(JobsError):
     """Raised when a submission (or a file upload) is refused as a whole; the message says what to fix.
 

@@ -186,6 +186,8 @@ class Request(Base):
     choice: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     body: Mapped[dict[str, Any]] = mapped_column()
     prompt_ids: Mapped[list[Any]] = mapped_column()
+    # len(prompt_ids), written with it: a batch's usage sums this instead of parsing every row's JSON
+    prompt_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     max_tokens: Mapped[int] = mapped_column(Integer)
     temperature: Mapped[float] = mapped_column(default=0.0)
     top_p: Mapped[float] = mapped_column(default=1.0)

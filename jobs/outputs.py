@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from jobs import liveness
 from jobs.batch_input import CHAT_URL
 from jobs.models import Job, JobKind, Request, RequestStatus
-from jobs.store import JobCounts, job_counts
+from jobs.store import JobCounts, job_counts, job_usage
 
 OUTPUT_STATUSES = (RequestStatus.completed, RequestStatus.cancelled, RequestStatus.expired)
 FINISH_REASONS = ("stop", "length")  # OpenAI's; an output cut short by a cancel or the deadline reads "length"
@@ -159,7 +159,7 @@ def summary_public(job: Job) -> dict[str, Any] | None:
 
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
-    """The batch object of the REST API: OpenAI's fields, plus ours (tokens_generated, blocked_reason,
+    """The batch object of the REST API: OpenAI's fields (`usage` included), plus ours (tokens_generated, blocked_reason,
     input_filename, summary, verification: the checked outputs' counts, README "Checked outputs", and pipeline: per
     worker, the batch it sized for itself, README "Throughput")."""
     counts = job_counts(session=session, job_id=job.id)
@@ -170,6 +170,7 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
         "error_file_id": job.error_file_id, "input_filename": job.input_filename,
         "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
+        "usage": job_usage(session=session, job_id=job.id),
         "tokens_generated": counts.tokens, "blocked_reason": blocked_reason(session=session, job=job, counts=counts),
         "errors": {"object": "list", "data": [line_error(e) for e in job.line_errors]} if job.line_errors else None,
         "created_at": unix(job.created_at), "in_progress_at": unix(job.in_progress_at),

@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # what the API serves when SWARMBATCH_API_MODELS is unset or empty: the built-in model, never a server path
@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     api_models: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_API_MODELS),
         description="models (names or paths) a POST /v1/batches may name, comma-separated in env")
+    model_aliases: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict, description="other names of served models, e.g. gpt-4o-mini=smollm2,gpt-4o=big "
+        "(comma-separated ALIAS=MODEL in env; each MODEL one of api_models): a batch may name a model by its alias")
     metrics_token: SecretStr | None = Field(default=None, description="when set, GET /metrics needs it as a Bearer")
     metrics_cache_seconds: float = Field(default=5.0, ge=0, description="how long a /metrics scrape is reused")
 
@@ -79,6 +82,40 @@ class Settings(BaseSettings):
         if isinstance(value, str):  # commas only: a path may hold spaces
             return [m.strip() for m in value.split(",") if m.strip()] or list(DEFAULT_API_MODELS)
         return value
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _parse_aliases(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        aliases: dict[str, str] = {}
+        for entry in (e.strip() for e in value.split(",") if e.strip()):
+            alias, equals, model = (part.strip() for part in entry.partition("="))
+            if not equals or not alias or not model:
+                raise ValueError(f"{entry!r} is not ALIAS=MODEL; write e.g. gpt-4o-mini=smollm2")
+            if alias in aliases:
+                raise ValueError(f"alias {alias!r} is given twice; give each alias one model")
+            aliases[alias] = model
+        return aliases
+
+    @model_validator(mode="after")
+    def _aliases_name_served_models(self) -> Settings:
+        for alias, model in self.model_aliases.items():
+            if model not in self.api_models:
+                raise ValueError(f"SWARMBATCH_MODEL_ALIASES maps {alias!r} to {model!r}, which SWARMBATCH_API_MODELS "
+                                 f"does not list; add it there or drop the alias")
+            if alias in self.api_models:
+                raise ValueError(f"SWARMBATCH_MODEL_ALIASES: {alias!r} is a served model's own name; an alias must "
+                                 f"be another name")
+        return self
+
+    def resolve_model(self, name: str) -> str:
+        """The served model a name stands for: the model an alias maps to, else the name itself."""
+        return self.model_aliases.get(name, name)
+
+    def aliases_of(self, model: str) -> list[str]:
+        """The aliases of a served model, in the order SWARMBATCH_MODEL_ALIASES gives them."""
+        return [alias for alias, target in self.model_aliases.items() if target == model]
 
     def tasks_for(self, requests: int) -> int:
         """process_job tasks to send for a new job of `requests` requests: one per expected claim (workers that find

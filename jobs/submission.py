@@ -96,6 +96,7 @@ def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = 
     lines of another url are line errors. A broker error after the commit is logged and the job returned, unless
     `raise_enqueue_errors`.
     """
+    model = runtime.settings.resolve_model(model)  # an alias (SWARMBATCH_MODEL_ALIASES) names its served model
     window = parse_window(completion_window)
     metadata = check_metadata(metadata)
     fingerprint = None
@@ -144,7 +145,8 @@ def _parse(runtime: Runtime, data: bytes, model: str, endpoint: str | None = Non
     limits = InputLimits(max_file_bytes=runtime.settings.max_file_bytes, max_lines=runtime.settings.max_lines,
                          max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context)
     try:
-        return parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits, endpoint=endpoint)
+        return parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits, endpoint=endpoint,
+                                model_aliases=runtime.settings.aliases_of(model))
     except BatchFileRejected as e:
         raise InvalidJob(str(e)) from e
 

@@ -36,7 +36,7 @@ def summarization_batch(docs: list[Path], *, max_tokens: int) -> bytes:
     """One chat request per document, in the OpenAI batch format."""
     lines = [json.dumps({"custom_id": doc.name, "method": "POST", "url": "/v1/chat/completions",
                          "body": {"messages": [{"role": "user", "content": PROMPT.format(text=doc.read_text().strip())}],
-                                  "max_tokens": max_tokens}}) for doc in docs]
+                                  "max_tokens": max_tokens, "temperature": 0}}) for doc in docs]
     return ("\n".join(lines) + "\n").encode()
 
 

@@ -13,12 +13,22 @@ def settings_env(settings: Settings) -> dict[str, str]:
     env: dict[str, str] = {}
     for name, value in settings.model_dump().items():
         if value is not None:
-            env[f"SWARMBATCH_{name.upper()}"] = " ".join(value) if isinstance(value, list) else str(value)
+            env[f"SWARMBATCH_{name.upper()}"] = env_value(value)
     # resolved, so that a stray variable inherited from this process cannot point the child elsewhere
     env["SWARMBATCH_DATABASE_URL"] = settings.resolved_database_url
     env["SWARMBATCH_BROKER_URL"] = settings.resolved_broker_url
     env["OMP_NUM_THREADS"] = str(settings.worker_threads)
     return env
+
+
+def env_value(value: object) -> str:
+    """A setting as its environment variable writes it: lists comma-separated (a path may hold spaces), mappings as
+    KEY=VALUE pairs (SWARMBATCH_MODEL_ALIASES)."""
+    if isinstance(value, list):
+        return ",".join(str(item) for item in value)
+    if isinstance(value, dict):
+        return ",".join(f"{key}={item}" for key, item in value.items())
+    return str(value)
 
 
 def start_local_worker(settings: Settings, *, log_dir: Path, name: str = "worker", verbose: bool = False,

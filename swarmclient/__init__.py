@@ -14,7 +14,8 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
     session          InferenceSession: a chain that fails over by replaying its StepRecords, checks sampled steps, and
                      with push sends each step to the first hop only
     head             ClientHead: embeddings, final norm and LM head, run locally
-    sampling         greedy / temperature + top-p, seeded by (seed, position)
+    penalties        logit_bias, repetition / frequency / presence penalties over a sequence's token History
+    sampling         greedy / temperature, top-k, top-p, min-p, seeded by (seed, position), after the penalties
     generation       the decode loop shared by every caller
     model            DistributedModelForCausalLM, the Petals-style entry point
     textgen          prompts in, texts out (tokenizer, chat template)

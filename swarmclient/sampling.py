@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy, or temperature + top-p with a generator seeded by (seed, position).
+"""Choosing the next token: penalties and biases (swarmclient.penalties), then greedy, or temperature, top-k, top-p
+and min-p (transformers' order) with a generator seeded by (seed, position).
 
 Seeding by position makes a sequence's samples independent of its batch neighbours and of restarts: a
 request resumed at position p draws exactly what an uninterrupted run draws at p.
@@ -8,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from swarmclient.penalties import History, Penalties, apply_penalties
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) pairs over the seed space
 
@@ -22,12 +25,22 @@ class SamplingParams:
     # log-probabilities to report per token (swarmclient.generation.TokenLogprobs): None for none, k for the chosen
     # token's and the k most likely tokens' (0: the chosen one's alone)
     top_logprobs: int | None = None
+    top_k: int = 0  # keep the k most likely tokens (ties kept); 0 or -1: all (vLLM's extension)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (vLLM's extension)
+    penalties: Penalties = Penalties()
+    # the last `earlier_tokens` tokens of the input are this sequence's own output from before a resume: the
+    # frequency and presence penalties count them as generated
+    earlier_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (all tokens) or a positive integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -50,18 +63,51 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """The next token of one sequence from its logits [V]."""
+def top_k_filter(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the k most likely tokens (ties with the k-th too), renormalized, as transformers' TopKLogitsWarper
+    leaves them for top-p; unchanged for k <= 0."""
+    if top_k <= 0 or top_k >= probs.shape[-1]:
+        return probs
+    kept = probs * (probs >= probs.topk(top_k).values[-1])
+    return kept / kept.sum()
+
+
+def min_p_filter(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Zero the tokens less likely than min_p times the most likely one (transformers' MinPLogitsWarper)."""
+    if min_p <= 0:
+        return probs
+    return probs * (probs >= probs.max() * min_p)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from, from (penalized) logits [V], in transformers' order: temperature,
+    top-k, top-p, min-p. Float64, not renormalized after the last filter (torch.multinomial needs no sum of 1)."""
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    return min_p_filter(top_p_filter(top_k_filter(probs, params.top_k), params.top_p), params.min_p)
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: History | None = None) -> int:
+    """The next token of one sequence from its logits [V] (and the tokens it has seen, for its penalties)."""
+    if params.penalties.active:
+        logits = apply_penalties(logits, params.penalties, history)
     if params.greedy:
         return int(logits.argmax())
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
-    probs = top_p_filter(probs, params.top_p)
     generator = torch.Generator().manual_seed(position_seed(params.seed, position))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
 
 
-def sample_next(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-    """Next tokens [B] from logits [B, V]; row b uses params[b] and its absolute position positions[b]."""
-    if all(p.greedy for p in params):
+def sample_next(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                histories: list[History | None] | None = None) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]; row b uses params[b], its absolute position positions[b] and, for its
+    penalties, histories[b]."""
+    if all(p.greedy and not p.penalties.active for p in params):
         return logits.argmax(-1)
-    return torch.tensor([sample_row(logits[b], params[b], positions[b]) for b in range(logits.shape[0])])
+    rows = histories or [None] * logits.shape[0]
+    return torch.tensor([sample_row(logits[b], params[b], positions[b], rows[b]) for b in range(logits.shape[0])])
+
+
+def start_histories(context: torch.Tensor, mask: torch.Tensor, params: list[SamplingParams], vocab: int
+                    ) -> list[History | None]:
+    """Each row's History (None where its penalties need none) from the left-padded input [B, T] and its mask."""
+    return [History(context[b][mask[b].bool()].tolist(), p.earlier_tokens, vocab) if p.penalties.needs_history
+            else None for b, p in enumerate(params)]

@@ -140,7 +140,8 @@ def test_a_job_through_a_lying_server_completes_identical_and_counts_the_mismatc
     runtime = make_runtime(initial_peers=swarm.initial_peers, verify_fraction=1.0, worker_batch_size=4,
                            pipeline_lanes=2, checkpoint_every=4)
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": prompt, "max_tokens": 12}}) for i, prompt in enumerate(PROMPTS)]
+                         "body": {"prompt": prompt, "max_tokens": 12, "temperature": 0}})
+             for i, prompt in enumerate(PROMPTS)]
     job = submit_batch(runtime, ("\n".join(lines) + "\n").encode(), model=str(tiny_model))
     worker = JobWorker(runtime)
     while worker.process(job.id).more:

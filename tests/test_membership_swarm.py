@@ -284,7 +284,7 @@ def test_a_workers_pool_processes_generate_as_members(make_runtime, private_swar
                                     identity=private_swarm.client_key)
     outsider_steps = steps_of(member_client, outsider(private_swarm))
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": f"Item {i} is", "max_tokens": 6}}) for i in range(2)]
+                         "body": {"prompt": f"Item {i} is", "max_tokens": 6, "temperature": 0}}) for i in range(2)]
     jobs = [submit_batch(runtime, ("\n".join(lines) + "\n").encode(), model=str(tiny_model)) for _ in range(2)]
     worker = ManagedProcess(cli_command("worker", "--concurrency", "2"), name="worker", log_dir=tmp_path,
                             env=settings_env(runtime.settings))

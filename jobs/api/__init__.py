@@ -9,7 +9,8 @@
                        upload or a JSON body of requests), as one Submission
     metrics.py         a Prometheus collector that reads job/request counts and tokens from SQL (two GROUP BY
                        queries), reused for SWARMBATCH_METRICS_CACHE_SECONDS
-    routes/            files.py (/v1/files...), batches.py (/v1/batches...), health.py (/healthz, /metrics)
+    routes/            files.py (/v1/files...), batches.py (/v1/batches...), models.py (/v1/models...),
+                       health.py (/healthz, /metrics)
 
 Routes stay thin: validation and state changes live in jobs.submission and jobs.store, output lines in
 jobs.outputs; errors are raised as JobsError subclasses and translated to HTTP in main.py only (limits.py's

@@ -74,10 +74,11 @@ def require_metrics_token(runtime: RuntimeDep,
 
 
 def require_served_model(settings: Settings, model: str) -> None:
-    """InvalidJob (400) unless the operator lists `model` in SWARMBATCH_API_MODELS.
+    """InvalidJob (400) unless the operator lists `model` in SWARMBATCH_API_MODELS (an alias is resolved before).
 
     Called before anything looks the model up, so the answer is the same for an existing path, a missing one
     and an unknown name: a key holder learns nothing about the server's files.
     """
     if model not in settings.api_models:
-        raise InvalidJob(f"model {model!r} is not served here; ask the operator (SWARMBATCH_API_MODELS)")
+        raise InvalidJob(f"model {model!r} is not served here; list the models with GET /v1/models, or ask the "
+                         f"operator (SWARMBATCH_API_MODELS, SWARMBATCH_MODEL_ALIASES)")

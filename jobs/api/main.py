@@ -11,8 +11,16 @@ from starlette.exceptions import HTTPException
 from jobs.api.error_body import error_response
 from jobs.api.limits import BODY_OVERHEAD_BYTES, ApiRefusal, BodyLimit, SubmissionSlots
 from jobs.api.metrics import make_registry
-from jobs.api.routes import batches, files, health
-from jobs.errors import FileNotFound, IdempotencyConflict, InvalidJob, JobNotFound, JobsError, StoreUnavailable
+from jobs.api.routes import batches, files, health, models
+from jobs.errors import (
+    FileNotFound,
+    IdempotencyConflict,
+    InvalidJob,
+    JobNotFound,
+    JobsError,
+    ModelNotFound,
+    StoreUnavailable,
+)
 from jobs.files import FileTooLarge
 from jobs.runtime import Runtime
 
@@ -22,11 +30,13 @@ DESCRIPTION = """Batch generation on a private swarm, in the shapes of the OpenA
 
 Authenticate with `Authorization: Bearer KEY`; create a key with `swarmbatch keys create NAME`.
 A key sees only its own files and jobs. The official `openai` SDK works with only its `base_url` changed:
-`files.create(purpose="batch")`, `batches.create(input_file_id=...)`, `batches.retrieve`, `files.content`.
+`files.create(purpose="batch")`, `batches.create(input_file_id=...)`, `batches.retrieve`, `files.content`,
+`models.list`, `models.retrieve`.
 Every error answer is OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
 
 # the first class that matches wins: FileTooLarge is an InvalidJob
-STATUS_CODES: dict[type[JobsError], int] = {FileTooLarge: 413, JobNotFound: 404, FileNotFound: 404, InvalidJob: 400,
+STATUS_CODES: dict[type[JobsError], int] = {FileTooLarge: 413, JobNotFound: 404, FileNotFound: 404, ModelNotFound: 404,
+                                             InvalidJob: 400,
                                              IdempotencyConflict: 409, StoreUnavailable: 503}
 HTTP_KINDS = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 
@@ -45,6 +55,7 @@ def make_app(runtime: Runtime) -> FastAPI:
     app.add_exception_handler(Exception, unexpected_error_response)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(models.router)
     app.include_router(health.router)
     return app
 

@@ -16,11 +16,13 @@ from typing import Any, Protocol
 import torch
 
 from jobs.errors import LeaseLost
+from jobs.line_sampling import sampling_extras
 from jobs.models import Request
 from jobs.worker.sizing import PipelinePlan
 from swarmclient.errors import SwarmBusy
 from swarmclient.generation import TokenLogprobs
 from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.penalties import Penalties
 from swarmclient.sampling import SamplingParams
 from swarmclient.verification_policy import VerificationTally
 
@@ -237,11 +239,10 @@ class BatchRunner:
     def _lane(self, lane: Lane) -> None:
         """One micro-batch: its own session through the swarm, committing its rows every K tokens."""
         pairs = lane.pairs
-        rows, requests = [row for row, _ in pairs], [request for _, request in pairs]
+        rows = [row for row, _ in pairs]
         ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
         limits = [r.max_tokens - len(row.generated) for row, r in pairs]
-        params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, seed=r.seed, top_logprobs=r.top_logprobs)
-                  for r in requests]
+        params = [sampling_params(r, earlier=len(row.generated)) for row, r in pairs]
 
         def on_token(index: int, column: torch.Tensor, logprobs: TokenLogprobs | None = None) -> torch.Tensor:
             # the rows this step ran with: the servers hold their cache until the next step leaves the finished out
@@ -340,3 +341,13 @@ def split_lanes(pairs: list[tuple[RowState, Request]], lanes: int) -> list[list[
     ordered = sorted(pairs, key=lambda pair: len(pair[1].prompt_ids) + len(pair[0].generated))
     count = min(lanes, len(ordered))
     return [ordered[i * len(ordered) // count:(i + 1) * len(ordered) // count] for i in range(count)] if count else []
+
+
+def sampling_params(request: Request, *, earlier: int) -> SamplingParams:
+    """How a request samples: its columns, and the penalties and extensions of its stored body; `earlier` of its
+    input's last tokens are its own output from before a resume (the penalties count them as generated)."""
+    extras = sampling_extras(request.body)
+    top_k, min_p = extras.pop("top_k"), extras.pop("min_p")
+    return SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                          top_logprobs=request.top_logprobs, top_k=top_k, min_p=min_p, penalties=Penalties(**extras),
+                          earlier_tokens=earlier)

@@ -47,7 +47,8 @@ def batch_file() -> bytes:
     """COUNT requests, half greedy and half sampled with a seed (both reproducible)."""
     lines = []
     for i in range(COUNT):
-        body: dict[str, Any] = {"prompt": f"Chaos test request {i} reports that", "max_tokens": MAX_TOKENS}
+        body: dict[str, Any] = {"prompt": f"Chaos test request {i} reports that", "max_tokens": MAX_TOKENS,
+                                "temperature": 0}
         if i % 2:
             body.update(temperature=0.9, top_p=0.95, seed=500 + i)
         lines.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body})

@@ -73,7 +73,7 @@ def new_key(runtime: Runtime, name: str = "tester") -> str:
 def request_line(custom_id: str, prompt: str = "Hello there", **body: Any) -> dict[str, Any]:
     """One OpenAI batch request line for /v1/completions."""
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": prompt, "max_tokens": 4, **body}}
+            "body": {"prompt": prompt, "max_tokens": 4, "temperature": 0, **body}}
 
 
 def jsonl(lines: list[Any]) -> bytes:
@@ -412,7 +412,8 @@ def test_a_model_the_operator_does_not_list_is_refused_alike_whether_its_path_ex
     assert missing.content == existing.content
     assert missing.json() == {"error": {"type": "InvalidJob", "code": "invalid_job", "param": None,
                                         "message": f"model {str(elsewhere)!r} is not served "
-                                        "here; ask the operator (SWARMBATCH_API_MODELS)"}}
+                                        "here; list the models with GET /v1/models, or ask the operator "
+                                        "(SWARMBATCH_API_MODELS, SWARMBATCH_MODEL_ALIASES)"}}
     assert api.get("/v1/batches").json()["data"] == []
 
 

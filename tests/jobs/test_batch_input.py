@@ -16,6 +16,7 @@ from jobs.batch_input import (
     max_chars_per_token,
     parse_batch_file,
 )
+from jobs.line_sampling import EXTRAS, sampling_extras
 from swarmclient.textgen import load_tokenizer
 
 MODEL = "tiny-llama"
@@ -74,18 +75,22 @@ def test_a_good_chat_line_is_tokenized_through_the_chat_template(tokenizer: Any)
     assert (request.url, request.max_tokens, request.temperature) == ("/v1/chat/completions", 8, 1.5)
 
 
-def test_omitted_parameters_default_to_256_tokens_of_greedy_decoding(tokenizer: Any) -> None:
-    line = {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hello"}}
-    [request] = parse(tokenizer, jsonl(line)).requests
-    params = (request.max_tokens, request.temperature, request.top_p, request.seed, request.stop)
-    assert params == (256, 0.0, 1.0, 0, [])
+def test_omitted_parameters_default_to_256_tokens_sampled_as_openai_does_with_a_seed_drawn_per_line(
+        tokenizer: Any) -> None:
+    # Given two identical lines that omit every parameter
+    line = {"method": "POST", "url": "/v1/completions", "body": {"prompt": "Hello"}}
+    first, second = parse(tokenizer, jsonl({"custom_id": "a", **line}, {"custom_id": "b", **line})).requests
+    # Then both sample at OpenAI's temperature 1 and top_p 1, each with a seed of its own
+    assert (first.max_tokens, first.temperature, first.top_p, first.stop) == (256, 1.0, 1.0, [])
+    assert (second.max_tokens, second.temperature, second.top_p, second.stop) == (256, 1.0, 1.0, [])
+    assert first.seed != second.seed and all(0 <= r.seed < 2**63 for r in (first, second))
 
 
 def test_null_parameters_take_the_defaults(tokenizer: Any) -> None:
     line = completion(max_tokens=None, temperature=None, top_p=None, seed=None, stop=None, model=None)
     [request] = parse(tokenizer, jsonl(line)).requests
-    params = (request.max_tokens, request.temperature, request.top_p, request.seed, request.stop)
-    assert params == (256, 0.0, 1.0, 0, [])
+    params = (request.max_tokens, request.temperature, request.top_p, request.stop)
+    assert params == (256, 1.0, 1.0, []) and 0 <= request.seed < 2**63
 
 
 def test_the_default_max_tokens_is_lowered_to_the_cap_and_to_the_room_the_context_leaves(tokenizer: Any) -> None:
@@ -139,7 +144,10 @@ BAD_LINES = [
     ("invalid_messages", chat(messages=["hello"])),
     ("invalid_messages", chat(messages=[{"role": "tool", "content": "x"}])),
     ("invalid_messages", chat(messages=[{"role": "user", "content": ""}])),
-    ("invalid_messages", chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}])),
+    ("invalid_messages", chat(messages=[{"role": "user", "content": [{"type": "text"}]}])),
+    ("invalid_messages", chat(messages=[{"role": "user", "content": ["x"]}])),
+    ("invalid_messages", chat(messages=[{"role": "user", "content": []}])),
+    ("unsupported_content", chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])),
     ("invalid_parameter", completion(max_tokens=0)),
     ("invalid_parameter", completion(max_tokens=2.5)),
     ("invalid_parameter", completion(max_tokens=True)),
@@ -156,6 +164,16 @@ BAD_LINES = [
     ("invalid_parameter", completion(stop=[""])),
     ("invalid_parameter", completion(stop="")),
     ("invalid_parameter", completion(stop=5)),
+    ("invalid_parameter", completion(frequency_penalty=2.5)),
+    ("invalid_parameter", completion(presence_penalty="high")),
+    ("invalid_parameter", completion(repetition_penalty=0)),
+    ("invalid_parameter", completion(top_k=-2)),
+    ("invalid_parameter", completion(top_k=1.5)),
+    ("invalid_parameter", completion(min_p=1.5)),
+    ("invalid_parameter", completion(logit_bias=[1, 2])),
+    ("invalid_parameter", completion(logit_bias={"word": 1})),
+    ("invalid_parameter", completion(logit_bias={"5": 101})),
+    ("invalid_parameter", completion(logit_bias={"99999": 1})),
     ("max_tokens_too_large", completion(max_tokens=513)),
     ("max_tokens_too_large", completion(max_completion_tokens=10_000)),
     ("context_length_exceeded", completion(prompt="word " * 2000, max_tokens=100)),
@@ -358,8 +376,8 @@ def test_a_tokenizer_that_may_shorten_or_drop_text_gets_no_character_bound(tiny_
 @pytest.mark.parametrize(("line", "param"), [
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools"),
     (chat(response_format={"type": "json_object"}), "body.response_format"),
-    (completion(logit_bias={"50": 5}), "body.logit_bias"),
-    (completion(presence_penalty=0.5), "body.presence_penalty"),
+    (completion(suffix="end"), "body.suffix"),
+    (chat(tool_choice="auto"), "body.tool_choice"),
     (completion(stream=True), "body.stream"),
     (completion(stream=0), "body.stream"),        # a number is not false
     (completion(best_of=3), "body.best_of"),
@@ -431,3 +449,54 @@ def test_bad_logprobs_are_line_errors_naming_the_parameter(tokenizer: Any, line:
                                                            param: str) -> None:
     error = only_error(tokenizer, {**line, "custom_id": "bad"})
     assert (error.code, error.param) == (code, param)
+
+
+# ---- messages as OpenAI's docs write them; penalties; aliases ---------------------------------------------------------
+def test_a_developer_message_is_rendered_as_a_system_message(tokenizer: Any) -> None:
+    developer = [{"role": "developer", "content": CHAT[0]["content"]}, CHAT[1]]
+    [as_developer, as_system] = parse(tokenizer, jsonl(chat("d", messages=developer), chat("s"))).requests
+    assert as_developer.prompt_ids == as_system.prompt_ids
+
+
+def test_text_parts_are_joined_with_newlines_as_one_content(tokenizer: Any) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the idea?"}]}]
+    plain = [{"role": "user", "content": "What is\nthe idea?"}]
+    [from_parts, from_text] = parse(tokenizer, jsonl(chat("p", messages=parts), chat("t", messages=plain))).requests
+    assert from_parts.prompt_ids == from_text.prompt_ids
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                                  {"type": "file", "file": {"file_id": "file-1"}}])
+def test_an_image_audio_or_file_part_is_a_line_error_naming_the_part_type(tokenizer: Any, part: dict[str, Any]
+                                                                          ) -> None:
+    content = [{"type": "text", "text": "Describe this"}, part]
+    error = only_error(tokenizer, chat("bad", messages=[{"role": "user", "content": content}]))
+    assert (error.code, error.param) == ("unsupported_content", "body.messages[0].content[1].type")
+    assert repr(part["type"]) in error.message and "text" in error.message
+
+
+def test_penalties_and_extensions_are_accepted_and_read_back_from_the_stored_body(tokenizer: Any) -> None:
+    line = completion(frequency_penalty=0.5, presence_penalty=-1, repetition_penalty=1.2, top_k=40, min_p=0.05,
+                      logit_bias={"50": 5, "7": -100})
+    [request] = parse(tokenizer, jsonl(line)).requests
+    assert sampling_extras(request.body) == {"frequency_penalty": 0.5, "presence_penalty": -1.0,
+                                             "repetition_penalty": 1.2, "top_k": 40, "min_p": 0.05,
+                                             "logit_bias": ((7, -100.0), (50, 5.0))}
+    assert sampling_extras({}) == {**EXTRAS, "logit_bias": ()}
+
+
+@pytest.mark.parametrize("name", ["frequency_penalty", "presence_penalty", "repetition_penalty", "top_k", "min_p",
+                                  "logit_bias"])
+def test_a_bad_penalty_names_itself_in_the_line_error(tokenizer: Any, name: str) -> None:
+    error = only_error(tokenizer, completion("bad", **{name: "x"}))
+    assert (error.code, error.param) == ("invalid_parameter", f"body.{name}") and name in error.message
+
+
+def test_a_line_may_name_the_model_by_an_alias_and_a_name_that_is_neither_is_a_line_error(tokenizer: Any) -> None:
+    data = jsonl(completion("a", model="gpt-4o-mini"), completion("b", model=MODEL), completion("c", model="gpt-4o"))
+    batch = parse_batch_file(data, tokenizer=tokenizer, model_name=MODEL, limits=LIMITS, model_aliases=["gpt-4o-mini"])
+    assert [r.custom_id for r in batch.requests] == ["a", "b"]
+    [error] = batch.errors
+    assert (error.custom_id, error.code, error.param) == ("c", "model_mismatch", "body.model")
+    assert '"gpt-4o"' in error.message and '"gpt-4o-mini"' in error.message

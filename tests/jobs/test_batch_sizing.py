@@ -34,7 +34,7 @@ PLAN = re.compile(r"Job \S+: claim (\d+) in (\d+) lanes \((.*)\)")
 
 def batch_file(count: int, *, max_tokens: int = 12) -> bytes:
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": "The river " * (1 + i % 3), "max_tokens": max_tokens}})
+                         "body": {"prompt": "The river " * (1 + i % 3), "max_tokens": max_tokens, "temperature": 0}})
              for i in range(count)]
     return ("\n".join(lines) + "\n").encode()
 

@@ -37,7 +37,8 @@ def throughput_swarm(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 def mixed_batch(count: int) -> bytes:
     """Greedy requests whose lengths differ a lot, so that rows finish at different steps."""
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": "The river " * (1 + i % 5), "max_tokens": 4 + 5 * (i % 6)}})
+                         "body": {"prompt": "The river " * (1 + i % 5), "max_tokens": 4 + 5 * (i % 6),
+                                  "temperature": 0}})
              for i in range(count)]
     return ("\n".join(lines) + "\n").encode()
 

@@ -58,7 +58,7 @@ def batch_file(count: int, *, max_tokens: int = 40, bad_lines: bool = False) -> 
     """`count` requests, half greedy and half sampled with a seed; optionally with bad lines mixed in."""
     lines = []
     for i in range(count):
-        body: dict[str, Any] = {"prompt": f"Request number {i} says that", "max_tokens": max_tokens}
+        body: dict[str, Any] = {"prompt": f"Request number {i} says that", "max_tokens": max_tokens, "temperature": 0}
         if i % 2:
             body.update(temperature=0.9, top_p=0.95, seed=1000 + i)
         lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
@@ -206,3 +206,43 @@ def test_a_job_waits_for_missing_blocks_and_says_so(
             wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
         finally:
             worker.terminate()
+
+
+def penalized_batch(count: int, *, max_tokens: int = 40) -> bytes:
+    """`count` requests with penalties on (greedy ones and sampled ones with vLLM's extensions, explicit seeds), and
+    the same prompts without them (`plain-i`)."""
+    lines = []
+    for i in range(count):
+        prompt = {"prompt": f"Request number {i} says that", "max_tokens": max_tokens, "temperature": 0}
+        penalties: dict[str, Any] = {"frequency_penalty": 0.8, "presence_penalty": 0.6, "repetition_penalty": 1.3,
+                                     "logit_bias": {"5": 3, "6": -100}}
+        if i % 2:
+            penalties.update(temperature=0.9, seed=2000 + i, top_k=20, min_p=0.05)
+        lines.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                      "body": {**prompt, **penalties}})
+        lines.append({"custom_id": f"plain-{i}", "method": "POST", "url": "/v1/completions", "body": prompt})
+    return ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+
+
+def test_a_request_with_penalties_killed_mid_generation_resumes_to_the_text_of_an_undisturbed_run(
+        make_runtime: Callable[..., Runtime], start_worker: WorkerFactory, tiny_model: Path) -> None:
+    # Given a job of requests with penalties, biases, top_k and min_p, and a worker generating it
+    runtime = make_runtime(checkpoint_every=K)
+    job = submit_batch(runtime, penalized_batch(4), model=str(tiny_model))
+    first = start_worker(runtime)
+    wait_for(lambda: any(len(r.generated_ids) >= K and r.status == "in_progress" and r.custom_id.startswith("req")
+                         for r in requests_of(runtime, job.id)), 120, "committed tokens of a penalized request")
+    # When the worker is killed -9 mid-generation, and another one finishes the job from the checkpoints
+    first.kill()
+    resumed = {r.custom_id for r in requests_of(runtime, job.id) if r.status != "completed" and r.generated_ids}
+    start_worker(runtime)
+    wait_for(lambda: job_status(runtime, job.id) == "completed", 180, "the job to complete")
+    # Then every text equals an undisturbed run's (a penalty counted from the stored token ids, as before the kill)
+    reference = submit_batch(runtime, penalized_batch(4), model=str(tiny_model))
+    wait_for(lambda: job_status(runtime, reference.id) == "completed", 180, "the reference job")
+    got, expected = texts(runtime, job.id), texts(runtime, reference.id)
+    assert any(custom_id.startswith("req") for custom_id in resumed), resumed
+    assert got == expected and len(got) == 8
+    # and the penalties changed what greedy decoding writes (token 6, biased by -100, never appears)
+    assert any(got[f"req-{i}"] != got[f"plain-{i}"] for i in range(0, 4, 2))
+    assert all(6 not in r.generated_ids for r in requests_of(runtime, job.id) if r.custom_id.startswith("req"))

@@ -42,7 +42,7 @@ def test_metrics_report_a_real_jobs_counts_tokens_and_rate(
     before = scrape(url)
     assert before["swarmbatch_tokens_generated_total"] == 0 and before["swarmbatch_tokens_per_second"] == 0
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"prompt": f"Item {i} is", "max_tokens": 10 + i}}) for i in range(4)]
+                         "body": {"prompt": f"Item {i} is", "max_tokens": 10 + i, "temperature": 0}}) for i in range(4)]
     job = submit_batch(runtime, ("\n".join(lines) + "\n").encode(), model=str(tiny_model))
     worker = start_local_worker(runtime.settings.model_copy(update={"initial_peers": shared_swarm.initial_peers}),
                                 log_dir=tmp_path)

@@ -134,6 +134,24 @@ def test_the_generated_count_is_filled_from_the_stored_token_ids(database_url: s
     assert schema_diffs(engine) == []
 
 
+def test_0012_fills_the_prompt_count_from_the_stored_prompt_ids_and_drops_it_on_downgrade(
+        database_url: str, engine: Engine) -> None:
+    # Given requests at the revision before 0012 (which has no prompt_count), one with a longer prompt
+    upgrade(database_url)
+    job_id = job_with_two_requests(engine)
+    downgrade(database_url, "0011_openai_files")
+    assert "prompt_count" not in {c["name"] for c in inspect(engine).get_columns("requests")}
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE requests SET prompt_ids = '[1, 2, 3, 4, 5]' WHERE custom_id = 'req-1'"))
+    # When it is upgraded, Then each row counts its stored prompt tokens
+    upgrade(database_url)
+    with engine.connect() as connection:
+        counts = connection.execute(text("SELECT custom_id, prompt_count FROM requests WHERE job_id = :id"),
+                                    {"id": job_id})
+        assert dict(counts.tuples().all()) == {"req-1": 5, "req-2": 2}
+    assert schema_diffs(engine) == []
+
+
 def parsed_line(line_number: int) -> ParsedRequest:
     """A good completions line."""
     return ParsedRequest(line_number=line_number, custom_id=f"req-{line_number}", url=COMPLETIONS_URL,

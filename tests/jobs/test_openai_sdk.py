@@ -19,8 +19,9 @@ import httpx
 import openai
 import pytest
 import torch
+from jobs_support import requests_of
 from openai import OpenAI
-from openai.types import Batch, Completion, FileDeleted, FileObject
+from openai.types import Batch, Completion, FileDeleted, FileObject, Model
 from openai.types.chat import ChatCompletion
 from ports import free_port
 from sqlalchemy import func, select
@@ -44,7 +45,7 @@ PROMPTS = ["The city council voted", "Once upon a time", "Rain fell on the", "My
 def line(custom_id: str, prompt: str, model: str, *, url: str = "/v1/completions", **body: Any) -> dict[str, Any]:
     """One OpenAI batch request line."""
     return {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": {"model": model, "prompt": prompt, "max_tokens": 6, **body}}
+            "body": {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0, **body}}
 
 
 def jsonl(lines: list[Any]) -> bytes:
@@ -71,8 +72,9 @@ def new_key(runtime: Runtime, name: str = "sdk-user") -> str:
 
 @pytest.fixture
 def runtime(make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Path) -> Runtime:
-    """SQLite store, real Redis broker; the API serves the tiny model (the lines' body.model)."""
-    return make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], max_file_bytes=20_000)
+    """SQLite store, real Redis broker; the API serves the tiny model (the lines' body.model), alias gpt-4o-mini."""
+    return make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], max_file_bytes=20_000,
+                        model_aliases={"gpt-4o-mini": str(tiny_model)})
 
 
 @pytest.fixture
@@ -172,12 +174,12 @@ def test_the_sdks_exceptions_carry_our_message_and_the_parameter(runtime: Runtim
     with pytest.raises(openai.APIStatusError) as too_large:
         client.files.create(file=("big.jsonl", b"x" * 20_001), purpose="batch")
     with pytest.raises(openai.BadRequestError) as unserved:
-        create_batch(client, upload_batch(client, [line("a", PROMPTS[0], "gpt-4o-mini")]).id)
+        create_batch(client, upload_batch(client, [line("a", PROMPTS[0], "gpt-4o")]).id)
 
     assert purpose.value.param == "purpose" and "purpose must be 'batch'" in purpose.value.message
     assert endpoint.value.param == "endpoint" and "/v1/embeddings" in endpoint.value.message
     assert too_large.value.status_code == 413 and "SWARMBATCH_MAX_FILE_BYTES" in too_large.value.message
-    assert "'gpt-4o-mini' is not served here" in unserved.value.message
+    assert "'gpt-4o' is not served here" in unserved.value.message
     assert [f.filename for f in client.files.list()] == ["batch.jsonl", "batch.jsonl"]  # nothing else was stored
 
 
@@ -194,6 +196,19 @@ def test_an_upload_of_several_chunks_is_stored_in_pieces_and_read_back_byte_for_
         sizes = session.scalars(select(func.length(FileChunk.data)).where(FileChunk.file_id == uploaded.id)
                                 .order_by(FileChunk.seq)).all()
     assert sizes == [files.CHUNK_BYTES, files.CHUNK_BYTES, len(data) - 2 * files.CHUNK_BYTES]
+
+
+def test_the_sdk_lists_and_retrieves_the_models_and_their_aliases(runtime: Runtime, sdk: Callable[..., OpenAI],
+                                                                 tiny_model: Path) -> None:
+    client = sdk(runtime, new_key(runtime))
+    listed = client.models.with_raw_response.list()
+    models = [Model.model_validate(m, strict=True) for m in json.loads(listed.text)["data"]]
+    assert [m.id for m in models] == [str(tiny_model), "gpt-4o-mini"] == [m.id for m in client.models.list()]
+    raw = client.models.with_raw_response.retrieve("gpt-4o-mini")
+    assert Model.model_validate_json(raw.text, strict=True) == models[1] and models[1].owned_by == "swarmbatch"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found" and "gpt-4o" in missing.value.message
 
 
 def test_every_error_answer_has_openais_body(runtime: Runtime, serve: Callable[[Runtime], str]) -> None:
@@ -418,6 +433,60 @@ def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, sh
         [error] = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
         assert (error["custom_id"], error["error"]["code"], error["error"]["param"]) == (
             "bad", "unsupported_parameter", "body.stream")
+        client.close()
+    finally:
+        worker.terminate()
+        api.terminate()
+
+
+def docs_style_lines() -> list[dict[str, Any]]:
+    """Lines as OpenAI's docs write them: model gpt-4o-mini, a developer message, content as text parts, no
+    temperature and no seed; two of them identical but for their custom_id."""
+    def line(custom_id: str, question: str) -> dict[str, Any]:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "gpt-4o-mini", "max_tokens": 6, "messages": [
+                    {"role": "developer", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": [{"type": "text", "text": question}]}]}}
+    return [line("request-1", "Hello world!"), line("request-2", "Hello world!"), line("request-3", "Name a river.")]
+
+
+def test_a_batch_file_written_as_openais_docs_write_it_runs_unchanged_through_an_alias(
+        runtime: Runtime, shared_swarm: LocalSwarm, tiny_model: Path, tmp_path: Path) -> None:
+    # Given `swarmbatch api` and `swarmbatch worker` processes, the tiny model served under the alias gpt-4o-mini
+    settings = runtime.settings.model_copy(update={"initial_peers": shared_swarm.initial_peers,
+                                                   "worker_batch_size": 4, "sweep_interval": 2.0})
+    api, url = start_api(runtime, tmp_path)
+    worker = start_local_worker(settings, log_dir=tmp_path, name="worker")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key=new_key(runtime), max_retries=0)
+        # When a user runs OpenAI's documented flow with a file as OpenAI's docs write it
+        uploaded = client.files.create(file=("docs.jsonl", jsonl(docs_style_lines())), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        assert batch.errors is None and batch.model == str(tiny_model)
+        deadline = time.monotonic() + 240
+        while (batch := strict_batch(client, batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"the batch did not end: {batch.status}; see {worker.log_path}"
+            time.sleep(1)
+
+        # Then it completes every line, each answer a chat.completion the SDK validates strictly
+        assert batch.status == "completed" and batch.output_file_id is not None and batch.error_file_id is None
+        assert batch.request_counts is not None and batch.request_counts.completed == 3
+        results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        bodies = {r["custom_id"]: ChatCompletion.model_validate_json(json.dumps(r["response"]["body"]), strict=True)
+                  for r in results}
+        assert list(bodies) == ["request-1", "request-2", "request-3"]
+        assert all(b.choices[0].message.role == "assistant" and b.usage is not None for b in bodies.values())
+        # sampled at temperature 1 with seeds drawn at submission and stored: the two identical lines differ
+        seeds = {r.custom_id: r.seed for r in requests_of(runtime, batch.id)}
+        assert seeds["request-1"] != seeds["request-2"]
+        assert bodies["request-1"].choices[0].message.content != bodies["request-2"].choices[0].message.content
+        # and the batch's usage, validated by the SDK's BatchUsage, sums the lines' usage
+        assert batch.usage is not None
+        assert batch.usage.input_tokens == sum(b.usage.prompt_tokens for b in bodies.values() if b.usage)
+        assert batch.usage.output_tokens == sum(b.usage.completion_tokens for b in bodies.values() if b.usage) > 0
+        assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+        assert batch.usage.input_tokens_details.cached_tokens == batch.usage.output_tokens_details.reasoning_tokens == 0
         client.close()
     finally:
         worker.terminate()

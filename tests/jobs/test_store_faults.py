@@ -92,7 +92,8 @@ def disconnect(runtime: Runtime) -> str:
 def batch(count: int, max_tokens: int = 16) -> bytes:
     lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Fault number {i} happened when", "max_tokens": max_tokens,
-                       **({"temperature": 0.9, "seed": 7 + i} if i % 2 else {})}} for i in range(count)]
+                       **({"temperature": 0.9, "seed": 7 + i} if i % 2 else {"temperature": 0})}}
+             for i in range(count)]
     return ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
 
 

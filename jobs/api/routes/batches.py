@@ -55,7 +55,8 @@ def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idemp
                  _slot: SubmissionSlotDep, submission: SubmissionDep, runtime: RuntimeDep, session: SessionDep,
                  response: Response) -> dict[str, Any]:
     """Create a batch: OpenAI's `{"input_file_id", "endpoint", "completion_window", "metadata"}` (a file uploaded
-    to /v1/files; the model is the lines' `body.model`, else the first of SWARMBATCH_API_MODELS), a JSONL upload
+    to /v1/files; the model is the lines' `body.model` or the model it is an alias of, else the first of
+    SWARMBATCH_API_MODELS), a JSONL upload
     (multipart `file` + `model`), or inline requests (JSON `model` + `requests`); returns the batch object.
 
     With an `Idempotency-Key` header, a repeat of the same batch returns the first job (with the response header
@@ -63,7 +64,8 @@ def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idemp
     """
     # the key, then a submission slot, come first among the parameters: an anonymous caller is refused, and a
     # caller over the concurrency bound gets its 429, before the body is read
-    data, model, filename = _batch_input(session, key, submission, runtime.settings)
+    data, name, filename = _batch_input(session, key, submission, runtime.settings)
+    model = runtime.settings.resolve_model(name)  # an alias (SWARMBATCH_MODEL_ALIASES) names its served model
     require_served_model(runtime.settings, model)  # before any lookup of the model on this server
     submitted = submit(runtime, data, model=model, filename=filename, api_key_id=key.id,
                        completion_window=submission.completion_window, metadata=submission.metadata,
