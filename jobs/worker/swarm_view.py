@@ -16,17 +16,15 @@ logger = logging.getLogger(__name__)
 
 
 def swarm_report(swarm: Swarm, infos: list[BlockServers]) -> dict[str, Any]:
-    """The coverage report of `infos`, each server also with this worker's view of it: the round trip it measured
-    (ms), the best block-steps/s it saw through it, whether it bans it now; and its announced dtype and batch size."""
+    """The coverage report of `infos`, each server also with this worker's view of it (the round trip it measured, in
+    ms; whether it bans it now) and its announced dtype, quantization and batch size."""
     report = coverage_report(swarm.model_id, infos, swarm.access.membership)
     for block, servers in zip(report["blocks"], infos, strict=True):
         for server in block["servers"]:
             peer, info = server["peer_id"], servers[server["peer_id"]]
-            rtt, observed = swarm.rtts.get(peer), swarm.observed.get(peer)
-            server.update(rtt_ms=None if rtt is None else round(rtt * 1000, 1),
-                          observed_throughput=None if observed is None else round(observed, 1),
-                          banned=swarm.bans.is_banned(peer), dtype=info.dtype, quant=info.quant,
-                          max_batch_size=info.max_batch_size)
+            rtt = swarm.rtts.get(peer)
+            server.update(rtt_ms=None if rtt is None else round(rtt * 1000, 1), banned=swarm.bans.is_banned(peer),
+                          dtype=info.dtype, quant=info.quant, max_batch_size=info.max_batch_size)
     return report
 
 

@@ -14,8 +14,8 @@ router = APIRouter(prefix="/v1/swarm", tags=["swarm"])
 @router.get("", responses={401: {"description": "No API key, or an unknown one."}})
 def get_swarm(session: SessionDep, key: ApiKeyDep, runtime: RuntimeDep) -> dict[str, Any]:
     """Per served model (SWARMBATCH_API_MODELS) that a worker has looked at: the coverage map of its blocks as the
-    worker saw it `age_seconds` ago, each block's servers with their state, throughput (announced, and the best the
-    worker measured), free cache tokens, round trip; and the block ranges no server holds (`missing`).
+    worker saw it `age_seconds` ago: each block's servers with their state, announced throughput, free cache tokens and
+    the round trip the worker measured; and the block ranges no server holds (`missing`).
 
     Workers publish it while they run jobs, at most every SWARMBATCH_SWARM_SNAPSHOT_SECONDS; a model no worker has
     run a job of since the store was made is not listed.

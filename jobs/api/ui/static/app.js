@@ -18,7 +18,7 @@ function el(tag, attrs = {}, ...children) {
     else if (name === "on") for (const [event, fn] of Object.entries(value)) node.addEventListener(event, fn);
     else node.setAttribute(name, value === true ? "" : String(value));
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === null || child === undefined || child === false) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -40,6 +40,7 @@ async function api(path) {
 
 const json = async (path) => (await api(path)).json();
 const jsonLines = async (path) => (await (await api(path)).text()).split("\n").filter(Boolean).map((l) => JSON.parse(l));
+const plural = (n, noun) => `${n} ${noun}${n === 1 ? "" : "s"}`;
 const when = (unix) => (unix ? new Date(unix * 1000).toLocaleString() : "—");
 const short = (peer) => `…${peer.slice(-8)}`;
 
@@ -109,7 +110,7 @@ async function signIn(event) {
 // ---- pages --------------------------------------------------------------------------------------------------------
 function page(title, ...content) {
   const main = document.getElementById("main");
-  main.replaceChildren(el("h1", {}, title), ...content);
+  main.replaceChildren(el("h1", {}, title), ...content.flat(Infinity).filter(Boolean));
 }
 
 async function jobsPage() {
@@ -121,7 +122,7 @@ async function jobsPage() {
     el("td", {class: "num"}, counts(job)),
     el("td", {class: "num"}, job.tokens_generated),
     el("td", {class: "num"}, throughput(job)),
-    el("td", {class: "error"}, job.blocked_reason || (job.errors ? `${job.errors.data.length} line errors` : "")),
+    el("td", {class: "error"}, job.blocked_reason || (job.errors ? plural(job.errors.data.length, "line error") : "")),
     el("td", {class: "mono muted"}, job.model),
     el("td", {}, when(job.created_at))));
   page("Jobs", listing.data.length ? el("table", {id: "jobs"},
@@ -199,15 +200,14 @@ function swarmMap(snapshot) {
     el("td", {}, s.state + (s.compatible ? "" : ` (protocol ${s.version}: not used)`) + (s.member === false ? " (not a member)" : "") + (s.banned ? " (banned)" : "")),
     el("td", {class: "num"}, `${s.start}:${s.end}`),
     el("td", {class: "num"}, s.throughput),
-    el("td", {class: "num"}, s.observed_throughput ?? "—"),
     el("td", {class: "num"}, s.cache_tokens_left),
     el("td", {class: "num"}, s.rtt_ms ?? "—")));
   const coverage = el("tr", {class: "coverage"}, el("th", {}, "covered"),
     indices.map((i) => el("td", {class: `cell ${missing.has(i) ? "missing" : "covered"}`, title: `block ${i}`}, missing.has(i) ? "!" : "")),
-    el("td", {colspan: 6}, snapshot.complete ? "All blocks are served." : `Missing blocks: ${snapshot.missing.map(([a, b]) => `${a}:${b}`).join(", ")}`));
+    el("td", {colspan: 5}, snapshot.complete ? "All blocks are served." : `Missing blocks: ${snapshot.missing.map(([a, b]) => `${a}:${b}`).join(", ")}`));
   return el("div", {class: "scroll"}, el("table", {class: "grid", "data-model": snapshot.model},
     el("thead", {}, el("tr", {}, el("th", {}, "server \\ block"), indices.map((i) => el("th", {class: "num"}, i)),
-      ["State", "Span", "Announced blocks/s", "Measured blocks/s", "Cache tokens free", "RTT ms"].map((h) => el("th", {}, h)))),
+      ["State", "Span", "Throughput (blocks/s)", "Cache tokens free", "RTT ms"].map((h) => el("th", {}, h)))),
     el("tbody", {}, rows, coverage)));
 }
 
