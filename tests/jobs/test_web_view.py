@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from jobs import snapshots, store
+from jobs.api import ui
 from jobs.runtime import Runtime
 
 # src= and href= attributes, and url(...) in styles: everything a page makes the browser load or link to
@@ -185,3 +187,12 @@ def test_a_snapshot_is_due_only_once_the_interval_has_passed(runtime: Runtime) -
     with runtime.session() as session:
         assert not snapshots.snapshot_due(session=session, model="m", interval=10, now=now + timedelta(seconds=9))
         assert snapshots.snapshot_due(session=session, model="m", interval=10, now=now + timedelta(seconds=10))
+
+
+def test_the_web_views_files_are_package_data_so_a_non_editable_install_serves_them() -> None:
+    pyproject = tomllib.loads((Path(ui.__file__).parents[3] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["jobs.api.ui"]
+    files = [path.relative_to(ui.STATIC.parent) for path in ui.STATIC.iterdir()]
+
+    assert {path.name for path in files} == {"index.html", "app.js", "app.css"}
+    assert all(any(path.match(glob) for glob in globs) for path in files), (files, globs)
