@@ -26,7 +26,7 @@ from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
 
 CHROMIUM = os.environ.get("SWARMBATCH_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-PROMPTS = [f"Story number {i} begins" for i in range(10)]  # one at a time, 48 tokens each: the bar moves for seconds
+PROMPTS = [f"Story number {i} begins" for i in range(8)]  # one at a time, 48 tokens each: the bar moves for seconds
 LOCAL_SCHEMES = ("data", "blob")
 
 
@@ -64,6 +64,7 @@ def page(browser: Any) -> Iterator[Any]:
     """A fresh browser tab (its own sessionStorage); every URL it requests is kept in `page.requested`, every
     uncaught script error in `page.errors`."""
     context = browser.new_context(viewport={"width": 1280, "height": 820}, accept_downloads=True)
+    context.set_default_timeout(90_000)  # a loaded 2-core CI machine: waits are for the worker, not the page
     tab = context.new_page()
     tab.requested = []
     tab.on("request", lambda request: tab.requested.append(request.url))
@@ -96,11 +97,12 @@ def new_key(runtime: Runtime, name: str) -> str:
 
 
 def submit(url: str, key: str, model: str) -> str:
-    """A batch of the prompts plus one broken line, uploaded as JSONL; returns its id."""
+    """A batch of the prompts plus one broken line, uploaded as JSONL; returns its id (the API loads the tokenizer
+    first: tens of seconds on a busy machine)."""
     lines = [json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
                          "body": {"model": model, "prompt": p, "max_tokens": 48}}) for i, p in enumerate(PROMPTS)]
     data = "\n".join([*lines[:2], "{broken", *lines[2:]]).encode()
-    created = httpx.post(f"{url}/v1/batches", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+    created = httpx.post(f"{url}/v1/batches", headers={"Authorization": f"Bearer {key}"}, timeout=120,
                          files={"file": ("prompts.jsonl", data)}, data={"model": model})
     assert created.status_code == 200, created.text
     return str(created.json()["id"])
@@ -139,6 +141,7 @@ def test_a_user_signs_in_sees_a_jobs_bar_move_to_completed_opens_it_and_sees_the
         page.goto(f"{url}/")
         assert page.url == f"{url}/ui/"
         page.wait_for_selector("#sign-in-form")
+        assert page.is_hidden("#nav") and page.is_hidden("#main")  # nothing but the form before signing in
         shoot(page, screenshots, "01-sign-in.png")
 
         # When a wrong key is tried, Then the page says so and stays on the form
@@ -151,6 +154,7 @@ def test_a_user_signs_in_sees_a_jobs_bar_move_to_completed_opens_it_and_sees_the
         page.fill("#api-key", key)
         page.click("#sign-in-form button")
         page.wait_for_selector("text=No jobs yet for this key")
+        assert page.is_visible("#nav") and page.is_hidden("#sign-in")
 
         # When a job is submitted while no worker runs, Then its row shows with an empty bar
         job_id = submit(url, key, str(tiny_model))
@@ -204,6 +208,10 @@ def test_a_user_signs_in_sees_a_jobs_bar_move_to_completed_opens_it_and_sees_the
         assert page.locator("table.grid td.cell.missing").count() == 0
         assert "All blocks are served." in page.inner_text("table.grid")
         shoot(page, screenshots, "06-swarm.png")
+
+        # When the user signs out, Then the form is back and the tab holds no key
+        page.click("#sign-out")
+        assert page.is_visible("#sign-in-form") and page.evaluate("sessionStorage.length") == 0
         assert_clean(page)
     finally:
         if worker is not None:
