@@ -3,7 +3,7 @@
 The batch core (this package):
     settings     Settings (SWARMBATCH_* environment) and get_settings()
     models       SQLAlchemy models: Job (with its kind), Request (generated token ids = the checkpoint), ApiKey,
-                 SummaryRun, DocumentSummary, WorkerHeartbeat, MaintenanceSlot
+                 SummaryRun, DocumentSummary, WorkerHeartbeat, MaintenanceSlot, SwarmSnapshot
     db, migrate  engines and sessions, the store's retry policy (retry_store); Alembic from code
     errors       the JobsError tree
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors (naming the parameter at fault)
@@ -13,6 +13,7 @@ The batch core (this package):
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
     liveness     worker heartbeats and the maintenance slot (one sweep per interval across all workers)
+    snapshots    swarm snapshots: what the workers last saw of each model's swarm, for the API's swarm page
     lifecycle    Lifecycle: the one owner of job transitions (start, settle, finalize, cancel, expire), running
                  each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
     queue        the task names, the Celery app that sends them (Redis or the embedded SQLite broker), enqueue_job
@@ -29,7 +30,7 @@ The batch core (this package):
 Sub-packages (above the core; the core imports none of them):
     worker/      the Celery side: the worker's app, the tasks, the job worker, its runner, the sweep, the maintenance tick
     summaries/   the nightly summaries feature: schedule file, firing, documents, map-reduce, Markdown pages
-    api/         the FastAPI app (REST)
+    api/         the FastAPI app (REST), its offline /docs and the web view at /ui/
 
 On top of them all:
     assembly     build_runtime(settings): the core wired with every job kind's hooks and the worker's Celery app;

@@ -319,3 +319,15 @@ class MaintenanceSlot(Base):
 
     name: Mapped[str] = mapped_column(String(40), primary_key=True)
     next_at: Mapped[datetime]
+
+
+class SwarmSnapshot(Base):
+    """What a worker last saw of one model's swarm (the coverage map of jobs.worker.swarm_view), for the API's
+    swarm page: the API never joins the swarm. One row per model, overwritten by whichever worker saw it last."""
+
+    __tablename__ = "swarm_snapshots"
+
+    model: Mapped[str] = mapped_column(String(500), primary_key=True)  # a job's model, as submitted
+    worker: Mapped[str] = mapped_column(String(200))
+    taken_at: Mapped[datetime]
+    report: Mapped[dict[str, Any]]

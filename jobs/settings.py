@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     schedules: Path | None = Field(default=None, description="TOML file of nightly summarization schedules")
     swarm_file: Path | None = Field(default=None, description="a private swarm's members (JSON); unset: open swarm")
     identity: Path | None = Field(default=None, description="the member key the worker's clients prove membership with")
+    swarm_snapshot_seconds: float = Field(default=10.0, gt=0, description="a worker publishes what it sees of the "
+                                          "swarm (the API's swarm page) at most this often, across all workers")
     schedule_tick: float = Field(default=30.0, gt=0, description="seconds between beat's checks for due schedules")
 
     api_models: Annotated[list[str], NoDecode] = Field(

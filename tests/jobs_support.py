@@ -1,15 +1,20 @@
-"""Waiting on and reading jobs in tests of real workers, and reading their logs."""
+"""Waiting on and reading jobs in tests of real workers, reading their logs, and starting `swarmbatch api`."""
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import httpx
+from ports import free_port
 from sqlalchemy import select
 
 from jobs.models import Job, Request
 from jobs.runtime import Runtime
 from jobs.worker.job_worker import CLAIMED_FOR_FREED_SLOTS_LOG, CLAIMED_LOG
+from launch.local_worker import settings_env
+from launch.processes import ManagedProcess, cli_command
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -44,3 +49,22 @@ def claims(log: str) -> list[tuple[list[int], bool]]:
         if match := plain.search(line) or refill.search(line):
             found.append(([int(i) for i in match.group(3).split(", ")], match.re is refill))
     return found
+
+
+def start_api(runtime: Runtime, log_dir: Path) -> tuple[ManagedProcess, str]:
+    """A `swarmbatch api` process on the runtime's store and broker; returns it and its base URL once it answers."""
+    port = free_port()
+    api = ManagedProcess(cli_command("api", "--host", "127.0.0.1", "--port", str(port)), name="api",
+                         log_dir=log_dir, env=settings_env(runtime.settings))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return api, url
+        except httpx.HTTPError:
+            pass
+        if api.proc.poll() is not None or time.monotonic() > deadline:
+            api.terminate()
+            raise RuntimeError(f"swarmbatch api did not answer; see {api.log_path}")
+        time.sleep(0.2)

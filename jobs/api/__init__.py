@@ -9,8 +9,11 @@
                        upload or a JSON body of requests), as one Submission
     metrics.py         a Prometheus collector that reads job/request counts and tokens from SQL (two GROUP BY
                        queries), reused for SWARMBATCH_METRICS_CACHE_SECONDS
+    docs.py            /docs (Swagger UI) from local files (the fastapi-offline package): works without the internet
     routes/            files.py (/v1/files...), batches.py (/v1/batches...), models.py (/v1/models...),
-                       health.py (/healthz, /metrics)
+                       health.py (/healthz, /metrics), swarm.py (/v1/swarm: the workers' last swarm snapshots of the
+                       served models)
+    ui/                the web view at /ui/ (static HTML + JS + CSS, package data) over the REST routes above
 
 Routes stay thin: validation and state changes live in jobs.submission and jobs.store, output lines in
 jobs.outputs; errors are raised as JobsError subclasses and translated to HTTP in main.py only (limits.py's

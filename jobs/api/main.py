@@ -8,10 +8,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from jobs.api.docs import add_docs
 from jobs.api.error_body import error_response
 from jobs.api.limits import BODY_OVERHEAD_BYTES, ApiRefusal, BodyLimit, SubmissionSlots
 from jobs.api.metrics import make_registry
-from jobs.api.routes import batches, files, health, models
+from jobs.api.routes import batches, files, health, models, swarm
+from jobs.api.ui import add_ui
 from jobs.errors import (
     FileNotFound,
     IdempotencyConflict,
@@ -32,7 +34,8 @@ Authenticate with `Authorization: Bearer KEY`; create a key with `swarmbatch key
 A key sees only its own files and jobs. The official `openai` SDK works with only its `base_url` changed:
 `files.create(purpose="batch")`, `batches.create(input_file_id=...)`, `batches.retrieve`, `files.content`,
 `models.list`, `models.retrieve`.
-Every error answer is OpenAI's `{"error": {"message", "type", "param", "code"}}`."""
+Every error answer is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+A web view of the key's jobs and the swarm is at `/ui/`."""
 
 # the first class that matches wins: FileTooLarge is an InvalidJob
 STATUS_CODES: dict[type[JobsError], int] = {FileTooLarge: 413, JobNotFound: 404, FileNotFound: 404, ModelNotFound: 404,
@@ -43,7 +46,7 @@ HTTP_KINDS = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 
 def make_app(runtime: Runtime) -> FastAPI:
     """The app serving `runtime`'s store; the caller owns the runtime (and closes it)."""
-    app = FastAPI(title="swarmbatch", version="0.1.0", description=DESCRIPTION)
+    app = FastAPI(title="swarmbatch", version="0.1.0", description=DESCRIPTION, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     app.state.metrics_registry = make_registry(runtime)
     app.state.submission_slots = SubmissionSlots(runtime.settings.max_concurrent_submissions)
@@ -57,6 +60,9 @@ def make_app(runtime: Runtime) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(models.router)
     app.include_router(health.router)
+    app.include_router(swarm.router)
+    add_docs(app)
+    add_ui(app)
     return app
 
 

@@ -14,5 +14,7 @@
                   renewed); commits every K tokens; resumes from committed ids
     sweep         sweep_store: lost leases back to pending, overdue jobs expired, finished jobs settled, failed
                   end hooks retried; each job in its own transaction
+    swarm_view    the swarm snapshot a worker publishes (coverage map + its round trips) at most every
+                  swarm_snapshot_seconds, for the API's swarm page (jobs.snapshots)
     maintenance   the worker bootstep that heartbeats and sends the sweep every interval (no beat needed)
 """

@@ -24,6 +24,7 @@ from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
+from jobs.worker.swarm_view import publish_if_due
 from modelprep import ModelPrepError
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy
 from swarmclient.verification_policy import VerificationCounts, VerificationTally
@@ -134,7 +135,9 @@ class JobWorker:
         """What the chain can hold for this process now; None when the swarm cannot say (the batch will say why)."""
         try:
             swarm = self.runtime.swarm_model(model).swarm
-            return swarm.loop.run(chain_room(swarm))  # type: ignore[no-any-return]
+            room = swarm.loop.run(chain_room(swarm))
+            publish_if_due(self.runtime, model)  # the API's swarm page: what this worker sees (never raises)
+            return room  # type: ignore[no-any-return]
         except Exception as e:  # sizing must never stop a batch: generating reports the real error
             logger.info("Sizing the batch without the servers' figures: %s", e)
             return None
@@ -209,8 +212,7 @@ class JobWorker:
                                  checkpoint=self._checkpoint(job.id, token, checks), verification=checks.tally,
                                  plan=plan, continuous=self.settings.continuous_batching,
                                  refill=self._refill(job.id, token, claimed) if self.settings.continuous_batching
-                                 else None, renew=lambda: self._store(f"Job {job.id}: renew leases",
-                                                                      lambda: self._renew(token)),
+                                 else None, renew=lambda: self._renew_leases(job, token),
                                  renew_every=self.settings.lease_seconds / 3)
             self.runner = runner
             results = runner.run()
@@ -230,6 +232,11 @@ class JobWorker:
         self._store(f"Job {job.id}: finish", lambda: self._complete(job.id, token, runner.requests, results))
         logger.info("Job %s: finished %d requests", job.id, len(runner.requests))
         return Outcome(more=self._settle(job.id) > 0)
+
+    def _renew_leases(self, job: Job, token: str) -> None:
+        """A long batch's periodic duty: renew its leases, and publish the swarm snapshot when due."""
+        self._store(f"Job {job.id}: renew leases", lambda: self._renew(token))
+        publish_if_due(self.runtime, job.model)
 
     def _renew(self, token: str) -> None:
         with self.runtime.session() as session:

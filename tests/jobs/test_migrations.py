@@ -19,7 +19,7 @@ from jobs.models import Base, Job, JobKind, JobStatus, UTCDateTime
 from jobs.store import create_job
 
 TABLES = {"api_keys", "jobs", "requests", "document_summaries", "summary_runs", "worker_heartbeats", "maintenance_slots",
-          "files", "file_chunks"}
+          "files", "file_chunks", "swarm_snapshots"}
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -242,3 +242,20 @@ def test_0011_makes_queued_jobs_validating_and_back(database_url: str, engine: E
     downgrade(database_url, "0010_job_pipeline")
     with engine.connect() as connection:
         assert connection.execute(text("SELECT status FROM jobs ORDER BY id")).scalars().all() == ["completed", "queued"]
+
+
+# ---- 0013: the swarm snapshots that workers publish for the web view ------------------------------------------
+def test_0013_adds_the_swarm_snapshots_table_and_takes_it_away_again(database_url: str, engine: Engine) -> None:
+    # Given a database at head with a snapshot in it
+    upgrade(database_url)
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO swarm_snapshots (model, worker, taken_at, report) "
+                                "VALUES ('tiny', 'host:1', CURRENT_TIMESTAMP, '{\"blocks\": []}')"))
+    # When it is downgraded to 0012, only that table goes
+    downgrade(database_url, "0012_request_prompt_count")
+    assert table_names(engine) == (TABLES - {"swarm_snapshots"}) | {"alembic_version"}
+    # And upgrading again brings it back, empty, matching the models
+    upgrade(database_url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM swarm_snapshots")).scalar() == 0
+    assert schema_diffs(engine) == []

@@ -19,11 +19,10 @@ import httpx
 import openai
 import pytest
 import torch
-from jobs_support import requests_of
+from jobs_support import requests_of, start_api
 from openai import OpenAI
 from openai.types import Batch, Completion, FileDeleted, FileObject, Model
 from openai.types.chat import ChatCompletion
-from ports import free_port
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM
 
@@ -31,8 +30,7 @@ from jobs import files, store
 from jobs.models import FileChunk, RequestStatus
 from jobs.runtime import Runtime
 from launch.local_swarm import LocalSwarm
-from launch.local_worker import settings_env, start_local_worker
-from launch.processes import ManagedProcess, cli_command
+from launch.local_worker import start_local_worker
 from swarmclient.textgen import load_tokenizer
 
 # the SDK's first request reads platform.uname().processor, which runs `uname -p` (a child process): read it here, at
@@ -355,25 +353,6 @@ def reference(model_dir: Path, prompt: str, max_new_tokens: int) -> tuple[str, l
 def reference_text(model_dir: Path, prompt: str, max_new_tokens: int) -> str:
     """Local greedy generation's text."""
     return reference(model_dir, prompt, max_new_tokens)[0]
-
-
-def start_api(runtime: Runtime, log_dir: Path) -> tuple[ManagedProcess, str]:
-    """A `swarmbatch api` process on the runtime's store and broker; returns it and its base URL once it answers."""
-    port = free_port()
-    api = ManagedProcess(cli_command("api", "--host", "127.0.0.1", "--port", str(port)), name="api",
-                         log_dir=log_dir, env=settings_env(runtime.settings))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return api, url
-        except httpx.HTTPError:
-            pass
-        if api.proc.poll() is not None or time.monotonic() > deadline:
-            api.terminate()
-            raise RuntimeError(f"swarmbatch api did not answer; see {api.log_path}")
-        time.sleep(0.2)
 
 
 def test_the_sdk_batch_flow_runs_end_to_end_on_a_real_swarm(runtime: Runtime, shared_swarm: LocalSwarm,
