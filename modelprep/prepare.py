@@ -9,11 +9,12 @@ from typing import Any
 
 from modelprep.errors import ModelPrepError
 from modelprep.smollm2 import prepare_smollm2
+from swarmnet.families import FAMILIES
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 

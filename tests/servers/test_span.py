@@ -14,6 +14,7 @@ from swarmclient.generation import generate_tokens
 from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
+from swarmnet.families import FAMILIES
 from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and", "one two"]
@@ -27,7 +28,7 @@ def local_chain(spans: list, caches: list) -> object:
     return step
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_spans_generate_the_same_tokens_as_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / arch, layers=4, arch=arch, seed=3)
     spec = ModelSpec.open(model_dir)
