@@ -9,6 +9,7 @@ Modules:
                      DHTUnreachable
     families         the model families (FAMILIES): per family, its classes, tensor names, layer call, embedding
                      scale, soft-capping, sliding layers; the one place to add a family
+    special_tokens   EOS as transformers reads it: config.json, generation_config.json and the tokenizer, united
     model_spec       a local model directory: config, family classes, weight files, revision, model id
     identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
     addresses        what a P2P node listens on and announces (--host, --port, --announce-host): no loopback

@@ -21,11 +21,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads only where a block or a head is built: the CLI and modelprep import this cheaply
+    import torch
 
-LayerCall = Callable[..., torch.Tensor]
+LayerCall = Callable[..., "torch.Tensor"]
+BlockConversion = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
 
 
 def call_layer(layer: Any, hidden: torch.Tensor, *, mask: Any, position_ids: torch.Tensor,
@@ -56,6 +58,8 @@ def merge_mixtral_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     As transformers' own conversion mapping does: gate_up_proj = [w1; w3] per expert, stacked; down_proj = w2s.
     A block already in the fused layout passes through (only `block_sparse_moe.` is renamed to `mlp.`).
     """
+    import torch
+
     experts: dict[str, dict[int, torch.Tensor]] = {"w1": {}, "w2": {}, "w3": {}}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
@@ -87,7 +91,7 @@ class Family:
     norm_prefix: str = "model.norm."
     norm: str = "RMSNorm"  # the final norm: a class suffix of the family, or "LayerNorm" (torch's, with a bias)
     layer_call: LayerCall = call_layer
-    convert_block: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = same_names
+    convert_block: BlockConversion = same_names
     rotary_by_layer_type: bool = False  # Gemma 3: local and global layers have their own RoPE
     window_on_every_layer: bool = False  # config.sliding_window (when set) applies to all layers (Mistral, Phi-3)
     attn_implementation: str = "sdpa"  # "eager" where transformers' SDPA path lacks a feature (Gemma 2 soft-capping)

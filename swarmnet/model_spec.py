@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from swarmnet.errors import ModelDirError
 from swarmnet.families import FAMILIES, Family
+from swarmnet.special_tokens import eos_token_ids
 
 __all__ = ["FAMILIES", "ModelSpec", "unsupported_family"]
 REVISION_FILE = ".swarmbatch-revision.json"
@@ -75,6 +76,11 @@ class ModelSpec:
     def max_length(self) -> int:
         """Longest sequence (prompt + generated) the model supports."""
         return int(self.config.max_position_embeddings)
+
+    @cached_property
+    def eos_token_ids(self) -> set[int]:
+        """Every token id that ends a generation (config, generation config and tokenizer; special_tokens.py)."""
+        return eos_token_ids(self.path)
 
     @cached_property
     def modeling(self) -> ModuleType:
