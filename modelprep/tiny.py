@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from modelprep.errors import ModelPrepError
-from swarmnet.families import FAMILIES
+from swarmnet.families import FAMILIES, unsupported_family
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def write_tiny_model(out: Path, *, layers: int = 4, arch: str = "llama", hidden_
 def _check_args(layers: int, arch: str, hidden_size: int) -> None:
     """Reject arguments that cannot make a valid tiny model."""
     if arch not in TINY_ARCHS:
-        raise ModelPrepError(f"model_type {arch!r} is not supported; supported: {', '.join(TINY_ARCHS)}")
+        raise ModelPrepError(unsupported_family(arch))
     if layers < 1:
         raise ModelPrepError(f"layers must be >= 1 (got {layers}); pass a positive layer count")
     if hidden_size < 2 * NUM_HEADS or hidden_size % (2 * NUM_HEADS):

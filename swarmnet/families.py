@@ -126,3 +126,8 @@ FAMILIES: dict[str, Family] = {
                      tiny={"num_kv_heads": 1, "multi_query": True, "parallel_attn": True, "alibi": False,
                            "new_decoder_architecture": False, "bias": False}),
 }
+
+
+def unsupported_family(model_type: object) -> str:
+    """The line that refuses a model family, naming the supported ones (model dirs, `model tiny --arch`)."""
+    return f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}"

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from swarmnet.errors import ModelDirError
-from swarmnet.families import FAMILIES, Family
+from swarmnet.families import FAMILIES, Family, unsupported_family
 from swarmnet.special_tokens import eos_token_ids
 
 __all__ = ["FAMILIES", "ModelSpec", "unsupported_family"]
@@ -166,8 +166,3 @@ class ModelSpec:
             tmp.replace(self.path / REVISION_FILE)
         except OSError:  # a read-only model dir: hash again next time
             tmp.unlink(missing_ok=True)
-
-
-def unsupported_family(model_type: object) -> str:
-    """The one line that refuses a model family, naming the supported ones."""
-    return f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
