@@ -24,8 +24,10 @@ class BlockSpan(nn.Module):
         layer_cls = spec.family_class("DecoderLayer")
         self.layers = nn.ModuleList(layer_cls(spec.config, layer_idx=i) for i in range(start, end))
         for module in self.layers.modules():
-            if isinstance(getattr(module, "layer_idx", None), int):  # the attention's index into its cache
-                module.layer_idx = 0  # each layer has its own one-layer cache
+            # the attention's index into the cache: 0, each layer has its own one-layer cache (setattr, as mypy
+            # types a submodule attribute Tensor | Module)
+            if isinstance(getattr(module, "layer_idx", None), int):
+                setattr(module, "layer_idx", 0)  # noqa: B010
         self.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)
         self.layer_types = [spec.layer_type(i) for i in range(start, end)]
         self.compute_dtype = torch.float32  # set by the loader (bfloat16 spans compute in bfloat16)

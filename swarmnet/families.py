@@ -97,7 +97,15 @@ class Family:
     attn_implementation: str = "sdpa"  # "eager" where transformers' SDPA path lacks a feature (Gemma 2 soft-capping)
     causal_skip: bool = True  # False: always materialize the causal mask, as the family's own model does
     embed_scale: Callable[[Any], float] = field(default=lambda config: 1.0)
+    refused: dict[str, Any] = field(default_factory=dict)  # config values of the family we cannot run (key: value)
     tiny: dict[str, Any] = field(default_factory=dict)  # config of a tiny random model (modelprep/tiny.py)
+
+    def refusal(self, config: Any) -> str | None:
+        """Why this family cannot run a model of `config` (a variant we do not support), or None."""
+        for key, value in self.refused.items():
+            if getattr(config, key, None) == value:
+                return f"{config.model_type} with {key}={value!r} is not supported; use a model without it"
+        return None
 
     def layer_prefix_of(self, index: int) -> str:
         """Checkpoint name prefix of block `index`'s tensors."""
@@ -122,7 +130,7 @@ FAMILIES: dict[str, Family] = {
                           tiny=_GEMMA_TINY),
     "falcon": Family("falcon", "Falcon", layer_prefix="transformer.h.{index}.",
                      embed_prefix="transformer.word_embeddings.", norm_prefix="transformer.ln_f.", norm="LayerNorm",
-                     layer_call=call_falcon_layer, causal_skip=False,
+                     layer_call=call_falcon_layer, causal_skip=False, refused={"alibi": True},
                      tiny={"num_kv_heads": 1, "multi_query": True, "parallel_attn": True, "alibi": False,
                            "new_decoder_architecture": False, "bias": False}),
 }

@@ -45,6 +45,8 @@ class ModelSpec:
         model_type = json.loads((spec.path / "config.json").read_text()).get("model_type")
         if model_type not in FAMILIES:
             raise ModelDirError(f"{spec.path}: {unsupported_family(model_type)}")
+        if refusal := spec.family.refusal(spec.config):
+            raise ModelDirError(f"{spec.path}: {refusal}")
         return spec
 
     @cached_property
