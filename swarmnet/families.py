@@ -95,6 +95,7 @@ class Family:
     rotary_by_layer_type: bool = False  # Gemma 3: local and global layers have their own RoPE
     window_on_every_layer: bool = False  # config.sliding_window (when set) applies to all layers (Mistral, Phi-3)
     attn_implementation: str = "sdpa"  # "eager" where transformers' SDPA path lacks a feature (Gemma 2 soft-capping)
+    experts_implementation: str | None = None  # mixtures of experts: the expert kernel transformers picks for them
     causal_skip: bool = True  # False: always materialize the causal mask, as the family's own model does
     embed_scale: Callable[[Any], float] = field(default=lambda config: 1.0)
     refused: dict[str, Any] = field(default_factory=dict)  # config values of the family we cannot run (key: value)
@@ -123,6 +124,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3", tiny={"head_dim": 16}),
     "phi3": Family("phi3", "Phi3", window_on_every_layer=True),
     "mixtral": Family("mixtral", "Mixtral", window_on_every_layer=True, convert_block=merge_mixtral_experts,
+                      experts_implementation="grouped_mm",
                       tiny={"num_local_experts": 4, "num_experts_per_tok": 2}),
     "gemma2": Family("gemma2", "Gemma2", attn_implementation="eager", embed_scale=gemma_embed_scale,
                      tiny={**_GEMMA_TINY, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),

@@ -56,7 +56,10 @@ class ModelSpec:
 
         config = AutoConfig.from_pretrained(self.path)
         # AutoConfig leaves this unset; the mask factory and attention dispatch both key on it.
-        config._attn_implementation = FAMILIES[config.model_type].attn_implementation
+        family = FAMILIES[config.model_type]
+        config._attn_implementation = family.attn_implementation
+        if family.experts_implementation:
+            config._experts_implementation = family.experts_implementation
         return config
 
     @property
