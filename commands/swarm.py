@@ -69,10 +69,14 @@ def model_prepare(name_or_path: Annotated[str, typer.Argument(help="'smollm2' or
     typer.echo(resolve_model(name_or_path))
 
 
+TINY_ARCH_HELP = ("The family, as its Hugging Face model_type: llama, mistral, qwen2, qwen3, phi3, mixtral, gemma2, "
+                  "gemma3_text or falcon (swarmnet/families.py).")
+
+
 @model_app.command("tiny")
 def model_tiny(out: Annotated[Path, typer.Argument(help="Directory to write.")],
                layers: Annotated[int, typer.Option(min=1, help="Number of decoder layers.")] = 4,
-               arch: Annotated[str, typer.Option(help="llama, mistral or qwen2.")] = "llama",
+               arch: Annotated[str, typer.Option(help=TINY_ARCH_HELP)] = "llama",
                seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
                context: Annotated[int, typer.Option(min=16, help="Context length (max_position_embeddings).")] = 2048
                ) -> None:

@@ -9,11 +9,12 @@ from typing import Any
 
 from modelprep.errors import ModelPrepError
 from modelprep.smollm2 import prepare_smollm2
+from swarmnet.families import FAMILIES, unsupported_family
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -54,10 +55,7 @@ def _check_model_type(path: Path, config: dict[str, Any]) -> None:
     """Reject model types this project cannot split into decoder-layer spans."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelPrepError(
-            f"{path} has model_type {model_type!r}, which is not supported; "
-            f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ModelPrepError(f"{path}: {unsupported_family(model_type)}")
 
 
 def _check_weights(path: Path) -> None:

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from modelprep.errors import ModelPrepError
+from swarmnet.families import FAMILIES, unsupported_family
 
 logger = logging.getLogger(__name__)
 
-TINY_ARCHS = ("llama", "mistral", "qwen2")
+TINY_ARCHS = tuple(FAMILIES)  # every supported family, by its Hugging Face model_type
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 BOS_ID, EOS_ID = 1, 2
 TARGET_VOCAB = 1000
@@ -73,7 +74,7 @@ def write_tiny_model(out: Path, *, layers: int = 4, arch: str = "llama", hidden_
 def _check_args(layers: int, arch: str, hidden_size: int) -> None:
     """Reject arguments that cannot make a valid tiny model."""
     if arch not in TINY_ARCHS:
-        raise ModelPrepError(f"unknown tiny model arch {arch!r}; use one of {', '.join(TINY_ARCHS)}")
+        raise ModelPrepError(unsupported_family(arch))
     if layers < 1:
         raise ModelPrepError(f"layers must be >= 1 (got {layers}); pass a positive layer count")
     if hidden_size < 2 * NUM_HEADS or hidden_size % (2 * NUM_HEADS):
@@ -138,11 +139,17 @@ def _build_model(arch: str, layers: int, hidden_size: int, vocab_size: int, seed
 
 
 def _make_config(arch: str, layers: int, hidden_size: int, vocab_size: int, context: int) -> Any:
-    """Return the transformers config for a tiny ``arch`` model (4 heads, 2 KV heads, MLP 2x hidden)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """Return the transformers config for a tiny ``arch`` model (4 heads, 2 KV heads, MLP 2x hidden).
 
-    config_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
-    return config_cls(
+    The family's own `tiny` options (swarmnet/families.py) come on top: e.g. Gemma's head_dim and sliding layers.
+    """
+    from transformers import AutoConfig
+
+    extra = dict(FAMILIES[arch].tiny)
+    if "layer_types" in extra:  # a pattern, repeated over the layers
+        extra["layer_types"] = [extra["layer_types"][i % len(extra["layer_types"])] for i in range(layers)]
+    return AutoConfig.for_model(
+        arch,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -152,5 +159,5 @@ def _make_config(arch: str, layers: int, hidden_size: int, vocab_size: int, cont
         max_position_embeddings=context,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID,
+        **{"pad_token_id": EOS_ID, **extra},
     )

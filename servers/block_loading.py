@@ -22,7 +22,7 @@ def load_span(spec: ModelSpec, start: int, end: int, *, dtype: DType = DType.flo
     with torch.device("meta"):
         span = BlockSpan(spec, start, end)
     for offset, index in enumerate(range(start, end)):
-        state = spec.load_tensors(f"model.layers.{index}.")
+        state = spec.family.convert_block(spec.load_tensors(spec.family.layer_prefix_of(index)))
         if not state:
             raise ServerConfigError(f"{spec.path}: no tensors for block {index}")
         try:

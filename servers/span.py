@@ -20,12 +20,14 @@ class BlockSpan(nn.Module):
 
     def __init__(self, spec: ModelSpec, start: int, end: int) -> None:
         super().__init__()
-        self.spec, self.start, self.end = spec, start, end
+        self.spec, self.start, self.end, self.family = spec, start, end, spec.family
         layer_cls = spec.family_class("DecoderLayer")
         self.layers = nn.ModuleList(layer_cls(spec.config, layer_idx=i) for i in range(start, end))
-        for layer in self.layers:
-            # the index into the layer's own one-layer cache; setattr, as mypy types submodule attributes Tensor | Module
-            setattr(layer.self_attn, "layer_idx", 0)  # noqa: B010
+        for module in self.layers.modules():
+            # the attention's index into the cache: 0, each layer has its own one-layer cache (setattr, as mypy
+            # types a submodule attribute Tensor | Module)
+            if isinstance(getattr(module, "layer_idx", None), int):
+                setattr(module, "layer_idx", 0)  # noqa: B010
         self.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)
         self.layer_types = [spec.layer_type(i) for i in range(start, end)]
         self.compute_dtype = torch.float32  # set by the loader (bfloat16 spans compute in bfloat16)
@@ -47,11 +49,17 @@ class BlockSpan(nn.Module):
         caches = caches if caches is not None else [DynamicCache() for _ in range(last - first)]
         hidden = hidden.to(self.compute_dtype)
         # masks must be built BEFORE the layers append to the cache: they read its current length
+        kinds = set(self.layer_types[first:last])
         masks = {kind: MASK_BUILDERS[kind](config=self.spec.config, inputs_embeds=hidden,
-                                           attention_mask=attention_mask, cache=caches[0], position_ids=position_ids)
-                 for kind in set(self.layer_types[first:last])}
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+                                           attention_mask=attention_mask, cache=caches[0], position_ids=position_ids,
+                                           allow_is_causal_skip=self.family.causal_skip)
+                 for kind in kinds}
+        if self.family.rotary_by_layer_type:
+            rotary = {kind: self.rotary_emb(hidden, position_ids, kind) for kind in kinds}
+        else:
+            rotary = dict.fromkeys(kinds, self.rotary_emb(hidden, position_ids=position_ids))
         for offset, layer in enumerate(self.layers[first:last]):
-            hidden = layer(hidden, attention_mask=masks[self.layer_types[first + offset]], position_ids=position_ids,
-                           position_embeddings=position_embeddings, cache=caches[offset], use_cache=True)
+            kind = self.layer_types[first + offset]
+            hidden = self.family.layer_call(layer, hidden, mask=masks[kind], position_ids=position_ids,
+                                            position_embeddings=rotary[kind], cache=caches[offset])
         return hidden

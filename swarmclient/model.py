@@ -26,8 +26,7 @@ class DistributedModelForCausalLM:
     def __init__(self, spec: ModelSpec, head: ClientHead, swarm: Swarm) -> None:
         self.spec, self.head, self.swarm = spec, head, swarm
         config = spec.config
-        eos = config.eos_token_id
-        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.eos_token_ids: set[int] = spec.eos_token_ids
         self.pad_token_id: int = config.pad_token_id if config.pad_token_id is not None else min(self.eos_token_ids, default=0)
 
     @classmethod

@@ -7,6 +7,9 @@ Modules:
     protocol         RPC names, the one frame codec (tensors + msgpack metadata), stream framing, error codes
     errors           SwarmError (the root of every swarm error) and the shared ones: ModelDirError, NetworkConfigError,
                      DHTUnreachable
+    families         the model families (FAMILIES): per family, its classes, tensor names, layer call, embedding
+                     scale, soft-capping, sliding layers; the one place to add a family
+    special_tokens   EOS as transformers reads it: config.json, generation_config.json and the tokenizer, united
     model_spec       a local model directory: config, family classes, weight files, revision, model id
     identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
     addresses        NetworkOptions: what a P2P node listens on and announces (--host, --port, --announce-host): no loopback

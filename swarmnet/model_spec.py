@@ -19,9 +19,10 @@ import torch
 from safetensors import safe_open
 
 from swarmnet.errors import ModelDirError
+from swarmnet.families import FAMILIES, Family, unsupported_family
+from swarmnet.special_tokens import eos_token_ids
 
-# model_type -> class-name prefix in transformers.models.<type>.modeling_<type>
-FAMILIES: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+__all__ = ["FAMILIES", "ModelSpec", "unsupported_family"]
 REVISION_FILE = ".swarmbatch-revision.json"
 _HASH_CHUNK = 8 << 20
 
@@ -41,9 +42,11 @@ class ModelSpec:
                                 "run 'swarmbatch model prepare smollm2' or pass a Hugging Face model dir")
         if not spec.weight_files:
             raise ModelDirError(f"{spec.path} has no *.safetensors weights; convert the model to safetensors")
-        if spec.config.model_type not in FAMILIES:
-            raise ModelDirError(f"{spec.path}: model_type '{spec.config.model_type}' is not supported; "
-                                f"supported: {', '.join(FAMILIES)}")
+        model_type = json.loads((spec.path / "config.json").read_text()).get("model_type")
+        if model_type not in FAMILIES:
+            raise ModelDirError(f"{spec.path}: {unsupported_family(model_type)}")
+        if refusal := spec.family.refusal(spec.config):
+            raise ModelDirError(f"{spec.path}: {refusal}")
         return spec
 
     @cached_property
@@ -53,8 +56,16 @@ class ModelSpec:
 
         config = AutoConfig.from_pretrained(self.path)
         # AutoConfig leaves this unset; the mask factory and attention dispatch both key on it.
-        config._attn_implementation = "sdpa"
+        family = FAMILIES[config.model_type]
+        config._attn_implementation = family.attn_implementation
+        if family.experts_implementation:
+            config._experts_implementation = family.experts_implementation
         return config
+
+    @property
+    def family(self) -> Family:
+        """This model's family: what differs between families (swarmnet/families.py)."""
+        return FAMILIES[self.config.model_type]
 
     @property
     def num_blocks(self) -> int:
@@ -72,21 +83,26 @@ class ModelSpec:
         return int(self.config.max_position_embeddings)
 
     @cached_property
+    def eos_token_ids(self) -> set[int]:
+        """Every token id that ends a generation (config, generation config and tokenizer; special_tokens.py)."""
+        return eos_token_ids(self.path)
+
+    @cached_property
     def modeling(self) -> ModuleType:
         """transformers' modeling module of this family (decoder layer, rotary embedding, norm classes)."""
-        kind = self.config.model_type
-        return importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+        module = self.family.module
+        return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
     def family_class(self, suffix: str) -> Any:
         """A class of this family by suffix, e.g. 'DecoderLayer' -> LlamaDecoderLayer."""
-        return getattr(self.modeling, FAMILIES[self.config.model_type] + suffix)
+        return getattr(self.modeling, self.family.prefix + suffix)
 
     def layer_type(self, index: int) -> str:
         """Attention kind of block `index`: 'full_attention' or 'sliding_attention'."""
         types = getattr(self.config, "layer_types", None)
         if types:
             return str(types[index])
-        if self.config.model_type == "mistral" and getattr(self.config, "sliding_window", None):
+        if self.family.window_on_every_layer and getattr(self.config, "sliding_window", None):
             return "sliding_attention"
         return "full_attention"
 

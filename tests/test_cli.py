@@ -19,7 +19,11 @@ from commands.errors import EXIT_CODES, ExitCode
 from launch.local_swarm import LocalSwarm
 from launch.processes import ManagedProcess, cli_command
 from launch.ready import SERVING_BLOCKS
+from modelprep import write_tiny_model
 from swarmclient.textgen import load_tokenizer
+from swarmnet.errors import ModelDirError
+from swarmnet.families import FAMILIES
+from swarmnet.model_spec import ModelSpec
 
 runner = CliRunner()
 DEAD_PEER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
@@ -35,6 +39,22 @@ def test_model_tiny_writes_a_loadable_model(tmp_path: Path) -> None:
     code, out, _ = invoke("model", "tiny", str(tmp_path / "m"), "--layers", "2", "--arch", "qwen2")
     assert code == 0 and Path(out.strip()) == tmp_path / "m"
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.num_hidden_layers == 2
+
+
+def test_an_unsupported_family_is_one_line_naming_the_supported_ones(tmp_path: Path) -> None:
+    # model tiny of an unknown model_type
+    code, _, err = invoke("model", "tiny", str(tmp_path / "m"), "--arch", "gpt2")
+    assert code == ExitCode.USAGE and len(err.strip().splitlines()) == 1
+    assert "'gpt2' is not supported" in err and all(name in err for name in FAMILIES)
+    # serving a model dir of an unknown model_type: refused before anything starts
+    model_dir = write_tiny_model(tmp_path / "bloom", layers=1)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "bloom"}))
+    code, _, err = invoke("serve", str(model_dir), "--blocks", "0:1", "--initial-peers", DEAD_PEER)
+    assert code == ExitCode.USAGE and len(err.strip().splitlines()) == 1
+    assert "'bloom' is not supported" in err and all(name in err for name in FAMILIES)
+    with pytest.raises(ModelDirError, match="'bloom' is not supported; supported: llama, mistral"):
+        ModelSpec.open(model_dir)
 
 
 def test_model_prepare_of_a_non_model_is_a_usage_error(tmp_path: Path) -> None:

@@ -1,19 +1,17 @@
 """Generation through real block-server processes on 127.0.0.1 equals transformers' generate."""
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from generation_checks import generate_killing_first_hop, reference_tokens
 from tiers import process_fixture
-from transformers import AutoModelForCausalLM
 
 from launch.local_swarm import LocalSwarm
 from swarmclient.config import ClientConfig
 from swarmclient.errors import MissingBlocksError
-from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
 from swarmnet.errors import DHTUnreachable
@@ -23,13 +21,6 @@ CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
                 "Summarize in one sentence: The bakery on Main Street has been open for fifty years. It is famous "
                 "for its sourdough bread and cinnamon rolls. The owners plan to retire next spring.",
                 "List three uses of a paperclip, briefly."]
-
-
-def reference_tokens(model_dir: Path, batch: dict, max_new_tokens: int) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
-    return out[:, batch["input_ids"].shape[1]:]
 
 
 @process_fixture(scope="module")
@@ -81,34 +72,17 @@ def test_smollm2_through_two_servers_equals_transformers(smollm2_model: Path, lo
 def test_killing_the_server_in_use_mid_generation_changes_no_token(tiny_model: Path, local_swarm) -> None:
     # Given three servers: one with all blocks, two with halves
     swarm = local_swarm(tiny_model, [(0, 6), (0, 3), (3, 6)])
-    by_peer = {server.peer_id: server for server in swarm.servers}
     batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
     expected = reference_tokens(tiny_model, batch, 32)
+    # When the server of the first hop is killed -9 mid-generation
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
-        session = model.inference_session(batch_size=4, max_length=batch.input_ids.shape[1] + 32)
-        stamps: list[float] = []
-        killed: dict[str, float] = {}
-
-        def on_token(index: int, _: torch.Tensor) -> None:
-            stamps.append(time.perf_counter())
-            if len(stamps) == 12:  # When the server of the first hop is killed -9 mid-generation
-                victim = session.route[0].peer_id
-                by_peer[victim].kill()
-                killed[victim] = time.perf_counter()
-
-        with session:
-            params = model.sampling_params(4, False, 1.0, 1.0, 0)
-            got = generate_tokens(model.head, session.step, batch.input_ids, batch.attention_mask, max_new_tokens=32,
-                                  params=params, eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id,
-                                  on_token=on_token)
-            route_after = session.route
+        run = generate_killing_first_hop(model, swarm, batch, 32)
     # Then the generation completes with the same tokens, on other servers, after a short stall
-    assert killed and torch.equal(got, expected)
-    assert session.failovers >= 1
-    assert all(hop.peer_id not in killed for hop in route_after)
-    stall = stamps[12] - stamps[11]
-    print(f"\nfailover stall after kill -9: {stall:.2f} s (normal step {stamps[11] - stamps[10]:.3f} s)")
-    assert stall < 5.0
+    assert run.killed and torch.equal(run.tokens, expected)
+    assert run.failovers >= 1
+    assert all(hop.peer_id not in run.killed for hop in run.route_after)
+    print(f"\nfailover stall after kill -9: {run.stall:.2f} s (normal step {run.normal_step:.3f} s)")
+    assert run.stall < 5.0
 
 
 def test_a_server_without_cache_room_is_routed_around(tiny_model: Path, local_swarm) -> None:

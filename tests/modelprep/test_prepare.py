@@ -26,7 +26,7 @@ def _smollm2_cache() -> Path:
     return Path(os.environ.get("SWARMBATCH_TEST_MODEL_CACHE", default)).expanduser()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", SUPPORTED_MODEL_TYPES)
 def test_tiny_model_loads_and_generates_with_transformers(tmp_path: Path, arch: str) -> None:
     """A tiny model of each arch loads with the Auto classes, applies the chat template and generates greedily."""
     out = write_tiny_model(tmp_path / arch, arch=arch)
@@ -67,9 +67,10 @@ def test_tiny_model_is_deterministic_for_a_seed(tmp_path: Path) -> None:
 
 
 def test_tiny_model_rejects_an_unknown_arch(tmp_path: Path) -> None:
-    """An arch outside llama/mistral/qwen2 is refused with a ModelPrepError."""
-    with pytest.raises(ModelPrepError, match="unknown tiny model arch"):
+    """A model_type outside the supported families is refused with a ModelPrepError naming them."""
+    with pytest.raises(ModelPrepError, match="'gpt2' is not supported") as err:
         write_tiny_model(tmp_path / "m", arch="gpt2")
+    assert all(name in str(err.value) for name in SUPPORTED_MODEL_TYPES)
 
 
 def test_prepare_rejects_a_path_that_is_not_a_model_dir(tmp_path: Path) -> None:

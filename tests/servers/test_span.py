@@ -1,6 +1,7 @@
 """A model cut into spans computes what the whole model computes (in one process, every supported family)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from swarmclient.generation import generate_tokens
 from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
+from swarmnet.errors import ModelDirError
+from swarmnet.families import FAMILIES
 from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and", "one two"]
@@ -28,7 +31,7 @@ def local_chain(spans: list, caches: list) -> object:
     return step
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_spans_generate_the_same_tokens_as_transformers(arch: str, tmp_path: Path) -> None:
     model_dir = write_tiny_model(tmp_path / arch, layers=4, arch=arch, seed=3)
     spec = ModelSpec.open(model_dir)
@@ -91,3 +94,12 @@ def test_a_bfloat16_span_stays_close_to_float32(tiny_model: Path) -> None:
 def test_blocks_outside_the_model_are_refused(tiny_model: Path) -> None:
     with pytest.raises(ServerConfigError, match="outside the model"):
         load_span(ModelSpec.open(tiny_model), 4, 9)
+
+
+def test_a_falcon_variant_we_cannot_run_is_refused_with_one_line(tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "falcon", layers=1, arch="falcon")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "alibi": True}))
+    with pytest.raises(ModelDirError, match=r"falcon with alibi=True is not supported") as err:
+        ModelSpec.open(model_dir)
+    assert len(str(err.value).splitlines()) == 1
