@@ -1,7 +1,8 @@
 """servers: a block server holds a contiguous span of a model's transformer blocks and serves it over P2P.
 
 Modules:
-    block_loading    load_span: read only the span's tensors, cast (float32/bfloat16) or quantize (int8/nf4)
+    block_loading    load_span: read only the span's tensors, cast (float32/bfloat16/float16) or quantize (int8/nf4),
+                     then move them to the device (--device)
     span             BlockSpan: the decoder layers, one KV cache per layer and session, any sub-range
     block_selection  pure: which span a `--num-blocks` server should take (least covered)
     throughput       measure_throughput: block-steps per second, announced for routing (and a test-only overstatement)

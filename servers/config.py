@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from servers.errors import ServerConfigError
 from swarmnet.addresses import NetworkOptions
 from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT
+from swarmnet.devices import DeviceUnavailable, default_dtype, dtype_name, resolve_device
 
 if TYPE_CHECKING:
     import torch
@@ -26,17 +27,21 @@ def option(default: Any, help: str, **bounds: float) -> Any:
 
 
 class DType(str, Enum):
-    """Weights and activations dtype of a span."""
+    """Weights and activations dtype of a span (auto: the device's default, swarmnet/devices.py)."""
 
+    auto = "auto"
     float32 = "float32"
     bfloat16 = "bfloat16"
+    float16 = "float16"
 
     @property
     def torch(self) -> torch.dtype:
-        """The torch dtype."""
+        """The torch dtype (auto has none: `ServerConfig.compute_dtype` resolves it)."""
         import torch  # not at module level: `swarmbatch --help` builds its options from this module
 
-        return {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}[self]
+        if self is DType.auto:
+            raise ValueError("DType.auto has no torch dtype: resolve it with ServerConfig.compute_dtype()")
+        return getattr(torch, self.value)  # type: ignore[no-any-return]
 
 
 class Quant(str, Enum):
@@ -56,7 +61,10 @@ class ServerConfig:
     blocks: tuple[int, int] | None = None   # explicit span [start, end) (--blocks A:B)
     num_blocks: int | None = option(None, "Serve N blocks where coverage is weakest.", min=1)
     network: NetworkOptions = field(default_factory=NetworkOptions)  # --host, --port, --announce-host, --identity
-    dtype: DType = option(DType.float32, "Weights and activations dtype.")
+    device: str = option("auto", "Where weights, KV cache and compute live: auto (cuda when torch sees a GPU, else "
+                                 "cpu), cpu, cuda or cuda:N.")
+    dtype: DType = option(DType.auto, "Weights and activations dtype (also on the wire); auto: float32 on CPU, "
+                                      "bfloat16 on CUDA where supported, else float16.")
     quant: Quant = option(Quant.none, "Weight quantization (bitsandbytes).")
     attn_cache_tokens: int = option(16384, "KV-cache tokens per block, all sessions.", min=1)
     max_batch_size: int = option(64, "Largest batch accepted.", min=1)
@@ -82,6 +90,7 @@ class ServerConfig:
     swarm_file: str | None = None           # a private swarm's members (--swarm-file); None = open to everyone
 
     def __post_init__(self) -> None:
+        self.torch_device()  # a device this machine lacks is refused now, in one line
         if (self.blocks is None) == (self.num_blocks is None):
             raise ServerConfigError("pass exactly one of --blocks A:B and --num-blocks N")
         if self.attn_cache_tokens < 1 or self.max_batch_size < 1 or self.announce_period <= 0:
@@ -99,3 +108,16 @@ class ServerConfig:
                 or not 0 < self.max_cache_share_per_peer <= 1:
             raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards and --max-forwards-per-peer must be "
                                     "positive, and --max-cache-share-per-peer in (0, 1]")
+
+    def torch_device(self) -> torch.device:
+        """--device resolved (auto: cuda when torch sees a GPU); raises ServerConfigError for one this box lacks."""
+        try:
+            return resolve_device(self.device)
+        except DeviceUnavailable as e:
+            raise ServerConfigError(f"--device: {e}") from e
+
+    def compute_dtype(self) -> DType:
+        """--dtype resolved: auto is float32 on a CPU, bfloat16 on a GPU that supports it, else float16."""
+        if self.dtype is not DType.auto:
+            return self.dtype
+        return DType(dtype_name(default_dtype(self.torch_device())))

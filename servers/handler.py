@@ -278,7 +278,7 @@ class BlockHandler(PushReceiver):
         output, merged = await self.batcher.run(DecodeStep(hidden, mask, positions, session.caches),
                                                 session.start, session.end, peers=peers)
         self.stats.record_step(tokens=hidden.shape[0])
-        return output.float(), merged
+        return output, merged  # in the span's compute dtype: what travels (bfloat16/float16 halve float32's bytes)
 
     def _close(self, session: Session) -> None:
         self.pusher.close_session(session.session_id)
@@ -297,5 +297,5 @@ class BlockHandler(PushReceiver):
             loop = asyncio.get_running_loop()
             output = await loop.run_in_executor(self.executor, self.span, hidden, mask, positions, caches, start, end)
         self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
-        return output.float()
+        return output
 

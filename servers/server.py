@@ -64,6 +64,7 @@ class BlockServer:
         self.state = ServerState.JOINING
         self.peer_id = ""  # set once the server has joined the DHT
         self.throughput = 0.0  # measured once the span is loaded
+        self.device, self.dtype = config.torch_device(), config.compute_dtype()  # --device/--dtype auto resolved
         self.serving: Serving | None = None  # set once, when the span is loaded
         self._running = contextlib.AsyncExitStack()  # how to stop what start() built, last built first
         self._stop = asyncio.Event()
@@ -115,7 +116,8 @@ class BlockServer:
         """Load blocks [start, end) and build what serves and announces them."""
         config = self.config
         span = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: load_span(self.spec, start, end, dtype=config.dtype, quant=config.quant))
+            None, lambda: load_span(self.spec, start, end, dtype=self.dtype, quant=config.quant,
+                                    device=self.device))
         inject_faults(span)  # tests only: a server that lies (servers/faults.py)
         budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer,
                              lend=config.lend_idle_cache)
@@ -136,7 +138,7 @@ class BlockServer:
             start=serving.span.start, end=serving.span.end, throughput=self.throughput,
             sessions=len(serving.handler.sessions), forwards=serving.handler.forwards.in_use, cache=serving.budget.use())
         return ServerStatus(
-            state=self.state, model_id=self.spec.model_id, peer_id=self.peer_id, dtype=self.config.dtype.value,
+            state=self.state, model_id=self.spec.model_id, peer_id=self.peer_id, dtype=self.dtype.value,
             quant=self.config.quant.value, version=PROTOCOL_VERSION, revision=self.spec.revision,
             max_batch_size=self.config.max_batch_size, max_length=self.max_length,
             max_sessions_per_peer=self.config.max_sessions_per_peer, stats=self.stats.copy(),

@@ -2,6 +2,8 @@
 
 Each layer gets its own `DynamicCache` (and attention `layer_idx` 0 inside it), so a session may use any
 sub-span [a, b) of the served blocks, and the causal mask can be built from the first used layer's cache.
+Weights and caches live on the span's device; `forward` takes CPU tensors (as they come off the wire) and gives its
+output back on the CPU in the compute dtype, which is what travels on to the next hop.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class BlockSpan(nn.Module):
                 setattr(module, "layer_idx", 0)  # noqa: B010
         self.rotary_emb = spec.family_class("RotaryEmbedding")(spec.config)
         self.layer_types = [spec.layer_type(i) for i in range(start, end)]
+        self.device = torch.device("cpu")  # set by the loader: where weights, caches and compute are
         self.compute_dtype = torch.float32  # set by the loader (bfloat16 spans compute in bfloat16)
 
     def new_caches(self, start: int, end: int) -> list[DynamicCache]:
@@ -47,7 +50,8 @@ class BlockSpan(nn.Module):
         """
         first, last = (start or self.start) - self.start, (end or self.end) - self.start
         caches = caches if caches is not None else [DynamicCache() for _ in range(last - first)]
-        hidden = hidden.to(self.compute_dtype)
+        hidden = hidden.to(self.device, self.compute_dtype)
+        attention_mask, position_ids = attention_mask.to(self.device), position_ids.to(self.device)
         # masks must be built BEFORE the layers append to the cache: they read its current length
         kinds = set(self.layer_types[first:last])
         masks = {kind: MASK_BUILDERS[kind](config=self.spec.config, inputs_embeds=hidden,
@@ -62,4 +66,4 @@ class BlockSpan(nn.Module):
             kind = self.layer_types[first + offset]
             hidden = self.family.layer_call(layer, hidden, mask=masks[kind], position_ids=position_ids,
                                             position_embeddings=rotary[kind], cache=caches[offset])
-        return hidden
+        return hidden.cpu()  # waits for the device: the caller's timings and frames see a finished output

@@ -32,6 +32,7 @@ class AnswerReader:
         self._answers: dict[int, asyncio.Future[Answer]] = {}
         self.limit = protocol.OPEN_FRAME_LIMIT  # the largest answer expected now (raised by `expect`)
         self.broken: str | None = None
+        self.received_bytes = 0  # every answer's frame, as it came off the stream
         self._task = asyncio.ensure_future(self._run())
 
     def expect(self, max_bytes: int) -> None:
@@ -70,6 +71,7 @@ class AnswerReader:
                 length = int.from_bytes(await self._reader.readexactly(8), "big")
                 if length > self.limit:
                     raise protocol.FrameTooLarge(f"an answer of {length} bytes (expected at most {self.limit})")
+                self.received_bytes += length
                 self._file(protocol.decode(await self._reader.readexactly(length)))
         except asyncio.CancelledError:
             self._break("closed")

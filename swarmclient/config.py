@@ -32,7 +32,14 @@ class ClientConfig:
     # client (what a failover replays and a check recomputes). About (hops + 1) / 2 round trips per token instead of
     # hops. On by default: every test of the client, the servers, generation, checks and membership passes with it
     push: bool = True
+    # where the embeddings, final norm and LM head live and compute: auto (cuda when torch sees a GPU), cpu, cuda:N
+    device: str = "auto"
+    # the final norm's and LM head's dtype: auto is the checkpoint's dtype on a GPU and float32 on a CPU, where a
+    # bfloat16 GEMM is 1.2-3x slower without bfloat16 instructions (swarmclient/head.py); "bfloat16" halves its memory
+    head_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
+        if self.head_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"head_dtype must be auto, float32, bfloat16 or float16, got {self.head_dtype!r}")

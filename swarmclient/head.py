@@ -1,76 +1,78 @@
-"""`ClientHead`: the parts of the model that stay on the client — token embeddings, final norm, LM head."""
+"""`ClientHead`: the parts of the model that stay on the client — token embeddings, final norm, LM head.
+
+One copy of each weight, on the client's device. The embeddings stay in the checkpoint's dtype (a lookup costs the
+same in any dtype, and they are what the first server is sent). The final norm and LM head are in the checkpoint's
+dtype on a GPU; on a CPU they are float32 by default: on a CPU without bfloat16 instructions (AVX2 EPYC, bench/
+client_memory.py) a bfloat16 GEMM over Llama-3-8B's head took 1.2x float32's time for 1 row and 3x for 16 rows,
+so `head_dtype=torch.bfloat16` is for a client that needs the memory more than the speed.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from swarmnet.devices import resolve_device
 from swarmnet.errors import ModelDirError
 from swarmnet.model_spec import ModelSpec
-
-FEW_ROWS = 4
-"""Below this many rows, MKL's GEMM runs one GEMV per row over the [vocab, hidden] LM head, and on a CPU that
-reads the weight at half the memory bandwidth that a GEMV over the [hidden, vocab] layout reaches (SmolLM2: 10.5
-vs 5.7 ms a row, one thread); from 4 rows on, GEMM packs the weight itself and the usual layout is as fast or
-faster (README, "Client LM head")."""
 
 
 class ClientHead(nn.Module):
     """Embeddings in, logits out; loads only these tensors from the model's safetensors.
 
-    It also keeps the LM head transposed ([hidden, vocab], one more copy of the head's weight): on a CPU, logits
-    of fewer than FEW_ROWS rows (batch-1 decoding, the last rows of a batch) come from it twice as fast. Those
-    logits differ from `nn.Linear`'s by float32 rounding (another summation order), as `nn.Linear`'s own logits
-    for a row differ between batch sizes (1 row vs the same row among 4: up to 2e-6 on a head of SmolLM2's shape).
+    `embed` and `logits` take and give CPU tensors (the wire's side); the weights and the compute are on `device`.
     """
 
-    lm_head_columns: torch.Tensor
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, spec: ModelSpec, *, device: str | torch.device = "auto",
+                 head_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        config, family = spec.config, spec.family
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = family.embed_scale(config)
+        config = spec.config
+        self.device = resolve_device(device) if isinstance(device, str) else device
+        self.embed_scale = spec.family.embed_scale(config)
         self.softcap: float | None = getattr(config, "final_logit_softcapping", None)
-        self.norm = final_norm(spec)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._load(spec)
-        self.to(dtype).eval()
-        self.register_buffer("lm_head_columns", self.lm_head.weight.detach().T.contiguous(), persistent=False)
+        with torch.device("meta"):  # no random init of [vocab, hidden] weights that are about to be replaced
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.norm = final_norm(spec)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._load(spec, head_dtype)
+        self.eval()
 
-    def _load(self, spec: ModelSpec) -> None:
+    def _load(self, spec: ModelSpec, head_dtype: torch.dtype | None) -> None:
         embed = spec.load_tensors(spec.family.embed_prefix)
         norm = spec.load_tensors(spec.family.norm_prefix)
         head = spec.load_tensors("lm_head.")
         if "weight" not in embed or "weight" not in norm:
             raise ModelDirError(f"{spec.path}: embeddings or final norm missing from the safetensors files")
-        self.embed_tokens.weight = nn.Parameter(embed["weight"], requires_grad=False)
-        self.norm.load_state_dict(norm, strict=True, assign=True)
+        model_dtype = embed["weight"].dtype
+        self.head_dtype = head_dtype or (model_dtype if self.device.type == "cuda" else torch.float32)
+        self.norm.load_state_dict({name: tensor.to(self.device, self.head_dtype) for name, tensor in norm.items()},
+                                  strict=True, assign=True)
         if "weight" in head:
-            self.lm_head.weight = nn.Parameter(head["weight"], requires_grad=False)
-        elif spec.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = self._weight(head.pop("weight"), self.head_dtype)
+            self.embed_tokens.weight = self._weight(embed.pop("weight"), model_dtype)
+        elif spec.config.tie_word_embeddings:  # one tensor for both, in the head's dtype
+            self.lm_head.weight = self.embed_tokens.weight = self._weight(embed.pop("weight"), self.head_dtype)
         else:
             raise ModelDirError(f"{spec.path}: lm_head.weight is missing and embeddings are not tied")
 
+    def _weight(self, tensor: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+        return nn.Parameter(tensor.to(self.device, dtype), requires_grad=False)
+
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> hidden states [B, T, H] (float32), times the family's embedding scale."""
-        embeddings = self.embed_tokens(input_ids)
+        """Token ids [B, T] -> hidden states [B, T, H] on the CPU, in the embeddings' dtype (what the wire carries),
+        times the family's embedding scale."""
+        embeddings = self.embed_tokens(input_ids.to(self.device))
         if self.embed_scale != 1.0:  # as transformers does: the scale in the weights' dtype
-            embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype)
-        return embeddings.float()
+            embeddings = embeddings * torch.tensor(self.embed_scale, dtype=embeddings.dtype, device=embeddings.device)
+        return embeddings.cpu()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [B, T, H] -> logits [B, T, V] (float32)."""
-        hidden = self.norm(hidden.to(self.lm_head.weight.dtype))
-        if hidden.shape[0] * hidden.shape[1] < FEW_ROWS and hidden.device.type == "cpu":
-            logits = (hidden @ self.lm_head_columns).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        """Final hidden states [B, T, H] of any float dtype -> logits [B, T, V] (float32, on the CPU)."""
+        logits = self.lm_head(self.norm(hidden.to(self.device, self.head_dtype))).float()
         if self.softcap is not None:  # Gemma 2's final-logit soft-capping
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return logits.cpu()
 
 
 def final_norm(spec: ModelSpec) -> nn.Module:

@@ -36,9 +36,12 @@ class DistributedModelForCausalLM:
         """Load the local head from `model_dir` and join the swarm that serves its blocks.
 
         access: a private swarm's membership and this client's member key (`SwarmAccess.load`); default: open.
+        The head's device and dtype are config.device and config.head_dtype (default: a GPU when torch sees one).
         """
         spec = ModelSpec.open(model_dir)
-        head = ClientHead(spec)
+        config = config or ClientConfig()
+        head = ClientHead(spec, device=config.device,
+                          head_dtype=None if config.head_dtype == "auto" else getattr(torch, config.head_dtype))
         swarm = Swarm.connect(initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks,
                               config=config, network=network, access=access)
         return cls(spec, head, swarm)

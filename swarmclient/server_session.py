@@ -49,6 +49,7 @@ class ServerSession:
         self.steps = 0
         self.last_compute_seconds = 0.0  # the server's own compute time of the last step
         self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
+        self._received_bytes = 0  # answer frames read on this stream outside an AnswerReader
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
@@ -61,6 +62,11 @@ class ServerSession:
         if self.push:
             await self._open_for_push()
         return self
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of the answers this server sent on the session (its outputs travel in its compute dtype)."""
+        return self._received_bytes + (self._answers.received_bytes if self._answers is not None else 0)
 
     async def _open_for_push(self) -> None:
         """Send the open message and wait for its answer (a pushed session gets no first step from the client to go
@@ -216,7 +222,9 @@ class ServerSession:
                 if frames:
                     protocol.write_frames(self._writer, frames)
                     await self._writer.drain()
-                return await protocol.read_frame(self._reader, max_bytes)
+                frame = await protocol.read_frame(self._reader, max_bytes)
+                self._received_bytes += len(frame)
+                return frame
         except TimeoutError as e:
             self._failure = "timeout"
             raise SessionTimeout(self.hop.peer_id, f"no answer in {timeout:.0f} s") from e

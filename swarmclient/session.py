@@ -31,7 +31,7 @@ from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported,
 from swarmclient.hop_verifier import HopCheck, HopVerifier
 from swarmclient.retry import with_retries
 from swarmclient.server_session import ServerSession
-from swarmclient.swarm import Swarm
+from swarmclient.swarm import Swarm, wire_hidden
 from swarmclient.verification_policy import Verdict, VerificationTally, sampled, stack_history
 from swarmnet.data_structures import RouteHop
 
@@ -100,6 +100,11 @@ class InferenceSession:
         return sum(session.last_compute_seconds for session in self._sessions.values())
 
     @property
+    def received_bytes(self) -> dict[int, int]:
+        """Answer bytes each live hop (by its first block) sent so far: hidden states travel in its compute dtype."""
+        return {start: session.received_bytes for start, session in sorted(self._sessions.items())}
+
+    @property
     def route(self) -> list[RouteHop]:
         """The current hops, in block order."""
         return [self._sessions[start].hop for start in sorted(self._sessions)]
@@ -138,7 +143,7 @@ class InferenceSession:
         keep_rows = self._check_keep_rows(keep_rows)
         self._check_step(hidden, attention_mask, position_ids,
                          self.batch_size if keep_rows is None else len(keep_rows))
-        hidden = hidden.float().contiguous()
+        hidden = wire_hidden(hidden)
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
         if self.swarm.config.push:
             return await self._astep_pushed(hidden, attention_mask, position_ids, keep_rows)

@@ -246,7 +246,7 @@ class Swarm:
         Raises PeerFailed when the server fails or refuses, and InvalidRequest when it calls the request malformed.
         """
         tensors, meta = await self.call_forward(
-            peer_id, start, end, [hidden.float().contiguous(), attention_mask.long(), position_ids.long()])
+            peer_id, start, end, [wire_hidden(hidden), attention_mask.long(), position_ids.long()])
         error = protocol.response_error(meta)
         if error is not None:
             code, message = error
@@ -269,3 +269,11 @@ def reported_links(peer_id: str, value: Any) -> dict[tuple[str, str], float]:
     return {(peer_id, str(other)): float(rtt) for other, rtt in list(value.items())[:MAX_REPORTED_LINKS]
             if isinstance(other, str) and len(other) <= 128 and isinstance(rtt, int | float)
             and not isinstance(rtt, bool) and 0.0 <= rtt < 60.0}
+
+
+def wire_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    """Hidden states as sent: contiguous, in their own dtype when the wire carries it (float32, bfloat16, float16:
+    each server casts its input to its compute dtype), else float32."""
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        hidden = hidden.float()
+    return hidden.contiguous()

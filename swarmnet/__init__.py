@@ -18,6 +18,7 @@ Modules:
     membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
     network          in-process hivemind P2P + DHT node, uvloop loops, LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
+    devices          --device auto|cpu|cuda|cuda:N resolved against what torch sees; the default dtype there
 
 Boundary: nothing here imports `swarmclient`, `servers` or `jobs`; `protocol`, `data_structures` and `errors` load
 without transformers (tests/test_layers.py checks both).

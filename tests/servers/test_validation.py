@@ -26,3 +26,16 @@ def test_the_largest_finite_values_pass_although_their_float32_sum_would_overflo
     assert torch.isinf(hidden.sum())  # a float32 sum would call these states non-finite
     validated, _, _ = validate_step(step(hidden), batch_size=1, past=0, max_length=4, hidden_size=8)
     assert torch.equal(validated, hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hidden_states_in_each_compute_dtype_pass_as_they_came(dtype: torch.dtype) -> None:
+    hidden = torch.randn(1, 2, 8).to(dtype)
+    validated, _, _ = validate_step(step(hidden), batch_size=1, past=0, max_length=4, hidden_size=8)
+    assert validated.dtype == dtype and torch.equal(validated, hidden)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.uint8])
+def test_hidden_states_of_another_dtype_are_refused(dtype: torch.dtype) -> None:
+    with pytest.raises(RequestRejected, match="float32/bfloat16/float16"):
+        validate_step(step(torch.zeros(1, 2, 8, dtype=dtype)), batch_size=1, past=0, max_length=4, hidden_size=8)
