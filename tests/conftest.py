@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -254,3 +255,18 @@ def serve() -> Iterator[Callable[[Runtime], str]]:
     for server, thread in running:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(serve: Callable[[Runtime], str]) -> Iterator[Callable[..., httpx.Client]]:
+    """An httpx client of the API serving a runtime, with an optional Bearer key; closed after the test."""
+    clients: list[httpx.Client] = []
+
+    def make(runtime: Runtime, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        clients.append(httpx.Client(base_url=serve(runtime), headers=headers, timeout=60))
+        return clients[-1]
+
+    yield make
+    for c in clients:
+        c.close()

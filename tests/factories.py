@@ -58,3 +58,11 @@ def new_job(runtime: Runtime, count: int = 3, **kwargs: Any) -> str:
         job = store.create_job(session=session, parsed=parsed_batch(count), model="tiny", **kwargs)
         session.commit()
         return job.id
+
+
+def new_key(runtime: Runtime, name: str = "tester") -> str:
+    """A new API key in the runtime's store (committed); returns the plain key."""
+    with runtime.session() as session:
+        _, plain = store.create_api_key(session=session, name=name)
+        session.commit()
+    return plain

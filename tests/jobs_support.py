@@ -68,3 +68,6 @@ def start_api(runtime: Runtime, log_dir: Path) -> tuple[ManagedProcess, str]:
             api.terminate()
             raise RuntimeError(f"swarmbatch api did not answer; see {api.log_path}")
         time.sleep(0.2)
+
+
+ApiClient = Callable[..., httpx.Client]  # the `client` fixture: (runtime, key=None) -> a client of its API

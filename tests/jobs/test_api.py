@@ -11,7 +11,7 @@ import select
 import shutil
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from factories import new_key
+from jobs_support import ApiClient
 from ports import free_port
 
 from jobs import clock, store
@@ -29,23 +31,6 @@ from jobs.progress import describe_job
 from jobs.runtime import Runtime
 from jobs.settings import Settings
 from jobs.worker.sweep import sweep_store
-
-Client = Callable[..., httpx.Client]
-
-
-@pytest.fixture
-def client(serve: Callable[[Runtime], str]) -> Iterator[Client]:
-    """An httpx client of the API serving a runtime, with an optional Bearer key; closed after the test."""
-    clients: list[httpx.Client] = []
-
-    def make(runtime: Runtime, key: str | None = None) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        clients.append(httpx.Client(base_url=serve(runtime), headers=headers, timeout=60))
-        return clients[-1]
-
-    yield make
-    for c in clients:
-        c.close()
 
 
 @pytest.fixture
@@ -61,13 +46,6 @@ def any_store_runtime(request: pytest.FixtureRequest, make_runtime: Callable[...
     database_url = request.getfixturevalue("postgres_url") if request.param == "postgresql" else None
     return make_runtime(database_url=database_url, broker_url=redis_url, api_models=[str(tiny_model)])
 
-
-def new_key(runtime: Runtime, name: str = "tester") -> str:
-    """A real API key row; returns the plain key."""
-    with runtime.session() as session:
-        _, plain = store.create_api_key(session=session, name=name)
-        session.commit()
-    return plain
 
 
 def request_line(custom_id: str, prompt: str = "Hello there", **body: Any) -> dict[str, Any]:
@@ -92,7 +70,7 @@ def read_jsonl(response: httpx.Response) -> list[dict[str, Any]]:
     return [json.loads(line) for line in response.text.splitlines() if line.strip()]
 
 
-def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, client: Client, tiny_model: Path,
+def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, client: ApiClient, tiny_model: Path,
                                                               redis_url: str) -> None:
     api = client(runtime, new_key(runtime))
 
@@ -112,7 +90,7 @@ def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, 
     assert api.get(f"/v1/batches/{job['id']}").json()["status"] == "validating"
 
 
-def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client: Client, tiny_model: Path) -> None:
+def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
     body = {"model": str(tiny_model), "completion_window": "2h", "metadata": {"run": "7"},
             "requests": [request_line("a", model=str(tiny_model)), request_line("b"), request_line("c")]}
@@ -128,7 +106,7 @@ def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client:
 
 @pytest.mark.parametrize("window", ["infh", "nanh", "1e300h", "99999999999h", "169h", "0s", "-1h", "24 hours", ""])
 def test_a_completion_window_that_is_not_a_bounded_duration_is_a_400_and_creates_no_job(
-        runtime: Runtime, client: Client, tiny_model: Path, window: str) -> None:
+        runtime: Runtime, client: ApiClient, tiny_model: Path, window: str) -> None:
     api = client(runtime, new_key(runtime))
     body = {"model": str(tiny_model), "completion_window": window, "requests": [request_line("a")]}
 
@@ -157,7 +135,7 @@ def json_body(model: Path, metadata: object) -> dict[str, Any]:
 ], ids=["17 pairs", "key of 65", "value of 513", "number", "object", "list value", "null value", "not an object"])
 @pytest.mark.parametrize("form", ["json", "multipart"])
 def test_metadata_beyond_openais_shape_is_a_400_in_one_line_and_creates_no_job(
-        runtime: Runtime, client: Client, tiny_model: Path, metadata: object, form: str) -> None:
+        runtime: Runtime, client: ApiClient, tiny_model: Path, metadata: object, form: str) -> None:
     api = client(runtime, new_key(runtime))
 
     response = (api.post("/v1/batches", json=json_body(tiny_model, metadata)) if form == "json" else
@@ -169,7 +147,7 @@ def test_metadata_beyond_openais_shape_is_a_400_in_one_line_and_creates_no_job(
     assert api.get("/v1/batches").json()["data"] == []
 
 
-def test_metadata_at_openais_limits_is_kept_as_given(runtime: Runtime, client: Client, tiny_model: Path) -> None:
+def test_metadata_at_openais_limits_is_kept_as_given(runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
     metadata = {"k" * 64: "v" * 512, **{f"k{i}": f"v{i}" for i in range(15)}}
 
@@ -180,7 +158,7 @@ def test_metadata_at_openais_limits_is_kept_as_given(runtime: Runtime, client: C
 
 
 def test_a_batch_whose_metadata_names_the_services_own_keys_is_an_ordinary_batch(
-        any_store_runtime: Runtime, client: Client, tiny_model: Path, tmp_path: Path) -> None:
+        any_store_runtime: Runtime, client: ApiClient, tiny_model: Path, tmp_path: Path) -> None:
     # Given a batch whose metadata holds every key a summary job once kept there, pointing at a folder of the caller's
     runtime = any_store_runtime
     api = client(runtime, new_key(runtime))
@@ -202,7 +180,7 @@ def test_a_batch_whose_metadata_names_the_services_own_keys_is_an_ordinary_batch
     assert sweep_store(runtime) == []
 
 
-def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime, client: Client,
+def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime, client: ApiClient,
                                                                tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
     lines = [request_line("good-1"), "{not json", {**request_line("get"), "method": "GET"}, request_line("good-1"),
@@ -220,7 +198,7 @@ def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime,
     assert [(e["error"]["line"], e["error"]["code"]) for e in read_jsonl(errors)] == expected
 
 
-def test_a_file_without_a_good_line_is_refused_and_creates_no_job(runtime: Runtime, client: Client,
+def test_a_file_without_a_good_line_is_refused_and_creates_no_job(runtime: Runtime, client: ApiClient,
                                                                   tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
 
@@ -234,7 +212,7 @@ def test_a_file_without_a_good_line_is_refused_and_creates_no_job(runtime: Runti
     assert api.get("/v1/batches").json()["data"] == []
 
 
-def test_a_malformed_body_is_refused_with_what_is_missing(runtime: Runtime, client: Client) -> None:
+def test_a_malformed_body_is_refused_with_what_is_missing(runtime: Runtime, client: ApiClient) -> None:
     api = client(runtime, new_key(runtime))
 
     no_model = api.post("/v1/batches", files={"file": ("b.jsonl", jsonl([request_line("a")]))})
@@ -244,7 +222,7 @@ def test_a_malformed_body_is_refused_with_what_is_missing(runtime: Runtime, clie
     assert no_requests.status_code == 400 and "requests" in no_requests.json()["error"]["message"]
 
 
-def test_requests_without_a_valid_key_are_refused_with_a_hint(runtime: Runtime, client: Client) -> None:
+def test_requests_without_a_valid_key_are_refused_with_a_hint(runtime: Runtime, client: ApiClient) -> None:
     anonymous, stranger = client(runtime), client(runtime, "sb-not-a-key")
 
     missing = anonymous.get("/v1/batches")
@@ -258,7 +236,7 @@ def test_requests_without_a_valid_key_are_refused_with_a_hint(runtime: Runtime, 
                           ).status_code == 401  # refused before the body is read
 
 
-def test_another_key_can_neither_see_nor_touch_a_job(any_store_runtime: Runtime, client: Client,
+def test_another_key_can_neither_see_nor_touch_a_job(any_store_runtime: Runtime, client: ApiClient,
                                                      tiny_model: Path) -> None:
     # Given a job submitted with the owner's key
     owner = client(any_store_runtime, new_key(any_store_runtime, "owner"))
@@ -277,7 +255,7 @@ def test_another_key_can_neither_see_nor_touch_a_job(any_store_runtime: Runtime,
     assert [j["id"] for j in owner.get("/v1/batches").json()["data"]] == [job_id]
 
 
-def test_jobs_are_listed_newest_first_up_to_the_limit(runtime: Runtime, client: Client, tiny_model: Path) -> None:
+def test_jobs_are_listed_newest_first_up_to_the_limit(runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
     ids = [upload(api, tiny_model, [request_line("a")]).json()["id"] for _ in range(3)]
 
@@ -305,7 +283,7 @@ def finish(runtime: Runtime, job_id: str, outcomes: dict[int, tuple[RequestStatu
         session.commit()
 
 
-def test_cancelling_keeps_the_completed_outputs_in_input_order(runtime: Runtime, client: Client,
+def test_cancelling_keeps_the_completed_outputs_in_input_order(runtime: Runtime, client: ApiClient,
                                                                tiny_model: Path) -> None:
     # Given a job of four requests: 0 and 2 completed, 1 failed, 3 still pending
     api = client(runtime, new_key(runtime))
@@ -340,14 +318,14 @@ def test_cancelling_keeps_the_completed_outputs_in_input_order(runtime: Runtime,
     assert api.get(f"/v1/batches/{job_id}").json()["status"] == "cancelled"
 
 
-def test_healthz_answers_ok_when_the_database_is_migrated(runtime: Runtime, client: Client) -> None:
+def test_healthz_answers_ok_when_the_database_is_migrated(runtime: Runtime, client: ApiClient) -> None:
     response = client(runtime).get("/healthz")
 
     assert response.status_code == 200 and response.json() == {"status": "ok"}
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/metrics"])
-def test_health_and_metrics_answer_503_when_the_database_is_not_migrated(tmp_path: Path, client: Client,
+def test_health_and_metrics_answer_503_when_the_database_is_not_migrated(tmp_path: Path, client: ApiClient,
                                                                           path: str) -> None:
     bare = build_runtime(Settings(home=tmp_path / "bare", database_url=f"sqlite:///{tmp_path / 'empty.sqlite'}"))
     try:
@@ -360,7 +338,7 @@ def test_health_and_metrics_answer_503_when_the_database_is_not_migrated(tmp_pat
     assert error["type"] == "StoreUnavailable" and "swarmbatch db upgrade" in error["message"]
 
 
-def test_metrics_count_jobs_requests_and_generated_tokens(any_store_runtime: Runtime, client: Client,
+def test_metrics_count_jobs_requests_and_generated_tokens(any_store_runtime: Runtime, client: ApiClient,
                                                           tiny_model: Path) -> None:
     # Given one validating job with one completed request (3 tokens) and one pending
     api = client(any_store_runtime, new_key(any_store_runtime))
@@ -381,7 +359,7 @@ def test_metrics_count_jobs_requests_and_generated_tokens(any_store_runtime: Run
     assert samples["swarmbatch_tokens_generated_total"] == 3.0
 
 
-def test_the_openapi_docs_describe_the_routes(runtime: Runtime, client: Client) -> None:
+def test_the_openapi_docs_describe_the_routes(runtime: Runtime, client: ApiClient) -> None:
     api = client(runtime)
 
     docs = api.get("/docs")
@@ -396,7 +374,7 @@ def test_the_openapi_docs_describe_the_routes(runtime: Runtime, client: Client) 
 
 # ---- the operator's guards: the models a key may name, the metrics token ----------------------------------------
 def test_a_model_the_operator_does_not_list_is_refused_alike_whether_its_path_exists_or_not(
-        runtime: Runtime, client: Client, tiny_model: Path, tmp_path: Path) -> None:
+        runtime: Runtime, client: ApiClient, tiny_model: Path, tmp_path: Path) -> None:
     # Given a server path that holds no model yet, and an API that serves only the tiny model
     api = client(runtime, new_key(runtime))
     elsewhere = tmp_path / "elsewhere" / "model"
@@ -426,7 +404,7 @@ def test_the_api_serves_smollm2_alone_unless_the_operator_lists_models(monkeypat
     assert Settings().api_models == ["smollm2"]
 
 
-def test_metrics_need_the_operators_token_when_one_is_set(make_runtime: Callable[..., Runtime], client: Client,
+def test_metrics_need_the_operators_token_when_one_is_set(make_runtime: Callable[..., Runtime], client: ApiClient,
                                                           redis_url: str) -> None:
     runtime = make_runtime(broker_url=redis_url, metrics_token="scrape-me")
     api_key = new_key(runtime)
@@ -443,7 +421,7 @@ def test_metrics_need_the_operators_token_when_one_is_set(make_runtime: Callable
     assert client(runtime).get("/healthz").status_code == 200  # health stays open to the orchestrator
 
 
-def test_a_burst_of_scrapes_reads_the_store_once_per_cache_period(make_runtime: Callable[..., Runtime], client: Client,
+def test_a_burst_of_scrapes_reads_the_store_once_per_cache_period(make_runtime: Callable[..., Runtime], client: ApiClient,
                                                                   redis_url: str, tiny_model: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # Given metrics cached for 5 s (by the jobs clock, which the test moves) and one scrape at t0
@@ -485,7 +463,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(status_line.split()[1]), headers, body
 
 
-def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runtime, client: Client) -> None:
+def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runtime, client: ApiClient) -> None:
     # Given a client that declares a 120 MB multipart upload (the limit is 100 MiB) and sends none of it
     key = new_key(runtime)
     api = client(runtime, key)
@@ -506,7 +484,7 @@ def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runt
 
 
 def test_a_chunked_upload_is_refused_as_soon_as_it_passes_the_limit_and_no_more_is_read(
-        make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path) -> None:
+        make_runtime: Callable[..., Runtime], redis_url: str, client: ApiClient, tiny_model: Path) -> None:
     # Given a server taking files up to 1000 bytes, one submission at a time, and a chunked multipart upload (no
     # Content-Length) of 64 MB
     runtime = make_runtime(broker_url=redis_url, max_file_bytes=1000, max_concurrent_submissions=1,
@@ -538,7 +516,7 @@ def test_a_chunked_upload_is_refused_as_soon_as_it_passes_the_limit_and_no_more_
     assert upload(api, tiny_model, [request_line("a")]).status_code == 200
 
 
-def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(runtime: Runtime, client: Client,
+def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(runtime: Runtime, client: ApiClient,
                                                                                  tiny_model: Path) -> None:
     # Given a file with a good line and a one-line 10 MB prompt (about 10 s and 1.6 GB to tokenize)
     api = client(runtime, new_key(runtime))
@@ -559,7 +537,7 @@ def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(
 
 
 def test_submissions_over_the_concurrency_bound_get_429_with_retry_after(
-        make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path) -> None:
+        make_runtime: Callable[..., Runtime], redis_url: str, client: ApiClient, tiny_model: Path) -> None:
     # Given a server taking one submission at a time, busy with a client that has sent half its body
     runtime = make_runtime(broker_url=redis_url, max_concurrent_submissions=1, api_models=[str(tiny_model)])
     key = new_key(runtime)
@@ -591,7 +569,7 @@ def test_submissions_over_the_concurrency_bound_get_429_with_retry_after(
 
 # ---- enqueue failures and idempotency keys ---------------------------------------------------------------------------
 def test_a_job_whose_enqueue_fails_after_commit_is_returned_once_and_the_sweep_dispatches_it(
-        make_runtime: Callable[..., Runtime], redis_url: str, client: Client, tiny_model: Path,
+        make_runtime: Callable[..., Runtime], redis_url: str, client: ApiClient, tiny_model: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     # Given an API whose broker is down (nothing listens on its port)
     down = make_runtime(broker_url=f"redis://127.0.0.1:{free_port()}/0", api_models=[str(tiny_model)])
@@ -612,7 +590,7 @@ def test_a_job_whose_enqueue_fails_after_commit_is_returned_once_and_the_sweep_d
     assert sweep_store(up) == [job["id"]]
 
 
-def test_the_same_idempotency_key_returns_the_first_job(any_store_runtime: Runtime, client: Client,
+def test_the_same_idempotency_key_returns_the_first_job(any_store_runtime: Runtime, client: ApiClient,
                                                         tiny_model: Path) -> None:
     owner = client(any_store_runtime, new_key(any_store_runtime, "owner"))
     other = client(any_store_runtime, new_key(any_store_runtime, "other"))
@@ -643,7 +621,7 @@ def test_the_same_idempotency_key_returns_the_first_job(any_store_runtime: Runti
     assert submit(owner, "k" * 256).status_code == 400
 
 
-def test_concurrent_submissions_under_one_idempotency_key_make_one_job(any_store_runtime: Runtime, client: Client,
+def test_concurrent_submissions_under_one_idempotency_key_make_one_job(any_store_runtime: Runtime, client: ApiClient,
                                                                        tiny_model: Path) -> None:
     api = client(any_store_runtime, new_key(any_store_runtime))
     batch = {"model": str(tiny_model), "requests": [request_line(f"r{i}") for i in range(50)]}

@@ -5,35 +5,19 @@ No worker runs: where a test needs finished requests it writes them with the sto
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from factories import new_key
+from jobs_support import ApiClient
 from pydantic import ValidationError
 
 from jobs import store
 from jobs.models import RequestStatus
 from jobs.runtime import Runtime
 from jobs.settings import Settings
-
-Client = Callable[[Runtime, str | None], httpx.Client]
-
-
-@pytest.fixture
-def client(serve: Callable[[Runtime], str]) -> Iterator[Client]:
-    """An httpx client of the API serving a runtime, with an optional Bearer key; closed after the test."""
-    clients: list[httpx.Client] = []
-
-    def make(runtime: Runtime, key: str | None) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        clients.append(httpx.Client(base_url=serve(runtime), headers=headers, timeout=60))
-        return clients[-1]
-
-    yield make
-    for c in clients:
-        c.close()
 
 
 @pytest.fixture
@@ -42,12 +26,6 @@ def runtime(make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Pa
     return make_runtime(broker_url=redis_url, api_models=["smollm2", str(tiny_model)],
                         model_aliases={"gpt-4o-mini": str(tiny_model), "tiny-chat": str(tiny_model)})
 
-
-def new_key(runtime: Runtime) -> str:
-    with runtime.session() as session:
-        _, plain = store.create_api_key(session=session, name="models")
-        session.commit()
-    return plain
 
 
 def chat_line(custom_id: str, model: str, content: str = "Hello there") -> dict[str, Any]:
@@ -79,7 +57,7 @@ def test_a_bad_alias_setting_is_refused_in_one_line_saying_what_to_write(monkeyp
         Settings()
 
 
-def test_models_are_listed_and_retrieved_in_openais_shape_with_their_aliases(runtime: Runtime, client: Client,
+def test_models_are_listed_and_retrieved_in_openais_shape_with_their_aliases(runtime: Runtime, client: ApiClient,
                                                                             tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
     listed = api.get("/v1/models")
@@ -96,7 +74,7 @@ def test_models_are_listed_and_retrieved_in_openais_shape_with_their_aliases(run
 
 
 def test_an_unknown_model_is_a_404_in_openais_error_body_and_models_need_a_key(runtime: Runtime,
-                                                                              client: Client) -> None:
+                                                                              client: ApiClient) -> None:
     missing = client(runtime, new_key(runtime)).get("/v1/models/gpt-5")
     assert missing.status_code == 404
     assert missing.json() == {"error": {"type": "ModelNotFound", "code": "model_not_found", "param": "model",
@@ -106,7 +84,7 @@ def test_an_unknown_model_is_a_404_in_openais_error_body_and_models_need_a_key(r
 
 
 def test_a_batch_naming_an_alias_runs_the_served_model_and_a_line_naming_another_model_is_a_line_error(
-        runtime: Runtime, client: Client, tiny_model: Path) -> None:
+        runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
     # Given a batch whose lines name the model by two aliases and by its path, and one line naming another model
     api = client(runtime, new_key(runtime))
     lines = [chat_line("a", "gpt-4o-mini"), chat_line("b", "tiny-chat"), chat_line("c", str(tiny_model)),
@@ -126,7 +104,7 @@ def test_a_batch_naming_an_alias_runs_the_served_model_and_a_line_naming_another
 
 
 def test_the_batch_usage_sums_the_prompt_and_generated_tokens_of_the_lines_with_output(
-        runtime: Runtime, client: Client, tiny_model: Path) -> None:
+        runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
     # Given a batch of three lines, two of them finished with 3 and 2 tokens, the third not started
     api = client(runtime, new_key(runtime))
     lines = [chat_line(f"r{i}", str(tiny_model), "word " * (i + 1)) for i in range(3)]

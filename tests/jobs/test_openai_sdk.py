@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import torch
+from factories import new_key
 from jobs_support import requests_of, start_api
 from openai import OpenAI
 from openai.types import Batch, Completion, FileDeleted, FileObject, Model
@@ -60,12 +61,6 @@ def strict_file(client: OpenAI, file_id: str) -> FileObject:
     """files.retrieve, its raw JSON validated strictly by the SDK's FileObject model."""
     return FileObject.model_validate_json(client.files.with_raw_response.retrieve(file_id).text, strict=True)
 
-
-def new_key(runtime: Runtime, name: str = "sdk-user") -> str:
-    with runtime.session() as session:
-        _, plain = store.create_api_key(session=session, name=name)
-        session.commit()
-    return plain
 
 
 @pytest.fixture

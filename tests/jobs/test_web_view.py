@@ -12,8 +12,9 @@ from urllib.parse import urljoin
 
 import httpx
 import pytest
+from factories import new_key
 
-from jobs import snapshots, store
+from jobs import snapshots
 from jobs.api import ui
 from jobs.runtime import Runtime
 
@@ -35,12 +36,6 @@ def publish(runtime: Runtime, model: str, worker: str, body: dict[str, object], 
         snapshots.publish_snapshot(session=session, model=model, worker=worker, report=body, now=now)
         session.commit()
 
-
-def new_key(runtime: Runtime, name: str) -> str:
-    with runtime.session() as session:
-        _, plain = store.create_api_key(session=session, name=name)
-        session.commit()
-    return plain
 
 
 @pytest.fixture

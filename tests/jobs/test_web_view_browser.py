@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from factories import new_key
 from jobs_support import start_api
 from tiers import process_fixture
 
-from jobs import store
 from jobs.runtime import Runtime
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
@@ -88,12 +88,6 @@ def assert_clean(page: Any) -> None:
                if urlsplit(url).scheme not in LOCAL_SCHEMES and urlsplit(url).hostname != "127.0.0.1"]
     assert page.requested and not outside, f"the page loaded from outside: {outside}"
 
-
-def new_key(runtime: Runtime, name: str) -> str:
-    with runtime.session() as session:
-        _, plain = store.create_api_key(session=session, name=name)
-        session.commit()
-    return plain
 
 
 def submit(url: str, key: str, model: str) -> str:
