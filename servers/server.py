@@ -19,7 +19,7 @@ from servers.block_selection import choose_best_blocks
 from servers.config import ServerConfig
 from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
-from servers.faults import inject_faults
+from servers.faults import fault_noise, inject_faults
 from servers.handler import BlockHandler
 from servers.memory import CacheBudget
 from servers.metrics import start_metrics
@@ -59,6 +59,7 @@ class BlockServer:
         self.config = config
         self.spec = ModelSpec.open(config.model_dir)
         self.membership = Membership.from_file(config.swarm_file) if config.swarm_file else Membership.open()
+        self.fault_noise = fault_noise(private=not self.membership.is_open)  # refused in a private swarm, before loading
         self.max_length = min(config.max_length or self.spec.max_length, self.spec.max_length)
         self.stats = ServerCounters()
         self.state = ServerState.JOINING
@@ -118,7 +119,7 @@ class BlockServer:
         span = await asyncio.get_running_loop().run_in_executor(
             None, lambda: load_span(self.spec, start, end, dtype=self.dtype, quant=config.quant,
                                     device=self.device))
-        inject_faults(span)  # tests only: a server that lies (servers/faults.py)
+        inject_faults(span, self.fault_noise)  # tests only: a server that lies (servers/faults.py)
         budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer,
                              lend=config.lend_idle_cache)
         limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)

@@ -2,19 +2,24 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from typer.testing import CliRunner
 
+import cli
 from servers.errors import ServerConfigError
-from servers.faults import FAULT_INJECTION_ENV, inject_faults, noise_std
+from servers.faults import FAULT_INJECTION_ENV, fault_noise, inject_faults, noise_std
+
+runner = CliRunner()
 
 
 def test_without_the_variable_a_span_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(FAULT_INJECTION_ENV, raising=False)
     span = nn.Identity()
-    inject_faults(span)
+    inject_faults(span, fault_noise(private=False))
     x = torch.randn(2, 3, 8)
     assert torch.equal(span(x), x)
 
@@ -24,7 +29,7 @@ def test_noise_makes_every_output_wrong_and_says_so_loudly(monkeypatch: pytest.M
     monkeypatch.setenv(FAULT_INJECTION_ENV, "noise:0.5")
     span = nn.Identity()
     with caplog.at_level(logging.WARNING, logger="servers.faults"):
-        inject_faults(span)
+        inject_faults(span, fault_noise(private=False))
     x = torch.zeros(4, 16, 64)
     noise = span(x) - x
     assert 0.45 < float(noise.std()) < 0.55
@@ -36,3 +41,26 @@ def test_noise_makes_every_output_wrong_and_says_so_loudly(monkeypatch: pytest.M
 def test_a_malformed_value_is_one_clear_error(value: str) -> None:
     with pytest.raises(ServerConfigError, match=rf"{FAULT_INJECTION_ENV}=.*noise:STD.*tests only"):
         noise_std(value)
+
+
+def test_a_server_of_a_private_swarm_refuses_fault_injection_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "noise:0.5")
+    with pytest.raises(ServerConfigError, match=rf"^{FAULT_INJECTION_ENV} is set, .* private swarm .*; unset it$"):
+        fault_noise(private=True)
+
+
+def test_serve_in_a_private_swarm_with_fault_injection_exits_2_before_loading(
+        monkeypatch: pytest.MonkeyPatch, tiny_model: Path, tmp_path: Path) -> None:
+    # Given a private swarm's file and a member key
+    swarm_file, key = tmp_path / "swarm.json", tmp_path / "server.key"
+    for args in (["swarm", "init", str(swarm_file)], ["swarm", "new-key", str(key)],
+                 ["swarm", "add-member", str(swarm_file), str(key)]):
+        assert runner.invoke(cli.app, args).exit_code == 0, args
+    # When a server of it starts with the test-only fault injection set, then it refuses in one line, exit 2
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "noise:0.5")
+    result = runner.invoke(cli.app, ["serve", str(tiny_model), "--blocks", "0:3", "--initial-peers",
+                                     "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP",
+                                     "--swarm-file", str(swarm_file), "--identity", str(key)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: ServerConfigError: {FAULT_INJECTION_ENV} is set")
+    assert len(result.stderr.strip().splitlines()) == 1
