@@ -75,6 +75,7 @@ class BlockHandler(PushReceiver):
     stats: ServerCounters = field(default_factory=ServerCounters)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
+    refused_strangers: set[str] = field(default_factory=set)  # callers refused as no member, logged once each
     pusher: Pusher = field(default_factory=Pusher)
     # this server's round trips to the servers that may follow it (servers/neighbours.py), for its info answer
     next_rtts: Callable[[], dict[str, float]] = dict

@@ -3,7 +3,9 @@
 `StreamService` serves raw streams of length-prefixed frames (swarmnet/protocol.py):
 - a message's length is checked before it is read (`_receive`, with the limit its caller gives); an oversized one
   gets an `invalid_request` answer and ends the stream;
-- a stream's first message is authorized (`authorize`, in `_read`, the one place) before anything else is done;
+- a stream's first message is authorized (`authorize`, in `_read`, the one place) before anything else is done,
+  and a refused one ends the stream; a stranger's refusals are logged once per peer (MAX_LOGGED_STRANGERS), with
+  what the caller sent escaped (%r);
 - a stream is closed `session_timeout` after its last accepted message (refused ones do not keep it alive), and
   after MAX_REFUSED_BEFORE_OPEN refused messages in a row before a session exists;
 - every exception becomes an in-band error answer in one place (`_answer`), so a bad request never stops the server
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 MAX_REFUSED_BEFORE_OPEN = 8  # refused messages in a row after which a stream without a session is ended
 LINGER_SECONDS = 3.0  # how long a stream the server ends waits for the caller to close it first (`let_go`)
 LINGER_BYTES = 1 << 16  # the most it reads (and drops) meanwhile
+MAX_LOGGED_STRANGERS = 1000  # refused callers logged by peer id (one line each); later ones are logged at DEBUG
 
 Authorize = Callable[[str, dict[str, Any]], None]
 StreamServer = Callable[[Stream, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -64,6 +67,7 @@ class StreamService(ABC):
     session_timeout: float
     authorize: Authorize
     stats: ServerCounters
+    refused_strangers: set[str]  # callers refused as no member, already logged once
 
     @abstractmethod
     def _close(self, session: Session) -> None:
@@ -101,14 +105,16 @@ class StreamService(ABC):
                      ) -> None:
         """Answer one message; only an accepted one keeps the stream alive, and too many refusals end it."""
         stream.step_id = None
-        answer, error = await self._answer(handle)
+        answer, error = await self._answer(handle, stream)
         if error is None:
             stream.accepted()
         else:
             if stream.step_id is not None:  # a push client files answers by step id (swarmclient/answers.py)
                 answer = protocol.encode([], {**protocol.decode_meta(answer), "step_id": stream.step_id})
             stream.refused += 1
-            if stream.session is None and stream.refused >= MAX_REFUSED_BEFORE_OPEN:
+            if error is ErrorCode.UNAUTHORIZED and not stream.authorized:  # nothing it sends next can pass either
+                stream.ended = True
+            elif stream.session is None and stream.refused >= MAX_REFUSED_BEFORE_OPEN:
                 logger.info("Ending the stream of %s after %d refused messages (last: %s)", stream.peer[-6:],
                             stream.refused, error.value)
                 stream.ended = True
@@ -124,20 +130,30 @@ class StreamService(ABC):
             stream.authorized = True
         return tensors, meta
 
-    async def _answer(self, handle: Callable[[], Awaitable[bytes]]) -> tuple[bytes, ErrorCode | None]:
+    async def _answer(self, handle: Callable[[], Awaitable[bytes]], stream: Stream) -> tuple[bytes, ErrorCode | None]:
         """The one place where exceptions become error responses: (the answer, the error code if refused)."""
         try:
             return await handle(), None
         except StreamOver:
             raise
         except RequestRejected as e:
-            logger.info("Rejected a request: %s: %s", e.code.value, e)
+            self._log_refusal(stream, e)
             return self._error(e.code, str(e))
         except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
             return self._error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")
         except Exception as e:
             logger.exception("Request failed")
             return self._error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _log_refusal(self, stream: Stream, refusal: RequestRejected) -> None:
+        """One line per refusal, what the caller sent escaped; a stranger (refused before authorization) once."""
+        stranger = refusal.code is ErrorCode.UNAUTHORIZED and not stream.authorized
+        if stranger and (stream.peer in self.refused_strangers or len(self.refused_strangers) >= MAX_LOGGED_STRANGERS):
+            logger.debug("Refused %s again: %r", stream.peer[-8:], str(refusal))
+            return
+        if stranger:
+            self.refused_strangers.add(stream.peer)
+        logger.info("Refused a request of %s: %s: %r", stream.peer[-8:], refusal.code.value, str(refusal))
 
     def _error(self, code: ErrorCode, message: str) -> tuple[bytes, ErrorCode]:
         self.stats.record_error(code.value)

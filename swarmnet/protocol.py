@@ -46,8 +46,11 @@ import math
 from enum import Enum
 from typing import Any
 
+import msgpack
 import torch
 from hivemind.utils import MSGPackSerializer
+
+TUPLE_EXT_CODE = MSGPackSerializer._TUPLE_EXT_TYPE_CODE  # how MSGPackSerializer.dumps packs a tuple (0x40)
 
 # /3: an open message starts a session; info and forward are raw streams too (before: unary protobuf calls)
 RPC_INFO = "swarmbatch.info/3"
@@ -114,11 +117,27 @@ def _header(frame: bytes | bytearray) -> tuple[dict[str, Any], int]:
     header_end = 4 + int.from_bytes(frame[:4], "big")
     if header_end > len(frame):
         raise ValueError("truncated frame header")
-    header = MSGPackSerializer.loads(bytes(frame[4:header_end]))
+    try:
+        header = unpack_header(bytes(frame[4:header_end]))
+    except (ValueError, RecursionError, msgpack.UnpackException) as e:  # msgpack's own errors are ValueErrors mostly
+        raise ValueError(f"undecodable frame header ({type(e).__name__})") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) or \
             not isinstance(header.get("tensors"), list):
         raise ValueError("frame header must hold 'meta' (a dict) and 'tensors' (a list)")
     return header, header_end
+
+
+def unpack_header(data: bytes) -> Any:
+    """A frame header, as MSGPackSerializer packed it: tuples are hivemind's ext type 0x40, and any other ext type is
+    refused (ValueError) without running or logging anything (hivemind's own hook logs each unknown one, and runs
+    its registered types: a stranger's message must cost nothing like that)."""
+    return msgpack.unpackb(data, raw=False, ext_hook=_tuples_only)
+
+
+def _tuples_only(code: int, data: bytes) -> tuple[Any, ...]:
+    if code != TUPLE_EXT_CODE:
+        raise ValueError(f"msgpack ext type {code} in a frame header")
+    return tuple(unpack_header(data))
 
 
 def decode_meta(frame: bytes | bytearray) -> dict[str, Any]:

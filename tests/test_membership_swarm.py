@@ -12,6 +12,7 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 from jobs_support import job_status, wait_for
+from raw_streams import close, ended, error_code, exchange, framed, raw_stream
 from tiers import process_fixture
 from typer.testing import CliRunner
 
@@ -294,3 +295,39 @@ def test_a_workers_pool_processes_generate_as_members(make_runtime, private_swar
     finally:
         worker.terminate()
     assert steps_of(member_client, outsider(private_swarm)) == outsider_steps
+
+
+# ---- what a stranger's messages cost a server (security audit 2, N10, N11, N15) ---------------------------------
+def refusal_lines(server: ManagedProcess, peer_id: str) -> list[str]:
+    """The server's log lines about refusing `peer_id`."""
+    return [line for line in server.log_path.read_text(errors="replace").splitlines()
+            if "Refused a request of" in line and peer_id[-8:] in line]
+
+
+def test_a_strangers_stream_ends_at_its_first_refusal_and_is_logged_once_however_many_it_opens(
+        private_swarm: LocalSwarm, raw_client: Swarm) -> None:
+    server = private_swarm.servers[0]
+    me = raw_client.p2p.peer_id.to_base58()
+    for _ in range(5):
+        stream = raw_stream(raw_client, server.peer_id)
+        # a credential whose text forges a log line: it is logged escaped, never as a line of its own
+        meta = exchange(raw_client, stream, framed([], open_meta("t" * 32, {"credential": {"peer": "x\nINFO forged"}})))
+        assert error_code(meta) is protocol.ErrorCode.UNAUTHORIZED
+        assert ended(raw_client, stream, timeout=10)  # the server reads nothing more from it
+        close(raw_client, stream)
+    lines = refusal_lines(server, me)
+    assert len(lines) == 1, lines
+    assert not any(line.startswith("INFO forged") for line in server.log_path.read_text().splitlines())
+
+
+def test_a_first_message_of_twenty_thousand_unknown_ext_objects_is_refused_unlogged_as_invalid(
+        private_swarm: LocalSwarm, raw_client: Swarm) -> None:
+    server = private_swarm.servers[1]
+    # msgpack: a map {"meta": [20,000 x ext type 0x51 holding {}], "tensors": []}; hivemind's hook logged each ext
+    bomb = b"\x82\xa4meta\xdd" + (20_000).to_bytes(4, "big") + b"\xd4\x51\x80" * 20_000 + b"\xa7tensors\x90"
+    before = len(server.log_path.read_text(errors="replace").splitlines())
+    stream = raw_stream(raw_client, server.peer_id)
+    meta = exchange(raw_client, stream, protocol.length_prefixed(len(bomb).to_bytes(4, "big") + bomb))
+    assert error_code(meta) is protocol.ErrorCode.INVALID
+    close(raw_client, stream)
+    assert len(server.log_path.read_text(errors="replace").splitlines()) - before <= 1
