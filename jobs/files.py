@@ -10,6 +10,7 @@ made them); any other key gets FileNotFound, as for jobs. Like jobs.store, nothi
 from __future__ import annotations
 
 import logging
+import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -25,6 +26,7 @@ from jobs.models import FileChunk, FilePurpose, Job, StoredFile, utcnow
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
+MAX_FILENAME = 255  # characters of an upload's name that are kept (a longer one is refused)
 OUTPUT, ERROR = "output", "error"  # StoredFile.lines of a job's two files
 
 
@@ -37,9 +39,21 @@ def new_file_id() -> str:
     return f"file-{uuid.uuid4().hex[:24]}"
 
 
+def check_filename(filename: str) -> str:
+    """An upload's name as stored: at most MAX_FILENAME characters, no control characters; InvalidJob (a 400)."""
+    if len(filename) > MAX_FILENAME:
+        raise InvalidJob(f"the file name has {len(filename)} characters; at most {MAX_FILENAME} are kept: "
+                         "rename the file", param="file")
+    if any(unicodedata.category(ch) == "Cc" for ch in filename):
+        raise InvalidJob(f"the file name {filename[:64]!r} holds control characters (a line break, a tab...); "
+                         "rename the file", param="file")
+    return filename
+
+
 def store_upload(*, session: Session, pieces: Iterable[bytes], filename: str, api_key_id: int | None,
                  max_bytes: int, purpose: FilePurpose = FilePurpose.batch) -> StoredFile:
     """Store an upload read piece by piece; FileTooLarge as soon as it passes `max_bytes` (the session rolls back)."""
+    check_filename(filename)
     row = StoredFile(id=new_file_id(), api_key_id=api_key_id, purpose=purpose, filename=filename, size=0,
                      created_at=utcnow())
     session.add(row)
@@ -59,7 +73,7 @@ def store_upload(*, session: Session, pieces: Iterable[bytes], filename: str, ap
     if pending or seq == 0:
         session.add(FileChunk(file_id=row.id, seq=seq, data=bytes(pending)))
     session.flush()
-    logger.info("File %s stored: %s, %d bytes", row.id, filename, row.size)
+    logger.info("File %s stored: %r, %d bytes", row.id, filename, row.size)
     return row
 
 

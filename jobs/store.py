@@ -92,7 +92,7 @@ def add_requests(*, session: Session, job: Job, parsed: ParsedBatch,
         row.job_id = job.id
     session.add_all(rows)
     session.flush()
-    logger.info("Job %s: added %d requests (%s)", job.id, len(rows), ", ".join(r.custom_id for r in rows))
+    logger.info("Job %s: added %d requests (%s)", job.id, len(rows), ", ".join(repr(r.custom_id) for r in rows))
     return rows
 
 
@@ -334,7 +334,7 @@ def finish_request(*, session: Session, request_id: int, token: str, status: Req
     written = session.execute(update(Request).where(Request.id == request_id, Request.lease_token == token)
                               .values(**values).returning(Request.job_id, Request.custom_id)).first()
     if written is not None:
-        logger.info("Job %s request %s (%s): in_progress -> %s%s", written.job_id, request_id, written.custom_id,
+        logger.info("Job %s request %s (%r): in_progress -> %s%s", written.job_id, request_id, written.custom_id,
                     status, f" ({finish_reason}, {len(generated)} tokens)" if generated is not None else
                     f": {error}" if error else "")
     return written is not None
@@ -435,7 +435,7 @@ def revoke_api_key(*, session: Session, name_or_id: str, now: datetime | None = 
     if key.revoked_at is None:
         key.revoked_at = now or utcnow()
         session.flush()
-        logger.info("API key %d (%s) revoked", key.id, key.name)
+        logger.info("API key %d (%r) revoked", key.id, key.name)
     return key
 
 

@@ -633,3 +633,21 @@ def test_concurrent_submissions_under_one_idempotency_key_make_one_job(any_store
     assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
     assert len({r.json()["id"] for r in responses}) == 1
     assert len(api.get("/v1/batches").json()["data"]) == 1
+
+
+@pytest.mark.parametrize("filename", ["batch\nFORGED LINE: API key 1 (alice) revoked.jsonl", "b" * 256 + ".jsonl"])
+def test_an_upload_whose_name_forges_a_log_line_or_runs_long_is_a_400_and_stores_nothing(
+        runtime: Runtime, client: ApiClient, filename: str, caplog: pytest.LogCaptureFixture) -> None:
+    api = client(runtime, new_key(runtime))
+    # the multipart body written by hand: clients escape a line break in a file name, an attacker's does not
+    boundary = "b0und4ry"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{filename}"\r\n'
+            f'Content-Type: application/jsonl\r\n\r\n{{"custom_id": "a"}}\n\r\n--{boundary}--\r\n').encode()
+    with caplog.at_level(logging.INFO, logger="jobs"):
+        answer = api.post("/v1/files", content=body,
+                          headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "file", answer.text
+    assert "rename the file" in answer.json()["error"]["message"]
+    assert api.get("/v1/files").json()["data"] == []
+    assert not any(line.startswith("FORGED LINE") for record in caplog.records for line in record.getMessage().splitlines())
