@@ -59,6 +59,7 @@ RPC_INFERENCE = "swarmbatch.inference/3"
 RPC_PUSH = "swarmbatch.push/3"  # server to server: a step's outputs straight into the next hop's session
 
 OPEN_FRAME_LIMIT = 1 << 16  # bytes: any message before a session exists, an info request, a forward header
+MAX_HEADER_BYTES = OPEN_FRAME_LIMIT  # a frame's msgpack header (meta and tensor specs): a step's is under 1 KiB
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype
           for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
@@ -115,6 +116,8 @@ def _header(frame: bytes | bytearray) -> tuple[dict[str, Any], int]:
     if len(frame) < 4:
         raise ValueError("truncated frame")
     header_end = 4 + int.from_bytes(frame[:4], "big")
+    if header_end - 4 > MAX_HEADER_BYTES:  # before unpacking: a header may hold millions of tiny objects
+        raise ValueError(f"frame header of {header_end - 4} bytes (at most {MAX_HEADER_BYTES})")
     if header_end > len(frame):
         raise ValueError("truncated frame header")
     try:
@@ -160,6 +163,8 @@ def decode(frame: bytes | bytearray) -> tuple[list[torch.Tensor], dict[str, Any]
         flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset) if count else torch.empty(0, dtype=dtype)
         tensors.append(flat.view(shape))
         offset += nbytes + _padded(nbytes)
+    if offset < len(buffer):  # what encode() writes, exactly: nothing may ride along unaccounted
+        raise ValueError(f"frame has {len(buffer) - offset} bytes beyond its tensors")
     return tensors, header["meta"]
 
 

@@ -37,6 +37,11 @@ def test_decoded_tensors_are_writable_and_do_not_share_the_frame() -> None:
     (protocol.encode([torch.zeros(64)])[:-40], "shorter than its tensors"),
     (b"\x00\x00\x00\x01\x01", "must hold 'meta'"),
     (protocol.encode([torch.zeros(2)]).replace(b"float32", b"float99"), "bad tensor description"),
+    (protocol.encode([torch.zeros(2)]) + b"\x00" * 16, "16 bytes beyond its tensors"),
+    # a header of 1.5 M empty msgpack arrays took seconds and hundreds of MiB to unpack: refused by its length
+    ((1 << 20).to_bytes(4, "big") + b"\x90" * (1 << 20), "frame header of 1048576 bytes"),
+    # an ext type other than the tuples hivemind packs: refused, never run
+    (b"\x00\x00\x00\x03\xd4\x51\x80", "undecodable frame header"),
 ])
 def test_a_malformed_frame_is_a_value_error(frame: bytes, message: str) -> None:
     with pytest.raises(ValueError, match=message):
