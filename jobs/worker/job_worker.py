@@ -24,7 +24,7 @@ from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
-from jobs.worker.swarm_view import publish_if_due
+from jobs.worker.swarm_view import publish_if_due, publish_in_background
 from modelprep import ModelPrepError
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy
 from swarmclient.verification_policy import VerificationCounts, VerificationTally
@@ -236,7 +236,7 @@ class JobWorker:
     def _renew_leases(self, job: Job, token: str) -> None:
         """A long batch's periodic duty: renew its leases, and publish the swarm snapshot when due."""
         self._store(f"Job {job.id}: renew leases", lambda: self._renew(token))
-        publish_if_due(self.runtime, job.model)
+        publish_in_background(self.runtime, job.model)
 
     def _renew(self, token: str) -> None:
         with self.runtime.session() as session:

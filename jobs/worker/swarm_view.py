@@ -4,6 +4,7 @@ same as `swarmbatch swarm status`), with what this worker measured of each serve
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from jobs import snapshots
@@ -13,6 +14,7 @@ from swarmclient.swarm import Swarm
 from swarmnet.discovery import BlockServers
 
 logger = logging.getLogger(__name__)
+_publishing: dict[str, threading.Thread] = {}  # model -> the thread publishing its snapshot now
 
 
 def swarm_report(swarm: Swarm, infos: list[BlockServers]) -> dict[str, Any]:
@@ -41,6 +43,17 @@ def publish_if_due(runtime: Runtime, model: str) -> bool:
             snapshots.publish_snapshot(session=session, model=model, worker=runtime.worker_name, report=report)
             session.commit()
         return True
-    except Exception as e:  # noqa: BLE001 - the swarm page may be stale; the batch must go on
+    except Exception as e:  # the swarm page may be stale; the batch must go on
         logger.info("No swarm snapshot of %s this time: %s", model, e)
         return False
+
+
+def publish_in_background(runtime: Runtime, model: str) -> None:
+    """`publish_if_due` on a thread of its own, one per model at a time: a lease renewal never waits for the DHT or
+    the store's snapshot row (under a short lease, that wait let leases lapse)."""
+    running = _publishing.get(model)
+    if running is not None and running.is_alive():
+        return
+    _publishing[model] = thread = threading.Thread(target=publish_if_due, args=(runtime, model),
+                                                   name="swarm-snapshot", daemon=True)
+    thread.start()

@@ -19,6 +19,7 @@ from jobs_support import requests_of
 from sqlalchemy import select
 
 from jobs import store
+from jobs.assembly import build_runtime
 from jobs.models import Job, Request
 from jobs.runtime import Runtime
 from jobs.submission import submit_batch
@@ -96,7 +97,7 @@ def test_a_server_taking_one_row_per_session_gets_one_row_per_lane(
     claim, lanes, bound = next((int(m[1]), int(m[2]), m[3]) for m in plans_logged(caplog))
     assert claim == lanes and bound == "bound: max batch size", (claim, lanes, bound)
     # And a claim set by hand (4 in 2 lanes) still runs one row per session there
-    explicit = runtime.__class__(runtime.settings.model_copy(update={"worker_batch_size": 4, "pipeline_lanes": 2}))
+    explicit = build_runtime(runtime.settings.model_copy(update={"worker_batch_size": 4, "pipeline_lanes": 2}))
     run_to_completion(explicit, submit_batch(explicit, batch_file(4), model=str(tiny_model)).id)
     assert refusals(swarm, runtime, tiny_model) == {}
 
