@@ -323,3 +323,18 @@ def test_the_compose_stack_builds_runs_a_batch_through_its_private_swarm_and_lea
     assert script.returncode == 0, f"{out[-6000:]}\n{err[-6000:]}"
     assert "nothing of swarmbatch-smoke is left" in out
     print(out[out.index("---- image sizes"):])
+
+
+def test_every_name_a_healthcheck_imports_from_our_packages_exists() -> None:
+    # a moved function (jobs.runtime.get_runtime -> jobs.assembly) left the compose worker unhealthy: the
+    # healthchecks' `python -c` code runs only inside the stack, so its imports are checked here
+    import importlib
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    imported = [(service, module, name) for service, spec in compose["services"].items()
+                for part in map(str, (spec.get("healthcheck") or {}).get("test") or [])
+                for module, names in re.findall(r"from ([\w.]+) import ([\w, ]+)", part)
+                for name in names.replace(" ", "").split(",")]
+    assert any(module == "jobs.assembly" for _, module, _ in imported), imported  # the walker read the worker's
+    for service, module, name in imported:
+        assert hasattr(importlib.import_module(module), name), f"{service}'s healthcheck imports {module}.{name}"
