@@ -5,6 +5,7 @@ process runs. jobs.assembly passes the real ones (`build_runtime`); the core onl
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -104,7 +105,11 @@ class Runtime:
             from jobs.migrate import upgrade
 
             self.settings.home.mkdir(parents=True, exist_ok=True)
-            upgrade(self.settings.resolved_database_url)
+            # processes starting together (the demo and its worker, an api beside a worker) migrate one at a time:
+            # two upgrades of a new file at once fail with "table ... already exists"
+            with open(self.settings.home / ".migrate.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                upgrade(self.settings.resolved_database_url)
         self.check_store()
 
     def model_dir(self, model: str) -> Path:

@@ -60,9 +60,9 @@ def run_demo(echo: Callable[[str], None], *, max_tokens: int = 64) -> None:
     echo("Starting a DHT node and two block servers (blocks 0:15 and 15:30) on 127.0.0.1...")
     with LocalSwarm(model_dir, [(0, 15), (15, 30)], log_dir=settings.home / "demo-logs") as swarm:
         settings = settings.model_copy(update={"initial_peers": swarm.initial_peers})
+        runtime = build_runtime(settings)
+        client = StoreBackend(runtime)  # migrates the embedded store before the worker opens it
         with embedded_worker(settings) as worker:
-            runtime = build_runtime(settings)
-            client = StoreBackend(runtime)
             docs = sample_documents()
             job = submit_batch(runtime, summarization_batch(docs, max_tokens=max_tokens), model=MODEL,
                                filename="samples/documents")

@@ -1,6 +1,8 @@
 """Alembic migrations on the embedded SQLite store and on a real PostgreSQL: up, down, up again, and no drift."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -17,6 +19,8 @@ from jobs.batch_input import COMPLETIONS_URL, ParsedBatch, ParsedRequest
 from jobs.migrate import downgrade, upgrade
 from jobs.models import Base, Job, JobKind, JobStatus, UTCDateTime
 from jobs.store import create_job
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TABLES = {"api_keys", "jobs", "requests", "document_summaries", "summary_runs", "worker_heartbeats", "maintenance_slots",
           "files", "file_chunks", "swarm_snapshots"}
@@ -259,3 +263,16 @@ def test_0013_adds_the_swarm_snapshots_table_and_takes_it_away_again(database_ur
     with engine.connect() as connection:
         assert connection.execute(text("SELECT count(*) FROM swarm_snapshots")).scalar() == 0
     assert schema_diffs(engine) == []
+
+
+@pytest.mark.swarm  # starts processes
+def test_processes_starting_together_on_a_new_embedded_store_each_migrate_it_without_error(tmp_path: Path) -> None:
+    # Given three processes (the demo, its worker, an api) opening the same new SQLite store at once
+    code = ("import sys; from jobs.assembly import build_runtime; from jobs.settings import Settings; "
+            "build_runtime(Settings(home=sys.argv[1])).ensure_store()")
+    started = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stderr=subprocess.PIPE)
+               for _ in range(3)]
+    # Then each finds it migrated (one at a time), none fails with "table ... already exists"
+    for process in started:
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err.decode()[-500:]
