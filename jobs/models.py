@@ -1,6 +1,7 @@
 """SQL models: the truth about every job and request, including the generated token ids (the checkpoint)."""
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from enum import Enum, StrEnum
 from typing import Any
@@ -44,6 +45,29 @@ class UTCDateTime(TypeDecorator[datetime]):
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
+class ExactText(TypeDecorator[str]):
+    """Text that holds any Python string on every backend: PostgreSQL's text refuses NUL characters (a model can
+    write one: byte-level tokenizers have a token for every byte), so there NUL is stored escaped as U+E000 U+E002,
+    and U+E000 itself as U+E000 U+E001. The escape is undone on reading, so what a model wrote reads back exactly."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is None or dialect.name != "postgresql" or not ("\x00" in value or _ESCAPE in value):
+            return value
+        return value.replace(_ESCAPE, _ESCAPE + "\ue001").replace("\x00", _ESCAPE + "\ue002")
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> str | None:
+        if value is None or dialect.name != "postgresql" or _ESCAPE not in value:
+            return value
+        return _ESCAPED.sub(lambda m: _ESCAPE if m.group(1) == "\ue001" else "\x00", value)
+
+
+_ESCAPE = "\ue000"  # a private-use character: the escape of ExactText
+_ESCAPED = re.compile("\ue000([\ue001\ue002])")
 
 
 class Base(DeclarativeBase):
@@ -131,7 +155,7 @@ class Job(Base):
     output_file_id: Mapped[str | None] = mapped_column(String(40))
     error_file_id: Mapped[str | None] = mapped_column(String(40))
     line_errors: Mapped[list[Any]] = mapped_column(default=list)
-    blocked_reason: Mapped[str | None] = mapped_column(Text)
+    blocked_reason: Mapped[str | None] = mapped_column(ExactText)
     checkpoint_every: Mapped[int] = mapped_column(Integer, default=8)
     completion_window_s: Mapped[int] = mapped_column(Integer, default=24 * 3600)
     idempotency_key: Mapped[str | None] = mapped_column(String(300), unique=True)
@@ -203,9 +227,9 @@ class Request(Base):
     # len(generated_ids), written with it by the store: totals sum this instead of parsing every row's JSON
     generated_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     finish_reason: Mapped[str | None] = mapped_column(String(20))
-    output_text: Mapped[str | None] = mapped_column(Text)
+    output_text: Mapped[str | None] = mapped_column(ExactText)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    last_error: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None] = mapped_column(ExactText)
     lease_owner: Mapped[str | None] = mapped_column(String(200))
     lease_token: Mapped[str | None] = mapped_column(String(40))
     lease_expires_at: Mapped[datetime | None]
@@ -277,7 +301,7 @@ class SummaryRun(Base):
     # times (jobs.summaries.pages)
     pages_written_at: Mapped[datetime | None]
     pages_attempts: Mapped[int] = mapped_column(Integer, default=0)
-    pages_error: Mapped[str | None] = mapped_column(Text)
+    pages_error: Mapped[str | None] = mapped_column(ExactText)
     pages_retry_at: Mapped[datetime | None]                  # the next try; None: written, or given up
 
     job: Mapped[Job] = relationship(back_populates="summary")
@@ -295,7 +319,7 @@ class DocumentSummary(Base):
     content_sha: Mapped[str] = mapped_column(String(64))
     model_id: Mapped[str] = mapped_column(String(500))
     template_sha: Mapped[str] = mapped_column(String(64))
-    summary: Mapped[str] = mapped_column(Text)
+    summary: Mapped[str] = mapped_column(ExactText)
     output_path: Mapped[str] = mapped_column(String(2000))
     job_id: Mapped[str] = mapped_column(String(40))
     summarized_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -130,12 +130,23 @@ stop_engine() {
   echo "dockerd stopped; ip_forward back to $IP_FORWARD_BEFORE; iptables rules of before restored"
 }
 
+# what a failed run shows last (the test keeps only the end of the output): every service's last lines, then the
+# warnings and errors of the worker and the API, whole, in $WORK/logs
+report_failure() {
+  echo "---- compose ps / logs (last lines)"
+  compose ps
+  compose logs --no-color > "$WORK/logs" 2>&1
+  compose logs --no-color --tail 30
+  echo "---- warnings and errors of the worker and the API (all of them: $WORK/logs)"
+  grep -E "^(worker|api)_1 .*(WARNING|ERROR|Error|Traceback)" "$WORK/logs" | tail -25
+}
+
 cleanup() {
   local status=$?
   set +e
   trap - EXIT INT TERM
   if [ -n "$STACK_UP" ]; then
-    [ $status = 0 ] || { echo "---- compose ps / logs (last lines)"; compose ps; compose logs --tail 30; } >&2
+    [ $status = 0 ] || report_failure >&2
     compose down -v --remove-orphans --timeout 20
   fi
   docker ps -aq --filter "label=com.docker.compose.project=$PROJECT" | xargs -r docker rm -f >/dev/null 2>&1
@@ -303,6 +314,14 @@ create_key() {
   echo "created an API key (${#API_KEY} characters)"
 }
 
+# the job as the API shows it, and its first error lines
+job_report() {
+  local api="http://127.0.0.1:$API_PORT"
+  curl -sS -H "Authorization: Bearer $API_KEY" "$api/v1/batches/$1"
+  echo
+  curl -sS -H "Authorization: Bearer $API_KEY" "$api/v1/batches/$1/errors" | head -5
+}
+
 run_batch() {
   local api="http://127.0.0.1:$API_PORT" job status deadline=$((SECONDS + TIMEOUT))
   python3 -c "
@@ -317,8 +336,8 @@ for i, text in enumerate(['The river rose two metres overnight.', 'The bakery op
   while :; do
     status=$(curl -sSf -H "Authorization: Bearer $API_KEY" "$api/v1/batches/$job" \
              | python3 -c "import json, sys; print(json.load(sys.stdin)['status'])")
-    case $status in completed) break ;; failed|cancelled|expired) fail "job $job $status" ;; esac
-    [ $SECONDS -lt $deadline ] || fail "job $job still $status after ${TIMEOUT} s"
+    case $status in completed) break ;; failed|cancelled|expired) fail "job $job $status: $(job_report "$job")" ;; esac
+    [ $SECONDS -lt $deadline ] || fail "job $job still $status after ${TIMEOUT} s: $(job_report "$job")"
     sleep 3
   done
   curl -sSf -H "Authorization: Bearer $API_KEY" "$api/v1/batches/$job/results" > "$WORK/results.jsonl"

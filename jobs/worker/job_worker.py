@@ -194,11 +194,28 @@ class JobWorker:
             outcome = self._run_batch(claim, plan, checks)
         except StoreUnavailable:
             raise  # the store is away: those counts are lost (they are counters; the outage is what matters now)
+        except Exception as error:  # a fault of ours or of a library: the lines say so, and run out of attempts
+            self._store_checks(claim.job.id, checks)
+            return self._crashed(claim, error)
         except BaseException:
             self._store_checks(claim.job.id, checks)
             raise
         self._store_checks(claim.job.id, checks)
         return outcome
+
+    def _crashed(self, claim: Claim, error: Exception) -> Outcome:
+        """An unexpected error stopped the batch: give its requests back at once with the error, the attempt counted,
+        and retry with backoff. A request that keeps failing so fails after max_attempts with that error as its reason, instead of
+        waiting out a lease each time with no reason given."""
+        reason = f"{type(error).__name__}: {error}"
+        logger.exception("Job %s: the batch failed unexpectedly; its requests go back (%s)", claim.job.id, reason)
+
+        def unit() -> None:
+            with self.runtime.session() as session:
+                store.release_requests(session=session, token=claim.token, error=reason)
+                session.commit()
+        self._store(f"Job {claim.job.id}: release", unit)
+        return Outcome(retry=True)
 
     def _run_batch(self, claim: Claim, plan: PipelinePlan, checks: CheckedOutputs) -> Outcome:
         job, token, claimed = claim.job, claim.token, claim.requests

@@ -246,3 +246,29 @@ def test_a_request_with_penalties_killed_mid_generation_resumes_to_the_text_of_a
     # and the penalties changed what greedy decoding writes (token 6, biased by -100, never appears)
     assert any(got[f"req-{i}"] != got[f"plain-{i}"] for i in range(0, 4, 2))
     assert all(6 not in r.generated_ids for r in requests_of(runtime, job.id) if r.custom_id.startswith("req"))
+
+
+def nul_token(model: Path) -> int:
+    """The id of a token that decodes to a NUL character (byte-level BPE has one for every byte)."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\x00")
+
+
+def test_a_generated_nul_character_is_stored_and_returned_exactly(
+        make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str, start_worker: WorkerFactory,
+        tiny_model: Path) -> None:
+    backend = make_runtime(database_url=postgres_url, broker_url=redis_url, checkpoint_every=K)
+    # Given, on PostgreSQL (whose text cannot hold NUL), requests whose bias makes the model write NUL characters,
+    # greedy and sampled, checkpointed every K tokens
+    nul = nul_token(tiny_model)
+    lines = [{"custom_id": f"nul-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": f"Request number {i} says that", "max_tokens": 2 * K + 1, "temperature": i % 2,
+                       "seed": 7, "logit_bias": {str(nul): 100}}} for i in range(2)]
+    job = submit_batch(backend, "".join(json.dumps(line) + "\n" for line in lines).encode(), model=str(tiny_model))
+    # When a worker runs them
+    start_worker(backend)
+    wait_for(lambda: job_status(backend, job.id) == "completed", 120, "the job with NUL characters to complete")
+    # Then the results hold the NUL characters exactly, once per token, and the request rows read back the same
+    assert texts(backend, job.id) == {"nul-0": "\x00" * (2 * K + 1), "nul-1": "\x00" * (2 * K + 1)}
+    assert all(r.output_text == "\x00" * (2 * K + 1) for r in requests_of(backend, job.id))

@@ -236,6 +236,21 @@ def test_checkpoint_writes_generated_ids_and_renews_the_lease_of_its_owner(runti
     assert all(r.lease_expires_at is not None and r.lease_expires_at > t0 + timedelta(seconds=LEASE) for r in rows)
 
 
+@pytest.mark.parametrize("written", ["\x00", "a\x00b\x00", "\ue000", "\ue000\ue002", "\ue000\x00\ue001", "plain"])
+def test_any_text_a_model_writes_is_checkpointed_and_finished_exactly(runtime: Runtime, written: str) -> None:
+    # PostgreSQL's text refuses NUL: the store escapes it, and its escape character, and reads both back exactly
+    job_id = new_job(runtime, count=2)
+    token, (first, second) = claim(runtime, job_id)
+    with runtime.session() as session:
+        store.checkpoint(session=session, token=token, progress={first: [1]}, lease_seconds=LEASE,
+                         texts={first: written})
+        session.commit()
+    assert load_request(runtime, first).output_text == written
+    assert finish(runtime, second, token, output_text=written + written, error=written)
+    assert (load_request(runtime, second).output_text, load_request(runtime, second).last_error) == (written * 2,
+                                                                                                     written)
+
+
 def test_the_generated_count_follows_the_token_ids_through_checkpoints_and_finish(runtime: Runtime) -> None:
     # metrics and job counts sum generated_count, never the JSON: every writer of the ids must keep it equal
     job_id = new_job(runtime, 3)
