@@ -9,7 +9,7 @@ ENV PYTHONUNBUFFERED=1 \
     SWARMBATCH_HOME=/data
 
 # torch first, alone, as the CPU build: the project's torch range then keeps pip from pulling a CUDA build.
-# A GPU block server runs outside this image, on a host with a CUDA torch (see README). TORCH_SOURCE is where pip
+# A GPU block server runs outside this image, on a host with a CUDA torch (see docs/deploying.md). TORCH_SOURCE is where pip
 # finds it: the PyTorch CPU index; a machine without it may point pip at a mirror or a wheel folder served over
 # HTTP (scripts/compose-smoke.sh: --build-arg TORCH_SOURCE="--find-links http://127.0.0.1:PORT/" --network host).
 ARG TORCH_SOURCE="--index-url https://download.pytorch.org/whl/cpu"

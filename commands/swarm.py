@@ -53,7 +53,7 @@ def server_membership(role: str, host: str, swarm_file: Path | None, identity: P
         if not listen_ip(host).is_loopback:
             typer.echo(f"Warning: this {role} listens on {host} without --swarm-file: anyone who can reach its port "
                        "can join the swarm, announce blocks and be sent hidden states (the prompts); make the swarm "
-                       "private with 'swarmbatch swarm init' (README: Deploying a private swarm)", err=True)
+                       "private with 'swarmbatch swarm init' (docs/deploying.md: Several machines)", err=True)
         return Membership.open()
     if identity is None:
         raise MembershipError(f"a {role} of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose peer id "

@@ -97,7 +97,7 @@ class ApiBackend:
 
 
 def api_error(status: int, message: str) -> Exception:
-    """The error of ours that an API error answer means (so the CLI exits with the code the README lists)."""
+    """The error of ours that an API error answer means (so the CLI exits with the code docs/reference/errors.md lists)."""
     if status == 409:
         return IdempotencyConflict(f"API answered 409: {message}")
     if status == 429:

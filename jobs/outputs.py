@@ -160,8 +160,8 @@ def summary_public(job: Job) -> dict[str, Any] | None:
 
 def job_public(*, session: Session, job: Job) -> dict[str, Any]:
     """The batch object of the REST API: OpenAI's fields (`usage` included), plus ours (tokens_generated, blocked_reason,
-    input_filename, summary, verification: the checked outputs' counts, README "Checked outputs", and pipeline: per
-    worker, the batch it sized for itself, README "Throughput")."""
+    input_filename, summary, verification: the checked outputs' counts, docs/security.md "Checked outputs", and pipeline: per
+    worker, the batch it sized for itself, docs/jobs.md "Throughput")."""
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The compose deployment for real: build the project's image with its own Dockerfile, `up` its docker-compose.yml,
-# and do what README "One machine: docker compose" tells a user to do, then `down -v`. Prints each step's time and
+# and do what docs/deploying.md "One machine: docker compose" tells a user to do, then `down -v`. Prints each step's time and
 # the image sizes.
 #
 # Needs root (it installs and starts the Docker engine where missing). Exit 77 = cannot run here (the reason is one
@@ -287,7 +287,7 @@ check_private_swarm() {
   compose run --rm --no-deps swarm-init  # a second run (a later `up`) keeps the keys and the file as they are
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | cmp - "$WORK/members" \
     || fail "a second swarm-init changed the members"
-  # README: a member from another machine is added (and removed) through swarm-init's mounts
+  # docs/deploying.md: a member from another machine is added (and removed) through swarm-init's mounts
   peer=$(compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm new-key /tmp/gpu1.key | tail -1 | tr -d '\r')
   compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm add-member /swarm/swarm.json "$peer" --name gpu1
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | grep -q " gpu1\$" || fail "add-member gpu1 did not show"

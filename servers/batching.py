@@ -154,7 +154,7 @@ class DecodeBatcher:
     A group runs at once when every open session on its span has a step in it (waiting longer gains nothing),
     or when one more step would take it past `max_rows`. The forward runs on the event loop, like any decode step.
     A session caching more than `max_merge_tokens` (rows x length) runs alone at once: merging copies its cache,
-    and on a CPU copying a big cache costs as much as the weight reads the merge saves (README).
+    and on a CPU copying a big cache costs as much as the weight reads the merge saves (docs/swarm.md).
     """
 
     def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerCounters,

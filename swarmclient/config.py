@@ -24,10 +24,10 @@ class ClientConfig:
     # seconds a server's measured round trip (and the links to the servers after it, which its answer reports) is
     # trusted before routing pings it again: a long-lived worker outlives networks and sees servers join
     rtt_max_age: float = 60.0
-    # fraction of hop steps recomputed on a second server holding the hop's blocks (checked outputs, README);
+    # fraction of hop steps recomputed on a second server holding the hop's blocks (checked outputs, docs/security.md);
     # 0 = no checks. Jobs default to SWARMBATCH_VERIFY_FRACTION (0.02), one-off `generate` to 0
     verify_fraction: float = 0.0
-    # server-to-server push (README "How the swarm works"): the client sends each step to the first server of the
+    # server-to-server push (docs/swarm.md): the client sends each step to the first server of the
     # chain only, each server pushes its outputs to the next, and every server's outputs still come back to the
     # client (what a failover replays and a check recomputes). About (hops + 1) / 2 round trips per token instead of
     # hops. On by default: every test of the client, the servers, generation, checks and membership passes with it

@@ -36,7 +36,7 @@ def generate_texts(model_dir: Path, prompts: list[str], *, initial_peers: list[s
                    ) -> list[dict[str, Any]]:
     """[{"prompt", "text", "token_ids"}] for each prompt, generated as one batch through the swarm.
 
-    verify_fraction: hop steps checked on a second server (README "Checked outputs"), counted into `verification`.
+    verify_fraction: hop steps checked on a second server (docs/security.md "Checked outputs"), counted into `verification`.
     push: servers push each step's outputs to the next server (ClientConfig.push).
     """
     tokenizer = load_tokenizer(model_dir)

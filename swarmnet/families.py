@@ -14,7 +14,7 @@ Adding a family (the model_type `foo`, classes `FooDecoderLayer` etc. in transfo
 2. add `"foo"` to the parametrized family tests (tests/servers/test_span.py, tests/test_families.py):
    `swarmbatch model tiny OUT --arch foo` then makes a tiny random model of it, and the tests check it is
    token-identical to transformers' greedy generate, in one process and through two servers;
-3. add a row to README's families table.
+3. add a row to the families table of docs/models.md.
 """
 from __future__ import annotations
 

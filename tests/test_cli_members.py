@@ -136,7 +136,7 @@ def test_a_dht_node_beyond_loopback_without_a_swarm_file_warns_in_one_line(tmp_p
     warnings = [line for line in log.splitlines() if line.startswith("Warning: ")]
     assert warnings == ([f"Warning: this DHT node listens on {host} without --swarm-file: anyone who can reach its "
                          "port can join the swarm, announce blocks and be sent hidden states (the prompts); make the "
-                         "swarm private with 'swarmbatch swarm init' (README: Deploying a private swarm)"]
+                         "swarm private with 'swarmbatch swarm init' (docs/deploying.md: Several machines)"]
                         if warned else []), log
     assert "Error: DHTUnreachable" in log  # it got as far as starting (and failing) in every case
 

@@ -301,7 +301,7 @@ def test_the_demo_documents_are_package_data_so_a_non_editable_install_finds_the
 SKIPPED = 77  # the script's exit status when it cannot run here; its last stderr line says why
 
 
-@pytest.mark.slow  # the real SmolLM2, a Docker build and the whole stack: minutes (README "One machine: docker compose")
+@pytest.mark.slow  # the real SmolLM2, a Docker build and the whole stack: minutes (docs/deploying.md, docker compose)
 @pytest.mark.swarm
 @pytest.mark.timeout(3600)
 def test_the_compose_stack_builds_runs_a_batch_through_its_private_swarm_and_leaves_nothing_running() -> None:

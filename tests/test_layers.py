@@ -1,4 +1,4 @@
-"""The layers (README, "Layout"), checked on the source: which package may import which.
+"""The layers (docs/contributing.md, "Layers"), checked on the source: which package may import which.
 
 `cli.py` and the composition roots (`launch/`, `commands/`) sit above every layer. Bottom up: `swarmnet` (the wire
 contract, peers, DHT records, membership, discovery) is shared; `servers` and `swarmclient` build on it and know

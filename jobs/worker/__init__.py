@@ -4,7 +4,7 @@
                   carrying the process's Runtime (runtime_of)
     tasks         the Celery tasks: process_job, sweep, fire_schedules (thin: load, call, enqueue next)
     job_worker    JobWorker: claim a batch of one job under a lease, run it, record the outcome (job transitions
-                  through runtime.lifecycle), with its checked-output counts (README "Checked outputs"); each store
+                  through runtime.lifecycle), with its checked-output counts (docs/security.md "Checked outputs"); each store
                   step one transaction, retried through a database blip (jobs.db.retry_store)
     sizing        the batch a worker takes on: claim and lanes from what the chain can hold for one caller (records,
                   and each server's `info` answer for the cache it may take now),
