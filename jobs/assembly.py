@@ -1,7 +1,8 @@
 """The process's Runtime, assembled: the jobs core wired with every job kind's hooks and the worker's Celery app.
 
-This module sits above the core, `worker/`, `summaries/` and `api/` (nothing in `jobs` imports it): entry points
-(`commands/`, `launch/`), benchmarks and tests build their runtime here.
+This module sits above the core, `worker/`, `summaries/` and `api/` (nothing in `jobs` imports it but
+`jobs.celery`, the app of `celery -A jobs`): entry points (`commands/`, `launch/`), benchmarks and tests build their
+runtime here.
 """
 from __future__ import annotations
 

@@ -35,6 +35,8 @@ def make_celery(settings: Settings, *, app_class: type[Celery] = Celery, include
         # beat is for schedules only, and only a metronome: which period is due, and whether it fired, is decided
         # in SQL. Lost work needs no beat: every worker ticks the sweep itself (jobs.worker.maintenance)
         beat_schedule={"schedules": {"task": FIRE_SCHEDULES, "schedule": settings.schedule_tick}},
+        # task events for Flower and `celery events` (Celery sends none over the embedded SQL broker)
+        worker_send_task_events=True, task_send_sent_event=True,
     )
     return app
 

@@ -64,11 +64,17 @@ def render_coverage(report: dict[str, Any]) -> str:
         servers = ", ".join(_server(s) for s in block["servers"])
         online = any(s["state"] == ServerState.ONLINE.value and s["compatible"] and s.get("member", True)
                      for s in block["servers"])
-        lines.append(f"{block['index']:>5}  {'ok ' if online else 'MISSING'}  {servers or '-'}")
-    if report["missing"]:
-        ranges = ", ".join(f"{a}:{b}" for a, b in report["missing"])
-        upgrade = f" (or upgrade the servers marked not used to {PROTOCOL_VERSION})" if _old_servers(report) else ""
-        lines.append(f"Missing blocks {ranges}: start 'swarmbatch serve MODEL --blocks A:B' for them{upgrade}.")
-    else:
-        lines.append("All blocks are served.")
+        lines.append(f"{block['index']:>5}  {'ok ' if online else 'MISSING'}  {servers or 'no server'}")
+    lines.append(_verdict(report))
     return "\n".join(lines)
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    """The last line: every block served, or which have no server, what that means and what to do."""
+    if not report["missing"]:
+        return "All blocks are served."
+    ranges = ", ".join(f"{a}:{b}" for a, b in report["missing"])
+    count = sum(b - a for a, b in report["missing"])
+    upgrade = f" (or upgrade the servers marked not used to {PROTOCOL_VERSION})" if _old_servers(report) else ""
+    return (f"Missing blocks {ranges}: {count} of {report['num_blocks']} blocks have no server online, so nothing "
+            f"can be generated until one holds them: start 'swarmbatch serve MODEL --blocks A:B' for them{upgrade}.")

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE, ENV_EXAMPLE, DOCKERFILE = ROOT / "docker-compose.yml", ROOT / ".env.example", ROOT / "Dockerfile"
 LONG_RUNNING = {"redis", "postgres", "dht", "server1", "server2", "worker", "beat", "api"}
 ONE_SHOT = {"migrate", "model", "swarm-init"}
+MONITORING = {"prometheus", "grafana"}  # the profile `monitoring`: started only with --profile monitoring
 MEMBERS = {"dht", "server1", "server2", "worker"}  # the processes of the private swarm, each with its own key
 HEALTHY, COMPLETED = "service_healthy", "service_completed_successfully"
 
@@ -54,11 +55,21 @@ def config() -> dict[str, Any]:
 
 
 def test_the_compose_file_defines_every_service_of_the_deployment(config: dict[str, Any]) -> None:
-    assert set(config["services"]) == LONG_RUNNING | ONE_SHOT
+    assert set(config["services"]) == LONG_RUNNING | ONE_SHOT | MONITORING
+
+
+def test_a_plain_up_starts_the_deployment_alone_the_monitoring_profile_adds_prometheus_and_grafana(
+        config: dict[str, Any]) -> None:
+    profiles = {name: service.get("profiles", []) for name, service in config["services"].items()}
+    assert {name for name, listed in profiles.items() if not listed} == LONG_RUNNING | ONE_SHOT
+    assert {name: profiles[name] for name in MONITORING} == {name: ["monitoring"] for name in MONITORING}
+    # nothing of the deployment waits for them, and they add no named volume a plain `up` would create
+    assert not any(set(service.get("depends_on", {})) & MONITORING for service in config["services"].values())
+    assert not any(named_mounts(config["services"][name]) for name in MONITORING)
 
 
 def test_every_long_running_service_has_a_healthcheck_and_one_shots_do_not_restart(config: dict[str, Any]) -> None:
-    for name in LONG_RUNNING:
+    for name in LONG_RUNNING | MONITORING:
         health = config["services"][name].get("healthcheck", {})
         assert health.get("test") and not health.get("disable"), name
     for name in ONE_SHOT:
@@ -113,12 +124,12 @@ def named_mounts(service: dict[str, Any]) -> dict[str, str]:
 def test_every_port_is_published_on_bind_addr_which_defaults_to_this_host_only(config: dict[str, Any],
                                                                               tmp_path: Path) -> None:
     published = {name: service["ports"] for name, service in config["services"].items() if service.get("ports")}
-    assert set(published) == {"dht", "server1", "server2", "api"}  # never Redis or PostgreSQL
+    assert set(published) == {"dht", "server1", "server2", "api"} | MONITORING  # never Redis or PostgreSQL
     assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports), published
     env_file = tmp_path / ".env"
     env_file.write_text(ENV_EXAMPLE.read_text() + "BIND_ADDR=192.0.2.10\n")  # the last one wins
     ports = [port for service in services_for(env_file).values() for port in service.get("ports", [])]
-    assert len(ports) == 6 and all(port.startswith("192.0.2.10:") for port in ports), ports
+    assert len(ports) == 8 and all(port.startswith("192.0.2.10:") for port in ports), ports
 
 
 def identity_path(service: dict[str, Any], args: list[str]) -> str:
@@ -338,3 +349,65 @@ def test_every_name_a_healthcheck_imports_from_our_packages_exists() -> None:
     assert any(module == "jobs.assembly" for _, module, _ in imported), imported  # the walker read the worker's
     for service, module, name in imported:
         assert hasattr(importlib.import_module(module), name), f"{service}'s healthcheck imports {module}.{name}"
+
+
+# ---- the profile `monitoring` (docs/monitoring.md; deploy/prometheus is also checked by promtool in test_monitoring) --
+def bind_mounts(service: dict[str, Any]) -> dict[Path, str]:
+    """A service's bind mounts: host path -> its path in the container."""
+    found = {}
+    for entry in service.get("volumes", []):
+        source, target = entry.split(":")[:2]
+        if source.startswith("/"):
+            found[Path(source)] = target
+    return found
+
+
+def test_the_monitoring_services_mount_the_repositorys_config_files_read_only(config: dict[str, Any]) -> None:
+    mounts = {name: bind_mounts(config["services"][name]) for name in MONITORING}
+    deploy = ROOT / "deploy"
+    assert mounts["prometheus"] == {deploy / "prometheus" / "prometheus.yml": "/etc/prometheus/prometheus.yml",
+                                    deploy / "prometheus" / "alerts.yml": "/etc/prometheus/alerts.yml"}
+    assert mounts["grafana"] == {deploy / "grafana" / "provisioning": "/etc/grafana/provisioning",
+                                 deploy / "grafana" / "dashboards": "/var/lib/grafana/dashboards"}
+    for name in MONITORING:
+        assert all(path.exists() for path in mounts[name]), mounts[name]
+        assert all(entry.endswith(":ro") for entry in config["services"][name]["volumes"]), name
+    # prometheus.yml's relative paths are relative to it: the rules beside it, the token its container writes there
+    prometheus = yaml.safe_load((deploy / "prometheus" / "prometheus.yml").read_text())
+    assert prometheus["rule_files"] == ["alerts.yml"]
+    command = " ".join(config["services"]["prometheus"]["command"])
+    token = next(job["authorization"]["credentials_file"] for job in prometheus["scrape_configs"] if "authorization" in job)
+    assert f'> /etc/prometheus/{token} &&' in command and "--config.file=/etc/prometheus/prometheus.yml" in command
+    dashboards = yaml.safe_load((deploy / "grafana" / "provisioning" / "dashboards" / "swarmbatch.yml").read_text())
+    assert dashboards["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert list((deploy / "grafana" / "dashboards").glob("*.json"))
+
+
+def test_prometheus_scrapes_the_api_and_every_server_that_serves_metrics(config: dict[str, Any]) -> None:
+    services = config["services"]
+    api = swarmbatch_invocations(services)["api"]
+    expected = {"swarmbatch-api": {f"api:{api[api.index('--port') + 1]}"}, "swarmbatch-servers": set()}
+    for name, args in swarmbatch_invocations(services).items():
+        if "--metrics-port" in args:
+            expected["swarmbatch-servers"].add(f"{name}:{args[args.index('--metrics-port') + 1]}")
+    assert expected["swarmbatch-servers"] == {"server1:9100", "server2:9100"}
+    prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {job["job_name"]: {target for group in job["static_configs"] for target in group["targets"]}
+               for job in prometheus["scrape_configs"]}
+    assert targets == expected
+    # and the API's token reaches Prometheus (empty: /metrics is public)
+    assert services["prometheus"]["environment"]["METRICS_TOKEN"] == services["api"]["environment"]["SWARMBATCH_METRICS_TOKEN"]
+
+
+@pytest.mark.swarm  # runs sh
+def test_grafana_refuses_to_start_without_an_admin_password_in_one_line(config: dict[str, Any]) -> None:
+    check = " ".join(config["services"]["grafana"]["command"]).replace("$$", "$").split("&& exec /run.sh")[0]
+
+    def run(password: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", "-c", check], capture_output=True, text=True, timeout=30,
+                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GF_SECURITY_ADMIN_PASSWORD": password})
+
+    refused = run("")
+    assert refused.returncode == 2 and refused.stderr == "Error: set GRAFANA_ADMIN_PASSWORD in .env for the monitoring profile\n"
+    assert run("a-long-random-password").returncode == 0
+    assert config["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == ""  # .env.example sets none

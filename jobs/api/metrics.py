@@ -7,12 +7,20 @@
     swarmbatch_steps_verified_total       hop steps the workers recomputed on a second server (checked outputs)
     swarmbatch_verification_mismatches_total  of those, the ones whose outputs differed: a server was banned
     swarmbatch_steps_unverified_total     sampled hop steps no second server could recompute
+    swarmbatch_workers_alive              workers whose heartbeat is recent (jobs.liveness)
+    swarmbatch_jobs_blocked               open jobs a worker marked blocked (missing blocks, busy servers...)
+    swarmbatch_input_line_errors          input lines refused at validation, over all jobs (a gauge)
+    swarmbatch_swarm_blocks{model}        per served model with a swarm snapshot (jobs.api.health_figures):
+    swarmbatch_blocks_without_server{model}     its blocks; those no online member server holds;
+    swarmbatch_swarm_servers_online{model}      the servers that cover blocks;
+    swarmbatch_swarm_snapshot_age_seconds{model}  and how old the worker's snapshot is
 
 A scrape is two GROUP BY queries of a few result rows, answered from indexes (tokens are summed from
 `requests.generated_count`, never from the token JSON), and one sum of the jobs' verification counts (a scan of
-the jobs table, which holds one row per batch). They walk one entry per job and request, so their numbers are
-reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst of scrapes, or several Prometheus servers, reach the
-database once.
+the jobs table, which holds one row per batch), then the health figures: a count of heartbeats, one of blocked
+jobs (status index), a sum of refused lines (a scan of the jobs table) and the served models' snapshot rows. They
+walk one entry per job and request, so their numbers are reused for SWARMBATCH_METRICS_CACHE_SECONDS (5 s): a burst
+of scrapes, or several Prometheus servers, reach the database once.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from jobs import clock
+from jobs.api.health_figures import HealthFigures, read_health
 from jobs.models import Job, JobStatus, Request, RequestStatus
 from jobs.runtime import Runtime
 
@@ -74,6 +83,7 @@ class StoreCounts:
     tokens: int
     tokens_per_second: float
     checks: VerificationTotals
+    health: HealthFigures
 
 
 def read_counts(session: Session) -> tuple[dict[JobStatus, int], dict[RequestStatus, int], int]:
@@ -115,10 +125,11 @@ class StoreCollector(Collector):
             with self.runtime.session() as session:
                 jobs, requests, tokens = read_counts(session)
                 checks = read_verification(session)
+                health = read_health(session, self.runtime.settings.api_models)
         except DBAPIError:
             self.runtime.check_store()  # a clean StoreUnavailable (503) when the database is down or not migrated
             raise
-        return StoreCounts(now, jobs, requests, tokens, self.rate.update(now, tokens), checks)
+        return StoreCounts(now, jobs, requests, tokens, self.rate.update(now, tokens), checks, health)
 
     def collect(self) -> Iterator[Metric]:
         """The metrics, as of the last read."""
@@ -140,6 +151,28 @@ class StoreCollector(Collector):
             family = GaugeMetricFamily(name, documentation)
             family.add_metric([], value)
             yield family
+        yield from _health(counts.health)
+
+
+def _health(health: HealthFigures) -> Iterator[Metric]:
+    yield GaugeMetricFamily("swarmbatch_workers_alive", "Workers whose heartbeat is recent.",
+                            value=health.workers_alive)
+    yield GaugeMetricFamily("swarmbatch_jobs_blocked", "Open jobs a worker marked blocked (the swarm cannot serve "
+                            "them now).", value=health.jobs_blocked)
+    yield GaugeMetricFamily("swarmbatch_input_line_errors", "Input lines refused at validation, over all jobs.",
+                            value=health.input_line_errors)
+    for name, documentation, field in (
+            ("swarmbatch_swarm_blocks", "Blocks of the model.", "blocks"),
+            ("swarmbatch_blocks_without_server", "Blocks no online member server holds, as a worker last saw.",
+             "without_server"),
+            ("swarmbatch_swarm_servers_online", "Online member servers holding blocks, as a worker last saw.",
+             "servers_online"),
+            ("swarmbatch_swarm_snapshot_age_seconds", "Age of the swarm snapshot these figures come from.",
+             "age_seconds")):
+        family = GaugeMetricFamily(name, documentation, labels=["model"])
+        for coverage in health.coverage:
+            family.add_metric([coverage.model], getattr(coverage, field))
+        yield family
 
 
 def _by_status(name: str, documentation: str, counts: Mapping[StatusT, int],

@@ -21,3 +21,16 @@ def test_a_joining_server_does_not_cover_its_blocks() -> None:
     report = coverage_report("m", block_infos(2, span("a", 0, 2, state=ServerState.JOINING)))
     assert report["missing"] == [[0, 2]]
     assert "upgrade" not in render_coverage(report)
+
+
+def test_a_block_no_server_holds_says_so_on_its_row_and_in_the_verdict() -> None:
+    report = coverage_report("m", block_infos(6, span("a", 0, 3), span("b", 4, 5, state=ServerState.JOINING)))
+    rows = render_coverage(report).splitlines()
+    assert rows[4].split() == ["3", "MISSING", "no", "server"] and rows[6].split()[:2] == ["5", "MISSING"]
+    assert rows[5].split()[1] == "MISSING" and "(joining" in rows[5]  # held, but not online yet
+    assert rows[-1].startswith("Missing blocks 3:6: 3 of 6 blocks have no server online, so nothing can be generated")
+
+
+def test_a_fully_served_model_ends_with_all_blocks_served() -> None:
+    assert render_coverage(coverage_report("m", block_infos(2, span("a", 0, 2)))).splitlines()[-1] == \
+        "All blocks are served."
