@@ -43,17 +43,27 @@ def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
     if not wait:
         typer.echo(json.dumps(job) if as_json else job["id"])
         return
+    watch(client, job["id"], as_json)
+
+
+def watch(client: Any, job_id: str, as_json: bool) -> None:
+    """A progress bar until the job ends, then the job; exits JOB_FAILED unless it completed."""
     from jobs.progress import follow_job
 
-    final = follow_job(client, job["id"])
+    final = follow_job(client, job_id)
     print_job(final, as_json)
     if final["status"] != "completed":
         raise typer.Exit(ExitCode.JOB_FAILED)
 
 
 @app.command("status")
-def status(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+def status(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None,
+           watch_: Annotated[bool, typer.Option("--watch", help="Show progress until the job ends; exit 0 only if "
+                                                               "it completed.")] = False) -> None:
     """A job's status, request counts, tokens generated and what blocks it."""
+    if watch_:
+        watch(jobs_client(api, key), job_id, as_json)
+        return
     print_job(jobs_client(api, key).get(job_id), as_json)
 
 
