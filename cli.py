@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Annotated
 
 import typer
 
@@ -22,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 app = typer.Typer(cls=ErrorBoundary, help="Batch LLM generation on a private swarm of block servers.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(swarm.app)  # dht, serve, generate, demo
-app.add_typer(batch.app)  # submit, status, results, cancel, jobs
+app.add_typer(batch.app)  # submit, status, results, cancel, jobs, run
 app.add_typer(admin.app)  # worker, beat, api
 app.add_typer(swarm.model_app, name="model")
 app.add_typer(swarm.swarm_app, name="swarm")
@@ -31,8 +32,27 @@ app.add_typer(admin.keys_app, name="keys")
 app.add_typer(admin.schedules_app, name="schedules")
 
 
+def show_version(value: bool) -> None:
+    """--version: the installed package's version, then exit."""
+    if value:
+        typer.echo(f"swarmbatch {package_version()}")
+        raise typer.Exit()
+
+
+def package_version() -> str:
+    """The version in the installed package's metadata (pyproject.toml's, when it was installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swarmbatch")
+    except PackageNotFoundError:
+        return "unknown (not installed: run 'pip install -e .' in the repository)"
+
+
 @app.callback()
-def root(verbose: VerboseOption = False) -> None:
+def root(verbose: VerboseOption = False,
+         _version: Annotated[bool, typer.Option("--version", callback=show_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
     """Options of every command: logging (the error boundary reads --verbose from the context)."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)
 

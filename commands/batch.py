@@ -1,4 +1,5 @@
-"""Batch-job commands: submit, status, results, cancel, jobs; on the store (default) or the REST API (--api)."""
+"""Batch-job commands: submit, status, results, cancel, jobs, on the store (default) or the REST API (--api); and
+run, a file end to end on the embedded stack."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import typer
 from commands.errors import ExitCode
 from commands.options import JsonOption
 
-app = typer.Typer()  # top-level verbs: submit, status, results, cancel, jobs
+app = typer.Typer()  # top-level verbs: submit, status, results, cancel, jobs, run
 ApiOption = Annotated[str | None, typer.Option("--api", envvar="SWARMBATCH_API_URL",
                                                   help="Talk to this REST API instead of the store.")]
 KeyOption = Annotated[str | None, typer.Option("--key", envvar="SWARMBATCH_API_KEY", help="API key for --api.")]
@@ -43,17 +44,27 @@ def submit(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, hel
     if not wait:
         typer.echo(json.dumps(job) if as_json else job["id"])
         return
+    watch(client, job["id"], as_json)
+
+
+def watch(client: Any, job_id: str, as_json: bool) -> None:
+    """A progress bar until the job ends, then the job; exits JOB_FAILED unless it completed."""
     from jobs.progress import follow_job
 
-    final = follow_job(client, job["id"])
+    final = follow_job(client, job_id)
     print_job(final, as_json)
     if final["status"] != "completed":
         raise typer.Exit(ExitCode.JOB_FAILED)
 
 
 @app.command("status")
-def status(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None) -> None:
+def status(job_id: str, as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = None,
+           watch_: Annotated[bool, typer.Option("--watch", help="Show progress until the job ends; exit 0 only if "
+                                                               "it completed.")] = False) -> None:
     """A job's status, request counts, tokens generated and what blocks it."""
+    if watch_:
+        watch(jobs_client(api, key), job_id, as_json)
+        return
     print_job(jobs_client(api, key).get(job_id), as_json)
 
 
@@ -88,3 +99,29 @@ def jobs(as_json: JsonOption = False, api: ApiOption = None, key: KeyOption = No
         return
     for job in listed:
         print_job(job, False)
+
+
+@app.command("run")
+def run(file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="OpenAI batch JSONL.")],
+        model: Annotated[str, typer.Option(help="'smollm2' or a local model dir.")] = "smollm2",
+        output: Annotated[Path | None, typer.Option("-o", "--output", help="Results file (default: "
+                                                    "<name>.results.jsonl beside the input).")] = None,
+        fresh: Annotated[bool, typer.Option(help="Start a new job even if this file ran or was interrupted "
+                                                 "before.")] = False) -> None:
+    """Run a batch file end to end on this machine: a local swarm and worker, a progress bar, the results file.
+
+    Ctrl-C stops everything it started and keeps the job: the same command again resumes it.
+    """
+    from launch.batch_run import RunRequest, run_file
+    from launch.processes import exit_on_sigterm
+
+    exit_on_sigterm()
+    request = RunRequest(file=file, model=model, output=output, fresh=fresh)
+    outcome = run_file(request, echo=typer.echo)
+    job = outcome.job
+    typer.echo(f"{outcome.results} results written to {request.results}")
+    typer.echo(f"{outcome.errors} error lines written to {request.errors}" if outcome.errors else "No error lines.")
+    typer.echo(f"Job {job['id']} {job['status']}: {job['tokens_generated']} tokens; wall time {outcome.seconds:.1f} s. "
+               "Every process this run started is stopped.")
+    if job["status"] != "completed":
+        raise typer.Exit(ExitCode.JOB_FAILED)

@@ -25,6 +25,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # fix the command: bad flags (click's own code), an unusable model dir or key file, an unknown job, key or revision
     STORE_UNREACHABLE = 3  # the database or the broker (Redis) does not answer, or is not migrated: start it
     SWARM_UNAVAILABLE = 4  # the DHT is unreachable, blocks are missing or servers fail: start or check the swarm
+    INTERRUPTED = 130  # `run`: Ctrl-C (128 + SIGINT); everything it started is stopped, the job kept to resume
 
 
 DATABASE_ERROR = "sqlalchemy.exc.DBAPIError"  # any driver error reaching the top: unreachable, not migrated
@@ -46,6 +47,7 @@ EXIT_CODES: dict[str, ExitCode] = {
     "servers.errors.ServerConfigError": ExitCode.USAGE,
     "servers.errors.ServerError": ExitCode.SWARM_UNAVAILABLE,
     "modelprep.errors.ModelPrepError": ExitCode.USAGE,
+    "launch.errors.RunInterrupted": ExitCode.INTERRUPTED,
     "launch.errors.LaunchError": ExitCode.SWARM_UNAVAILABLE,  # a local DHT, server or worker did not come up
     # Alembic's own errors: an unknown revision (`db upgrade nosuchrev`); a database it cannot reach is a DBAPIError
     "alembic.util.exc.CommandError": ExitCode.USAGE,

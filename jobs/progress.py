@@ -55,12 +55,14 @@ def follow_job(client: Any, job_id: str, *, interval: float = 1.0,
                   TextColumn("{task.fields[note]}"), transient=False,
                   console=Console(file=sys.stderr)) as bar:
         task = bar.add_task(job_id, total=None, tokens=0, rate=0.0, note="")
+        first_tokens: int | None = None  # a resumed job's earlier tokens do not count in this rate
         while True:
             job = client.get(job_id)
             counts = job["request_counts"]
             tokens = job.get("tokens_generated", 0)
+            first_tokens = tokens if first_tokens is None else first_tokens
             bar.update(task, total=counts["total"], completed=counts["completed"] + counts["failed"], tokens=tokens,
-                       rate=tokens / max(time.monotonic() - began, 1e-6), description=job["status"],
+                       rate=(tokens - first_tokens) / max(time.monotonic() - began, 1e-6), description=job["status"],
                        note=f"blocked: {job['blocked_reason']}" if job.get("blocked_reason") else "")
             if job["status"] in TERMINAL:
                 return job

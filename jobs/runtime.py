@@ -87,7 +87,7 @@ class Runtime:
     @property
     def worker_name(self) -> str:
         """host:pid, for lease owners and logs."""
-        return f"{socket.gethostname()}:{os.getpid()}"
+        return worker_name_of(os.getpid())
 
     def check_store(self) -> None:
         """Raise StoreUnavailable unless the database answers and is migrated."""
@@ -148,3 +148,7 @@ class Runtime:
         if "engine" in self.__dict__:
             self.engine.dispose()
 
+
+def worker_name_of(pid: int) -> str:
+    """The lease owner name of process `pid` on this machine (what its Runtime.worker_name says)."""
+    return f"{socket.gethostname()}:{pid}"

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import secrets
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -102,6 +102,12 @@ def get_job(*, session: Session, job_id: str, api_key_id: int | None = None) -> 
     if job is None or (api_key_id is not None and job.api_key_id != api_key_id):
         raise JobNotFound(job_id)
     return job
+
+
+def latest_job_keyed(*, session: Session, key_prefix: str) -> Job | None:
+    """The newest job whose idempotency key starts with `key_prefix` (`swarmbatch run` keys a file's jobs so)."""
+    return session.scalars(select(Job).where(Job.idempotency_key.startswith(key_prefix, autoescape=True))
+                           .order_by(Job.created_at.desc(), Job.id.desc()).limit(1)).first()
 
 
 def list_jobs(*, session: Session, api_key_id: int | None = None, limit: int = 100) -> list[Job]:
@@ -354,6 +360,21 @@ def release_requests(*, session: Session, token: str, error: str, count_attempt:
                                .returning(Request.job_id, Request.id)).all()
     for row in released:
         logger.info("Job %s request %s: in_progress -> pending (%s)", row.job_id, row.id, error)
+
+
+def release_owned(*, session: Session, owners: Collection[str], error: str) -> list[str]:
+    """Give back the requests leased by `owners` (worker names of processes known to be stopped), keeping their
+    committed tokens and uncounting the claim, and lift their jobs' dispatch holds: the next sweep sends a worker at
+    once, not a lease later. Returns the ids of the jobs affected."""
+    released = session.execute(update(Request).where(Request.lease_owner.in_(list(owners)),
+                                                     Request.status == RequestStatus.in_progress)
+                               .values(status=RequestStatus.pending, lease_token=None, lease_owner=None,
+                                       lease_expires_at=None, last_error=error, attempts=Request.attempts - 1)
+                               .returning(Request.job_id)).all()
+    job_ids = sorted({row.job_id for row in released})
+    for job_id in job_ids:
+        release_dispatch_hold(session=session, job_id=job_id)
+    return job_ids
 
 
 def leased_requests(*, session: Session, job_id: str, token: str) -> list[Request]:

@@ -6,6 +6,8 @@ below `commands/`, which they never import).
     processes     ManagedProcess (a child in its own process group, stopped by PID), cli_command, exit_on_sigterm
     local_swarm   LocalSwarm: a DHT node and block servers on 127.0.0.1 (demo, tests, benches)
     local_worker  start_local_worker: a `swarmbatch worker` child with this process's settings (demo, tests)
-    errors        LaunchError / ProcessNotReady: a child process exited or stayed silent before its ready line
+    embedded      embedded_stack: a local swarm of one model and a worker on the embedded store (demo, run)
+    errors        LaunchError / ProcessNotReady / RunInterrupted
     demo          `swarmbatch demo`: the embedded main job, on sample_documents/ (package data)
+    batch_run     `swarmbatch run FILE`: a user's batch file on the embedded stack; resumes an interrupted run
 """

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from launch.errors import ProcessNotReady
@@ -81,6 +82,16 @@ class ManagedProcess:
             pass
         self._log.close()
 
+    def tree_pids(self) -> list[int]:
+        """The process and its living descendants (a worker's pool processes, a server's p2pd)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root.pid, *(child.pid for child in root.children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return []
+
     @property
     def peer_id(self) -> str:
         """The peer id a server printed in its ready line ('Serving blocks A:B of M as PEER at ...')."""
@@ -100,5 +111,23 @@ def exit_on_sigterm() -> None:
 
 
 def cli_command(*args: str) -> list[str]:
-    """The swarmbatch CLI run by this interpreter."""
-    return [sys.executable, "-m", "cli", *args]
+    """The swarmbatch CLI run by this interpreter.
+
+    -P: the working folder is not put on sys.path, so a user's own `cli.py` or `jobs/` there cannot shadow ours.
+    """
+    return [sys.executable, "-P", "-m", "cli", *args]
+
+
+@contextmanager
+def interrupts_ignored() -> Iterator[None]:
+    """Ignore Ctrl-C (SIGINT) and SIGTERM for the duration, so that a second one cannot cut short the stopping of our
+    children. Outside the main thread (where signal handlers cannot be set) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

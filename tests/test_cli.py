@@ -185,3 +185,11 @@ def test_the_dht_exits_when_its_whole_process_group_gets_sigterm(tmp_path: Path)
         assert dht.proc.wait(timeout=15) == 0
     finally:
         dht.kill()
+
+
+def test_version_is_the_installed_package_s_which_is_pyproject_s() -> None:
+    import tomllib
+
+    code, out, _ = invoke("--version")
+    version = tomllib.loads((Path(cli.__file__).parent / "pyproject.toml").read_text())["project"]["version"]
+    assert code == 0 and out == f"swarmbatch {version}\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -70,6 +72,53 @@ def test_submit_status_jobs_cancel_and_results_on_the_embedded_store(embedded_ho
     errors = [json.loads(line) for line in (tmp_path / "errors.jsonl").read_text().splitlines()]
     assert code == 0 and [(e["error"]["line"], e["error"]["code"]) for e in errors] == \
         [(2, "invalid_json"), (1, "batch_cancelled"), (3, "batch_cancelled")]
+
+
+def finish_all(job_id: str) -> None:
+    """As a worker would: claim every request of the job, complete it, and settle the job (it completes)."""
+    from jobs.assembly import get_runtime
+    from jobs.models import RequestStatus
+
+    runtime = get_runtime()
+    with runtime.session() as session:
+        token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=10, lease_seconds=60,
+                                           max_attempts=5)
+        for row in rows:
+            store.finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.completed,
+                                 generated=[5, 6], finish_reason="length", output_text="out")
+        runtime.lifecycle.settle(session, store.get_job(session=session, job_id=job_id))
+        session.commit()
+
+
+def cancel(job_id: str) -> None:
+    from jobs.assembly import get_runtime
+
+    runtime = get_runtime()
+    with runtime.session() as session:
+        runtime.lifecycle.cancel(session, job_id)
+        session.commit()
+
+
+@pytest.mark.parametrize(("end", "code", "status"), [(finish_all, ExitCode.OK, "completed"),
+                                                     (cancel, ExitCode.JOB_FAILED, "cancelled")],
+                         ids=["completed", "cancelled"])
+def test_status_watch_waits_for_the_job_to_end_and_exits_0_only_if_it_completed(
+        embedded_home: Path, tiny_model: Path, tmp_path: Path, end: Callable[[str], None], code: int,
+        status: str) -> None:
+    # Given a job that no worker runs yet
+    batch = write_batch(tmp_path / "in.jsonl", GOOD, {**GOOD, "custom_id": "b"})
+    job_id = invoke("submit", str(batch), "--model", str(tiny_model))[1].strip()
+    # When it is watched, and ends (as a worker, or a cancel, would end it) while the watch waits
+    ender = threading.Timer(1.5, end, args=[job_id])
+    ender.start()
+    began = time.monotonic()
+    try:
+        exit_code, out, err = invoke("status", job_id, "--watch", "--json")
+    finally:
+        ender.join()
+    # Then the watch returned once it ended, printed the job, and its exit code says how it ended
+    assert exit_code == code, err
+    assert json.loads(out)["status"] == status and time.monotonic() - began >= 1.5
 
 
 def test_a_file_without_a_good_line_is_refused_with_one_line(embedded_home: Path, tiny_model: Path,

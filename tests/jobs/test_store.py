@@ -352,6 +352,40 @@ def test_release_counts_the_attempt_by_default(runtime: Runtime) -> None:
     assert load_requests(runtime, job_id)[0].attempts == 1
 
 
+def test_release_owned_gives_back_at_once_what_stopped_workers_held_and_lifts_the_dispatch_hold(
+        runtime: Runtime) -> None:
+    # Given a job whose requests two workers hold, one of them (a) stopped, with tokens committed and a dispatch hold
+    job_id = new_job(runtime, 3)
+    token, (first, second) = claim(runtime, job_id, worker="host:1", limit=2)
+    other_token, (third,) = claim(runtime, job_id, worker="host:2", limit=1)
+    save_progress(runtime, token, {first: [11, 12]})
+    with runtime.session() as session:
+        store.refresh_dispatch_hold(session=session, job=store.get_job(session=session, job_id=job_id), seconds=LEASE)
+        session.commit()
+    # When what the stopped worker's processes held is given back (their leases have not lapsed)
+    with runtime.session() as session:
+        released = store.release_owned(session=session, owners=["host:1", "host:9"], error="stopped")
+        session.commit()
+    # Then its requests are pending with their tokens and their claim uncounted, the job may be dispatched at once,
+    # and the other worker's claim is untouched
+    assert released == [job_id]
+    rows = {row.id: row for row in load_requests(runtime, job_id)}
+    assert [(rows[i].status, rows[i].generated_ids, rows[i].attempts, rows[i].lease_owner, rows[i].last_error)
+            for i in (first, second)] == [("pending", [11, 12], 0, None, "stopped"), ("pending", [], 0, None, "stopped")]
+    assert (rows[third].status, rows[third].lease_token) == ("in_progress", other_token)
+    assert load_job(runtime, job_id).dispatch_after is None
+
+
+def test_latest_job_keyed_finds_the_newest_job_under_a_key_prefix(runtime: Runtime) -> None:
+    older = new_job(runtime, 1, idempotency_key="run:abc:1")
+    newer = new_job(runtime, 1, idempotency_key="run:abc:2")
+    new_job(runtime, 1, idempotency_key="run:abd:3")
+    with runtime.session() as session:
+        found = store.latest_job_keyed(session=session, key_prefix="run:abc:")
+        assert found is not None and found.id == newer != older
+        assert store.latest_job_keyed(session=session, key_prefix="run:zzz:") is None
+
+
 def test_a_request_claimed_more_than_max_attempts_times_fails_with_a_reason(runtime: Runtime) -> None:
     # Given a poison request whose workers keep dying (their leases expire), with max_attempts 2
     job_id = new_job(runtime, 1)
@@ -639,6 +673,8 @@ WRITERS: dict[str, Callable[[Runtime, Session, str, str, int], object]] = {
         session=session, request_id=request_id, token=token, status=RequestStatus.completed, generated=[1]),
     "release_requests": lambda runtime, session, job_id, token, request_id: store.release_requests(
         session=session, token=token, error="PeerFailed: reset"),
+    "release_owned": lambda runtime, session, job_id, token, request_id: store.release_owned(
+        session=session, owners=["worker-a"], error="stopped"),
     "expire_leases": lambda runtime, session, job_id, token, request_id: store.expire_leases(
         session=session, now=utcnow() + timedelta(seconds=2 * LEASE)),
 }
