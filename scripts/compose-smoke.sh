@@ -290,7 +290,10 @@ check_private_swarm() {
   # docs/deploying.md: a member from another machine is added (and removed) through swarm-init's mounts
   peer=$(compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm new-key /tmp/gpu1.key | tail -1 | tr -d '\r')
   compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm add-member /swarm/swarm.json "$peer" --name gpu1
-  compose exec -T worker swarmbatch swarm members /swarm/swarm.json | grep -q " gpu1\$" || fail "add-member gpu1 did not show"
+  # the list is read whole before grep looks at it: `grep -q` stops at its match, and under pipefail the writer's
+  # SIGPIPE would fail the pipeline whenever gpu1's (random) peer id does not sort last
+  compose exec -T worker swarmbatch swarm members /swarm/swarm.json > "$WORK/members-gpu1"
+  grep -q " gpu1\$" "$WORK/members-gpu1" || fail "add-member gpu1 did not show: $(cat "$WORK/members-gpu1")"
   compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm remove-member /swarm/swarm.json gpu1
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | cmp - "$WORK/members" || fail "remove-member gpu1"
   compose exec -T worker sh -c 'swarmbatch swarm status smollm2 --json --initial-peers "/dns4/dht/tcp/$0/p2p/$(sed "s#.*/##" /dht/multiaddr)"' \
@@ -370,7 +373,7 @@ check_outsider_refused() {
     swarmbatch generate smollm2 "hello" --max-new-tokens 2 --swarm-file /tmp/outsider-swarm.json --identity /tmp/outsider.key \
       --initial-peers "/dns4/dht/tcp/$0/p2p/$(sed "s#.*/##" /dht/multiaddr)"; echo "exit $?"' "$DHT_PORT" 2>&1)
   echo "$out" | tail -3
-  echo "$out" | grep -q "not a member of the swarm" && echo "$out" | grep -q "^exit 2$" \
+  grep -q "not a member of the swarm" <<< "$out" && grep -q "^exit 2$" <<< "$out" \
     || fail "a key outside the swarm file was not refused"
 }
 
