@@ -75,13 +75,15 @@ class Coverage:
 
 
 def holders_of(block_infos: list[BlockServers], allows: Callable[[str], bool] = lambda peer: True) -> list[Holder]:
-    """The member servers that are ONLINE or JOINING, each with the span of the first record that lists the block
-    it is stored under (an old record left under a block it no longer serves is ignored)."""
+    """The member servers that are ONLINE or JOINING, each with the span of its record that moved last (a record
+    left under a block a server no longer serves is ignored: OFFLINE, or listing other blocks, or older)."""
     found: dict[str, Holder] = {}
     for index, servers in enumerate(block_infos):
         for peer, info in servers.items():
-            if peer not in found and allows(peer) and _covers(info, index):
-                found[peer] = holder_of(peer, info)
+            if allows(peer) and _covers(info, index):
+                seen, new = found.get(peer), holder_of(peer, info)
+                if seen is None or (new.last_move or 0.0) > (seen.last_move or 0.0):
+                    found[peer] = new
     return sorted(found.values(), key=lambda h: h.peer_id)
 
 

@@ -65,6 +65,7 @@ def test_the_snapshot_counts_online_and_joining_members_in_their_announced_span(
     infos = block_infos(6, RemoteSpanInfo("a", 0, 3, moved), span("b", 3, 6, state=ServerState.JOINING),
                         span("gone", 3, 6, state=ServerState.OFFLINE), span("stranger", 0, 6))
     infos[4]["stale"] = server_info(0, 2)  # a record left under a block its server no longer announces
+    infos[1]["a"] = server_info(1, 2)  # an older record of a's, from before its move, under a block it announced
     found = holders_of(infos, allows=lambda peer: peer != "stranger")
     assert found == [Holder("a", 0, 3, 100.0, movable=True, last_move=5.0), Holder("b", 3, 6, 100.0, joining=True)]
     assert holes(coverage(found[:1], 6)) == [(3, 6)]
