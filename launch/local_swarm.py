@@ -83,11 +83,21 @@ class LocalSwarm:
         member=False in a private swarm: a server with its own key that is not in the swarm file (and, having none,
         open to anyone), as an outsider would run one. env: extra environment variables.
         """
+        return self._start_server(f"{start}-{end}", ["--blocks", f"{start}:{end}"], wait=wait, extra_args=extra_args,
+                                  member=member, env=env)
+
+    def start_unpinned(self, num_blocks: int, *, wait: bool = True, extra_args: Sequence[str] = ()) -> ManagedProcess:
+        """Start one more block server with --num-blocks: it picks its span, and moves it (docs/healing.md)."""
+        return self._start_server(f"n{num_blocks}", ["--num-blocks", str(num_blocks)], wait=wait,
+                                  extra_args=extra_args)
+
+    def _start_server(self, label: str, span_args: Sequence[str], *, wait: bool, extra_args: Sequence[str],
+                      member: bool = True, env: Mapping[str, str] | None = None) -> ManagedProcess:
         number = len(self.servers)
-        name = f"server{number}-{start}-{end}"
+        name = f"server{number}-{label}"
         membership = self.member_args(name) if member else \
             ([] if self.swarm_file is None else ["--identity", str(self.new_key(name))])
-        args = cli_command("serve", self.model_dir, "--blocks", f"{start}:{end}", "--host", self.host,
+        args = cli_command("serve", self.model_dir, *span_args, "--host", self.host,
                            "--num-threads", str(self.num_threads), *membership, *self.server_args, *extra_args,
                            "--initial-peers", *self.initial_peers)
         server = ManagedProcess(args, name=name, log_dir=self.log_dir,

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from servers.status import ServerStatus
-from swarmnet.data_structures import MAX_RECORD_TTL, block_uid
+from swarmnet.data_structures import MAX_RECORD_TTL, ServerInfo, ServerState, block_uid
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +31,27 @@ class Announcer:
 
     async def announce(self) -> bool:
         """Store the current status's record under every served block key; returns whether every store succeeded."""
+        info = self.status().announcement()
+        return await self._store(info, range(info.start, info.end))
+
+    async def withdraw(self, start: int, end: int) -> bool:
+        """Store an OFFLINE record of span [start, end) under the blocks of it that the current status no longer
+        announces (a server moving away), so that nobody counts on them until the old records expire."""
+        info = self.status().announcement()
+        left = [i for i in range(start, end) if not info.start <= i < info.end]
+        return await self._store(info.model_copy(update={"state": ServerState.OFFLINE, "start": start, "end": end}),
+                                 left)
+
+    async def _store(self, info: ServerInfo, blocks: Sequence[int]) -> bool:
         status = self.status()
-        info = status.announcement()
-        keys = [block_uid(status.model_id, i) for i in range(info.start, info.end)]
+        keys = [block_uid(status.model_id, i) for i in blocks]
+        if not keys:
+            return True
         expiration = get_dht_time() + self.expiration
         results = await self.node.store_many(keys, [info.to_wire()] * len(keys), expiration,
                                              subkeys=[status.peer_id] * len(keys))
         ok = all(results.values())
-        logger.debug("Announced %s for blocks %d:%d (%s)", info.state.value, info.start, info.end,
+        logger.debug("Announced %s for blocks %s (%s)", info.state.value, f"{keys[0]}..{keys[-1]}",
                      "ok" if ok else "partly failed")
         return ok
 

@@ -85,6 +85,17 @@ class ServerConfig:
     max_queued_forwards: int = option(4, "Stateless forwards admitted and not yet answered, all callers together.",
                                       min=1)
     max_forwards_per_peer: int = option(2, "Stateless forwards admitted and not yet answered, per caller.", min=1)
+    rebalance_period: float = option(30.0, "Seconds between coverage checks of a server started with --num-blocks "
+                                           "(each jittered by up to a quarter): it moves its span to close a hole "
+                                           "or to raise the swarm's weakest block (docs/healing.md); 0 = never "
+                                           "move.", min=0)
+    balance_quality: float = option(0.75, "Move only if the weakest block's throughput would rise above this "
+                                          "much of it (0.75: by a third); closing a hole needs no margin.",
+                                    min=0.0, max=1.0)
+    move_cooldown: float = option(300.0, "Seconds after a move before this server moves again to raise the "
+                                         "weakest block (closing a hole does not wait).", min=0)
+    move_drain_seconds: float = option(30.0, "When moving, how long running sessions may finish before they are "
+                                             "ended (their clients fail over).", min=0)
     metrics_port: int = option(0, "Serve Prometheus /metrics on this port; 0 = off.", min=0, max=65535)
     metrics_host: str = option("127.0.0.1", "Listen address of /metrics (0.0.0.0 for a scraper elsewhere).")
     swarm_file: str | None = None           # a private swarm's members (--swarm-file); None = open to everyone
@@ -99,6 +110,10 @@ class ServerConfig:
             raise ServerConfigError(f"--announce-period {self.announce_period:g} is above the swarm's limit of "
                                     f"{ANNOUNCE_PERIOD_LIMIT:g} s (peers refuse records living longer than two "
                                     f"periods); pass {ANNOUNCE_PERIOD_LIMIT:g} or less")
+        if min(self.rebalance_period, self.move_cooldown, self.move_drain_seconds) < 0 \
+                or not 0 < self.balance_quality <= 1:
+            raise ServerConfigError("--rebalance-period, --move-cooldown and --move-drain-seconds must be 0 or more, "
+                                    "and --balance-quality in (0, 1]")
         if self.batch_wait_ms < 0:
             raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
         if self.swarm_file and not self.network.identity_path:
@@ -108,6 +123,11 @@ class ServerConfig:
                 or not 0 < self.max_cache_share_per_peer <= 1:
             raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards and --max-forwards-per-peer must be "
                                     "positive, and --max-cache-share-per-peer in (0, 1]")
+
+    @property
+    def rebalances(self) -> bool:
+        """Whether this server may move its span: started with --num-blocks, and --rebalance-period is not 0."""
+        return self.blocks is None and self.rebalance_period > 0
 
     def torch_device(self) -> torch.device:
         """--device resolved (auto: cuda when torch sees a GPU); raises ServerConfigError for one this box lacks."""

@@ -53,6 +53,9 @@ from swarmnet import protocol
 from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
+# each RPC and the handler method that serves it
+RPCS = {protocol.RPC_PUSH: "rpc_push", protocol.RPC_INFO: "rpc_info", protocol.RPC_FORWARD: "rpc_forward",
+        protocol.RPC_INFERENCE: "rpc_inference"}
 
 
 @dataclass
@@ -81,6 +84,8 @@ class BlockHandler(PushReceiver):
     next_rtts: Callable[[], dict[str, float]] = dict
     # who this server may push a session's hidden states to (a private swarm's members only; everyone if open)
     may_push_to: Callable[[str], bool] = lambda peer: True
+    # set while the server moves its span elsewhere ("A:B"): new sessions and forwards are refused as busy
+    moving_to: str | None = None
 
     def __post_init__(self) -> None:
         # a merged forward holds at most as many rows as one session may have
@@ -92,10 +97,25 @@ class BlockHandler(PushReceiver):
     async def register(self, p2p: P2P) -> None:
         """Add the RPCs to a P2P node (whose streams also carry this server's pushes)."""
         self.pusher.p2p = p2p
-        await p2p.add_binary_stream_handler(protocol.RPC_PUSH, self.rpc_push)
-        await p2p.add_binary_stream_handler(protocol.RPC_INFO, self.rpc_info)
-        await p2p.add_binary_stream_handler(protocol.RPC_FORWARD, self.rpc_forward)
-        await p2p.add_binary_stream_handler(protocol.RPC_INFERENCE, self.rpc_inference)
+        for name, method in RPCS.items():
+            await p2p.add_binary_stream_handler(name, getattr(self, method))
+
+    async def drain(self, seconds: float) -> int:
+        """Wait up to `seconds` for the open sessions to end, then end the others' streams (their clients fail over);
+        returns how many were ended. New ones are refused meanwhile only if `moving_to` is set."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        ended = [s for s in self.sessions.values() if s.stream is not None and s.stream.writer is not None]
+        for session in ended:
+            assert session.stream is not None and session.stream.writer is not None
+            session.stream.writer.close()  # its read fails at once: the session is freed as on a client's hang-up
+        return len(ended)
+
+    def _refuse_while_moving(self) -> None:
+        if self.moving_to is not None:
+            raise RequestRejected(ErrorCode.BUSY, f"this server is moving to blocks {self.moving_to}; route around it")
 
     async def rpc_info(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """This server's announcement, limits and load."""
@@ -137,6 +157,7 @@ class BlockHandler(PushReceiver):
         tensors, meta = self._read(header, stream)
         if tensors:
             raise reject("a forward header carries no tensors: send them in the next message")
+        self._refuse_while_moving()
         shape = validate_forward_header(meta, self.limits)
         with self.forwards.hold(stream.peer):
             # admitted: the client sends the tensors only now, so a refused header leaves nothing unread (a stream
@@ -190,6 +211,7 @@ class BlockHandler(PushReceiver):
             raise reject(f"this stream already carries session {stream.session.session_id[:8]}; open another stream")
         if tensors:
             raise reject("an open message carries no tensors: send the first step after it")
+        self._refuse_while_moving()
         session_id, batch_size, max_length = validate_session_open(meta, self.limits)
         start, end = validate_span(meta, self.limits)
         if session_id in self.sessions:

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
 
 from servers.access import MemberGate
 from servers.announcer import Announcer
@@ -20,31 +25,34 @@ from servers.config import ServerConfig
 from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
 from servers.faults import fault_noise, inject_faults
-from servers.handler import BlockHandler
+from servers.handler import RPCS, BlockHandler
 from servers.memory import CacheBudget
 from servers.metrics import start_metrics
 from servers.neighbours import NextServerPings
+from servers.rebalancer import Rebalancer
+from servers.rebalancing import Move
 from servers.span import BlockSpan
 from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
 from servers.validation import Limits
-from swarmnet.data_structures import PROTOCOL_VERSION, ServerState
+from swarmnet.data_structures import MAX_MOVE_REASON_CHARS, MAX_MOVES_ANNOUNCED, PROTOCOL_VERSION, ServerState, SpanMove
 from swarmnet.discovery import get_remote_module_infos
 from swarmnet.membership import Membership
 from swarmnet.model_spec import ModelSpec
 from swarmnet.network import run_async, start_dht_node, stop_dht_node, visible_maddrs
 
 logger = logging.getLogger(__name__)
+MOVED_LOG = "Moved blocks %d:%d -> %d:%d in %.1f s (%d sessions ended): %s"  # the one line per move
 
 
 @dataclass(frozen=True)
 class Serving:
-    """What serves a span, built in one step once the span is chosen: the blocks, their budget, RPCs and records."""
+    """What serves a span, built in one step once the span is chosen (and again on each move): the blocks, their
+    budget and the RPC handler."""
 
     span: BlockSpan
     budget: CacheBudget
     handler: BlockHandler
-    announcer: Announcer
 
 
 class BlockServer:
@@ -66,7 +74,12 @@ class BlockServer:
         self.peer_id = ""  # set once the server has joined the DHT
         self.throughput = 0.0  # measured once the span is loaded
         self.device, self.dtype = config.torch_device(), config.compute_dtype()  # --device/--dtype auto resolved
-        self.serving: Serving | None = None  # set once, when the span is loaded
+        self.serving: Serving | None = None  # set when the span is loaded, replaced when it moves
+        self.announcer: Announcer | None = None
+        self.pings: NextServerPings | None = None
+        self.target: tuple[int, int] | None = None  # while moving: the span moved to (announced JOINING)
+        self.moves: deque[SpanMove] = deque(maxlen=MAX_MOVES_ANNOUNCED)
+        self.p2p: P2P | None = None
         self._running = contextlib.AsyncExitStack()  # how to stop what start() built, last built first
         self._stop = asyncio.Event()
 
@@ -81,23 +94,80 @@ class BlockServer:
         p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False,
                                          writers=writers)
         self._running.push_async_callback(stop_dht_node, p2p, node)
-        self.peer_id = p2p.peer_id.to_base58()
+        self.peer_id, self.p2p = p2p.peer_id.to_base58(), p2p
         self.membership.require(self.peer_id, "server", self.config.network.identity_path)
         start, end = await self._choose_span(node)
-        serving = self.serving = await self._serve(node, start, end)
-        self._running.push_async_callback(self._stop_serving, serving)
-        await serving.announcer.announce()  # JOINING: visible to block selection of servers starting now
-        self.throughput = measure_throughput(serving.span)
-        await serving.handler.register(p2p)
+        self.serving = await self._serve(start, end)
+        announcer = self.announcer = Announcer(node, status=self.status, update_period=self.config.announce_period)
+        self._running.push_async_callback(self._stop_serving)
+        await announcer.announce()  # JOINING: visible to block selection of servers starting now
+        self.throughput = measure_throughput(self.serving.span)
+        await self._register(p2p)
         self.state = ServerState.ONLINE
-        await serving.announcer.announce()
-        serving.announcer.start()
-        pings = NextServerPings(p2p, node, model_id=self.spec.model_id, num_blocks=self.spec.num_blocks, end=end,
-                                allows=self.membership.allows)
-        serving.handler.next_rtts = lambda: dict(pings.rtts)
-        pings.start()
-        self._running.push_async_callback(pings.stop)
+        await announcer.announce()
+        announcer.start()
+        self._running.push_async_callback(self._stop_pings)
+        self._start_pings(node)
+        if self.config.rebalances:
+            rebalancer = Rebalancer(node, status=self.status, num_blocks=self.spec.num_blocks,
+                                    allows=self.membership.allows, move=self.move_span,
+                                    period=self.config.rebalance_period, quality=self.config.balance_quality,
+                                    cooldown=self.config.move_cooldown)
+            rebalancer.start()
+            self._running.push_async_callback(rebalancer.stop)
         return await visible_maddrs(p2p)
+
+    async def _register(self, p2p: P2P) -> None:
+        """The RPCs, each answered by the handler of the span served now (a move replaces it)."""
+        for name, method in RPCS.items():
+            await p2p.add_binary_stream_handler(name, self._dispatch(method))
+
+    def _dispatch(self, method: str) -> Callable[..., Any]:
+        async def serve(*args: Any) -> None:
+            assert self.serving is not None
+            await getattr(self.serving.handler, method)(*args)
+        return serve
+
+    def _start_pings(self, node: DHTNode) -> None:
+        assert self.p2p is not None and self.serving is not None
+        pings = self.pings = NextServerPings(self.p2p, node, model_id=self.spec.model_id,
+                                             num_blocks=self.spec.num_blocks, end=self.serving.span.end,
+                                             allows=self.membership.allows)
+        self.serving.handler.next_rtts = lambda: dict(pings.rtts)
+        pings.start()
+
+    async def _stop_pings(self) -> None:
+        if self.pings is not None:
+            await self.pings.stop()
+
+    async def move_span(self, move: Move) -> None:
+        """Move to blocks [move.start, move.end): announce JOINING there at once (nobody else runs for the same
+        hole), refuse new sessions, let running ones finish for up to --move-drain-seconds and end the rest, load
+        the new span, then serve and announce it. If loading fails, the old span is served again."""
+        assert self.serving is not None and self.announcer is not None
+        old, began = self.serving, time.perf_counter()
+        self.moves.append(SpanMove(at=get_dht_time(), start=move.start, end=move.end, from_start=old.span.start,
+                                   from_end=old.span.end, reason=move.reason[:MAX_MOVE_REASON_CHARS]))
+        self.state, self.target = ServerState.JOINING, (move.start, move.end)
+        old.handler.moving_to = f"{move.start}:{move.end}"
+        await self.announcer.withdraw(old.span.start, old.span.end)
+        await self.announcer.announce()
+        ended = await old.handler.drain(self.config.move_drain_seconds)
+        try:
+            self.serving = await self._serve(move.start, move.end)
+        except Exception as e:
+            logger.warning("Could not load blocks %d:%d (%s: %s); serving %d:%d again", move.start, move.end,
+                           type(e).__name__, e, old.span.start, old.span.end)
+            self.moves.pop()
+            old.handler.moving_to = None
+        self.state, self.target = ServerState.ONLINE, None
+        await self.announcer.announce()
+        if self.serving is not old:
+            old.handler.executor.shutdown(wait=False, cancel_futures=True)
+            logger.info(MOVED_LOG, old.span.start, old.span.end, move.start, move.end, time.perf_counter() - began,
+                        ended, move.reason)
+        await self._stop_pings()
+        self._start_pings(self.announcer.node)
 
     async def _choose_span(self, node: DHTNode) -> tuple[int, int]:
         if self.config.blocks is not None:
@@ -113,7 +183,7 @@ class BlockServer:
         except ValueError as e:
             raise ServerConfigError(str(e)) from e
 
-    async def _serve(self, node: DHTNode, start: int, end: int) -> Serving:
+    async def _serve(self, start: int, end: int) -> Serving:
         """Load blocks [start, end) and build what serves and announces them."""
         config = self.config
         span = await asyncio.get_running_loop().run_in_executor(
@@ -129,8 +199,9 @@ class BlockServer:
                                max_queued_forwards=config.max_queued_forwards,
                                max_forwards_per_peer=config.max_forwards_per_peer, stats=self.stats,
                                authorize=MemberGate(self.membership).check, may_push_to=self.membership.allows)
-        announcer = Announcer(node, status=self.status, update_period=config.announce_period)
-        return Serving(span, budget, handler, announcer)
+        if self.p2p is not None:
+            handler.pusher.p2p = self.p2p
+        return Serving(span, budget, handler)
 
     def status(self) -> ServerStatus:
         """This server now: the one reading that its `info` answer, /metrics and DHT record are made from."""
@@ -138,12 +209,14 @@ class BlockServer:
         span = None if serving is None else SpanStatus(
             start=serving.span.start, end=serving.span.end, throughput=self.throughput,
             sessions=len(serving.handler.sessions), forwards=serving.handler.forwards.in_use, cache=serving.budget.use())
+        if span is not None and self.target is not None:
+            span = dataclasses.replace(span, start=self.target[0], end=self.target[1])
         return ServerStatus(
             state=self.state, model_id=self.spec.model_id, peer_id=self.peer_id, dtype=self.dtype.value,
             quant=self.config.quant.value, version=PROTOCOL_VERSION, revision=self.spec.revision,
             max_batch_size=self.config.max_batch_size, max_length=self.max_length,
             max_sessions_per_peer=self.config.max_sessions_per_peer, stats=self.stats.copy(),
-            span=span)
+            span=span, rebalances=self.config.rebalances, moves=tuple(self.moves))
 
     def request_stop(self) -> None:
         """Ask `wait()` to return (signal-safe)."""
@@ -158,15 +231,15 @@ class BlockServer:
         self.state = ServerState.OFFLINE
         await self._running.aclose()
 
-    @staticmethod
-    async def _stop_serving(serving: Serving) -> None:
+    async def _stop_serving(self) -> None:
         """Announce OFFLINE (peers stop routing here before we vanish), then stop the compute thread."""
-        await serving.announcer.stop()
+        assert self.announcer is not None and self.serving is not None
+        await self.announcer.stop()
         try:
-            await asyncio.wait_for(serving.announcer.announce(), timeout=5)
+            await asyncio.wait_for(self.announcer.announce(), timeout=5)
         except Exception:
-            logger.warning("Could not announce OFFLINE; records expire in %.0f s", serving.announcer.expiration)
-        serving.handler.executor.shutdown(wait=False, cancel_futures=True)
+            logger.warning("Could not announce OFFLINE; records expire in %.0f s", self.announcer.expiration)
+        self.serving.handler.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def run_server(config: ServerConfig, on_ready: Callable[[ServerStatus, list[str]], None]) -> None:

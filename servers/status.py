@@ -10,7 +10,7 @@ from typing import Any
 
 from servers.counters import ServerCounters
 from servers.memory import CacheUse
-from swarmnet.data_structures import ServerInfo, ServerState
+from swarmnet.data_structures import ServerInfo, ServerState, SpanMove
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class ServerStatus:
     max_length: int
     max_sessions_per_peer: int
     stats: ServerCounters  # a copy: counters since start-up
-    span: SpanStatus | None  # None while joining, before the span is loaded
+    span: SpanStatus | None  # None while joining, before the span is loaded; while moving, the span moved to
+    rebalances: bool = False  # may move its span (servers/rebalancing.py)
+    moves: tuple[SpanMove, ...] = ()  # its last moves, oldest first
 
     def loaded_span(self) -> SpanStatus:
         """The span; raises RuntimeError before it is loaded (nothing is served or announced until then)."""
@@ -55,7 +57,8 @@ class ServerStatus:
             state=self.state, start=span.start, end=span.end, throughput=span.throughput,
             cache_tokens_left=span.cache.tokens_left, dtype=self.dtype, quant=self.quant, version=self.version,
             revision=self.revision, max_batch_size=self.max_batch_size, max_length=self.max_length,
-            max_sessions_per_peer=self.max_sessions_per_peer, cache_tokens_per_peer=span.cache.tokens_per_caller)
+            max_sessions_per_peer=self.max_sessions_per_peer, cache_tokens_per_peer=span.cache.tokens_per_caller,
+            rebalances=self.rebalances, moves=self.moves)
 
     def info_answer(self) -> dict[str, Any]:
         """The `info` RPC's answer: the announcement, who this is, and the load."""

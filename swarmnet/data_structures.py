@@ -28,6 +28,23 @@ class ServerState(str, Enum):
     ONLINE = "online"
 
 
+MAX_MOVES_ANNOUNCED = 4  # a server's record carries its last moves (span history), each under 200 bytes
+MAX_MOVE_REASON_CHARS = 120
+
+
+class SpanMove(BaseModel):
+    """One move of a server's span (servers/rebalancing.py): when (DHT time), from where, to where, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    at: float
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    from_start: int = Field(ge=0)
+    from_end: int = Field(gt=0)
+    reason: str = Field(max_length=MAX_MOVE_REASON_CHARS)
+
+
 def block_uid(model_id: str, index: int) -> str:
     """DHT key of one block: '{model_id}.{index}'."""
     return f"{model_id}.{index}"
@@ -52,6 +69,10 @@ class ServerInfo(BaseModel):
     # what one caller (peer id) may hold here at once; None from a server that does not say (an older one)
     max_sessions_per_peer: int | None = Field(default=None, gt=0)
     cache_tokens_per_peer: int | None = Field(default=None, ge=0, description="tokens per block, all its sessions")
+    # rebalancing (servers/rebalancing.py): whether this server may move its span (started with --num-blocks), and
+    # its last moves; an older server says neither and is never asked to move
+    rebalances: bool = False
+    moves: tuple[SpanMove, ...] = Field(default=(), max_length=MAX_MOVES_ANNOUNCED)
 
     @model_validator(mode="after")
     def _span_is_not_empty(self) -> ServerInfo:
