@@ -10,8 +10,8 @@ client node. It times, as medians over `--reps`:
   * one client read of those 30 keys (`get_remote_module_infos`);
   * where the tree has swarmnet.records: `sign_value` and `validate` of one record (µs), in a tight loop.
 
-It uses only functions that exist before and after records were signed, so running it with PYTHONPATH (and the
-working directory, which `python -m cli` reads) set to an older checkout measures "before".
+It uses only functions that exist before and after records were signed, so running it with PYTHONPATH set to an
+older checkout (the processes it starts, `python -P -m cli`, find our modules there) measures "before".
     python bench/records.py [--reps 15] [--blocks 30]
 """
 from __future__ import annotations

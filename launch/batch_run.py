@@ -51,12 +51,12 @@ class RunRequest:
     @property
     def results(self) -> Path:
         """-o, or `<name>.results.jsonl` beside the input."""
-        return self.output or self.file.with_name(f"{stem(self.file)}.results.jsonl")
+        return self.output or self.file.with_name(f"{self.file.stem}.results.jsonl")
 
     @property
     def errors(self) -> Path:
         """`<name>.errors.jsonl` beside the results."""
-        return self.results.with_name(f"{stem(self.results).removesuffix('.results')}.errors.jsonl")
+        return self.results.with_name(f"{self.results.stem.removesuffix('.results')}.errors.jsonl")
 
     def command(self) -> str:
         """The command line that runs this request again (the resume hint)."""
@@ -74,11 +74,6 @@ class RunOutcome:
     results: int
     errors: int
     seconds: float
-
-
-def stem(path: Path) -> str:
-    """The name without its last suffix: data.jsonl -> data."""
-    return path.name.rsplit(".", 1)[0] if "." in path.name else path.name
 
 
 def run_file(request: RunRequest, echo: Echo) -> RunOutcome:
@@ -158,6 +153,8 @@ def write_outputs(client: StoreBackend, job_id: str, request: RunRequest) -> tup
     errors = list(client.errors(job_id))
     if errors:
         write_lines(request.errors, errors)
+    else:  # an errors file of an earlier run of this file would contradict "no error lines"
+        request.errors.unlink(missing_ok=True)
     return results, len(errors)
 
 

@@ -91,7 +91,7 @@ class ServerConfig:
                                            "move.", min=0)
     balance_quality: float = option(0.75, "Move only if the weakest block's throughput would rise above this "
                                           "much of it (0.75: by a third); closing a hole needs no margin.",
-                                    min=0.0, max=1.0)
+                                    min=0.01, max=1.0)
     move_cooldown: float = option(300.0, "Seconds after a move before this server moves again to raise the "
                                          "weakest block (closing a hole does not wait).", min=0)
     move_drain_seconds: float = option(30.0, "When moving, how long running sessions may finish before they are "
@@ -110,10 +110,13 @@ class ServerConfig:
             raise ServerConfigError(f"--announce-period {self.announce_period:g} is above the swarm's limit of "
                                     f"{ANNOUNCE_PERIOD_LIMIT:g} s (peers refuse records living longer than two "
                                     f"periods); pass {ANNOUNCE_PERIOD_LIMIT:g} or less")
-        if min(self.rebalance_period, self.move_cooldown, self.move_drain_seconds) < 0 \
-                or not 0 < self.balance_quality <= 1:
-            raise ServerConfigError("--rebalance-period, --move-cooldown and --move-drain-seconds must be 0 or more, "
-                                    "and --balance-quality in (0, 1]")
+        for flag, seconds in (("--rebalance-period", self.rebalance_period), ("--move-cooldown", self.move_cooldown),
+                              ("--move-drain-seconds", self.move_drain_seconds)):
+            if seconds < 0:
+                raise ServerConfigError(f"{flag} {seconds:g} is negative; pass 0 or more seconds")
+        if not 0 < self.balance_quality <= 1:
+            raise ServerConfigError(f"--balance-quality {self.balance_quality:g} is outside (0, 1]; pass e.g. 0.75 "
+                                    "(move when the weakest block would rise by a third)")
         if self.batch_wait_ms < 0:
             raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
         if self.swarm_file and not self.network.identity_path:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from servers.admission import Slots
@@ -94,19 +93,16 @@ class BlockHandler(PushReceiver):
         self.forwards = Slots("forwards in flight", per_caller=self.max_forwards_per_peer,
                               total=self.max_queued_forwards)
 
-    async def register(self, p2p: P2P) -> None:
-        """Add the RPCs to a P2P node (whose streams also carry this server's pushes)."""
-        self.pusher.p2p = p2p
-        for name, method in RPCS.items():
-            await p2p.add_binary_stream_handler(name, getattr(self, method))
-
-    async def drain(self, seconds: float) -> int:
-        """Wait up to `seconds` for the open sessions to end, then end the others' streams (their clients fail over);
-        returns how many were ended. New ones are refused meanwhile only if `moving_to` is set."""
+    async def settle(self, seconds: float) -> None:
+        """Wait up to `seconds` for the open sessions and the forwards in flight to end (new ones are refused
+        meanwhile only if `moving_to` is set)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while self.sessions and loop.time() < deadline:
+        while (self.sessions or self.forwards.in_use) and loop.time() < deadline:
             await asyncio.sleep(0.1)
+
+    def end_sessions(self) -> int:
+        """End the streams of the sessions still open (their clients fail over); returns how many were ended."""
         ended = [s for s in self.sessions.values() if s.stream is not None and s.stream.writer is not None]
         for session in ended:
             assert session.stream is not None and session.stream.writer is not None

@@ -23,11 +23,13 @@ class Rebalancer:
     """Checks coverage every `period` seconds (jittered) and awaits `move(move)` when this server should move."""
 
     def __init__(self, node: DHTNode, *, status: Callable[[], ServerStatus], num_blocks: int,
-                 allows: Callable[[str], bool], move: Callable[[Move], Awaitable[None]], period: float,
+                 allows: Callable[[str], bool], move: Callable[[Move], Awaitable[bool]], period: float,
                  quality: float, cooldown: float) -> None:
         self.node, self.status, self.num_blocks, self.allows, self.move = node, status, num_blocks, allows, move
         self.period, self.quality, self.cooldown = period, quality, cooldown
         self.waited = 0  # rounds in a row in which this server was a candidate and another one's turn came first
+        self.failures = 0  # moves in a row that failed (e.g. the new span did not fit): each doubles the pause
+        self.paused_until = 0.0  # no move before this DHT time, after a failed one
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -51,6 +53,8 @@ class Rebalancer:
 
     async def check(self) -> Move | None:
         """One round: read the coverage, plan, and move if it is this server's turn; returns the move made."""
+        if get_dht_time() < self.paused_until:
+            return None
         status = self.status()
         infos = await get_remote_module_infos(self.node, status.model_id, self.num_blocks)
         me = holder_of(status.peer_id, status.announcement())  # what we are now, whatever the DHT still says
@@ -58,6 +62,12 @@ class Rebalancer:
         planned = plan(holders, self.num_blocks, quality=self.quality, cooldown=self.cooldown, now=get_dht_time())
         move = turn(planned, me.peer_id, self.waited)
         self.waited = self.waited + 1 if move is None and any(m.peer_id == me.peer_id for m in planned) else 0
+        if move is not None and not await self.move(move):
+            self.failures += 1
+            self.paused_until = get_dht_time() + self.cooldown * 2 ** (self.failures - 1)
+            logger.warning("Moves paused for %.0f s after %d failed in a row", self.paused_until - get_dht_time(),
+                           self.failures)
+            return None
         if move is not None:
-            await self.move(move)
+            self.failures = 0
         return move

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from swarmnet.data_structures import ServerInfo, ServerState
+from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
 from swarmnet.discovery import BlockServers
 
 PATIENCE_ROUNDS = 3  # rounds a server waits for each candidate ranked before it (one that does not move)
@@ -88,7 +88,9 @@ def holders_of(block_infos: list[BlockServers], allows: Callable[[str], bool] = 
 
 
 def _covers(info: ServerInfo, index: int) -> bool:
-    return info.state != ServerState.OFFLINE and info.start <= index < info.end
+    """Whether a record holds block `index` as clients count it: not OFFLINE, and of our protocol version (clients
+    never route to another version's servers, so those leave a hole to fill)."""
+    return info.state != ServerState.OFFLINE and info.version == PROTOCOL_VERSION and info.start <= index < info.end
 
 
 def holder_of(peer: str, info: ServerInfo) -> Holder:

@@ -140,34 +140,58 @@ class BlockServer:
         if self.pings is not None:
             await self.pings.stop()
 
-    async def move_span(self, move: Move) -> None:
+    async def move_span(self, move: Move) -> bool:
         """Move to blocks [move.start, move.end): announce JOINING there at once (nobody else runs for the same
-        hole), refuse new sessions, let running ones finish for up to --move-drain-seconds and end the rest, load
-        the new span, then serve and announce it. If loading fails, the old span is served again."""
+        hole), refuse new sessions, load the new span while the running sessions and forwards finish (for up to
+        --move-drain-seconds), end the sessions left, then serve and announce it. Returns whether it moved: if
+        anything fails on the way, the old span is served and announced again, and no session was ended."""
         assert self.serving is not None and self.announcer is not None
-        old, began = self.serving, time.perf_counter()
-        self.moves.append(SpanMove(at=get_dht_time(), start=move.start, end=move.end, from_start=old.span.start,
-                                   from_end=old.span.end, reason=move.reason[:MAX_MOVE_REASON_CHARS]))
+        old, began, at = self.serving, time.perf_counter(), get_dht_time()
         self.state, self.target = ServerState.JOINING, (move.start, move.end)
         old.handler.moving_to = f"{move.start}:{move.end}"
-        await self.announcer.withdraw(old.span.start, old.span.end)
-        await self.announcer.announce()
-        ended = await old.handler.drain(self.config.move_drain_seconds)
         try:
-            self.serving = await self._serve(move.start, move.end)
+            new = await self._load_while_settling(old, move)
         except Exception as e:
-            logger.warning("Could not load blocks %d:%d (%s: %s); serving %d:%d again", move.start, move.end,
-                           type(e).__name__, e, old.span.start, old.span.end)
-            self.moves.pop()
-            old.handler.moving_to = None
+            await self._stay(old, move, e)
+            return False
+        ended = old.handler.end_sessions()
+        self.serving = new
+        self.moves.append(SpanMove(at=at, start=move.start, end=move.end, from_start=old.span.start,
+                                   from_end=old.span.end, reason=move.reason[:MAX_MOVE_REASON_CHARS]))
         self.state, self.target = ServerState.ONLINE, None
         await self.announcer.announce()
-        if self.serving is not old:
-            old.handler.executor.shutdown(wait=False, cancel_futures=True)
-            logger.info(MOVED_LOG, old.span.start, old.span.end, move.start, move.end, time.perf_counter() - began,
-                        ended, move.reason)
+        old.handler.executor.shutdown(wait=False, cancel_futures=True)
+        logger.info(MOVED_LOG, old.span.start, old.span.end, move.start, move.end, time.perf_counter() - began,
+                    ended, move.reason)
         await self._stop_pings()
         self._start_pings(self.announcer.node)
+        return True
+
+    async def _load_while_settling(self, old: Serving, move: Move) -> Serving:
+        """Withdraw the old span, announce the new one as JOINING, and load it while the old one settles."""
+        assert self.announcer is not None
+        await self.announcer.withdraw(old.span.start, old.span.end)
+        await self.announcer.announce()
+        loading = asyncio.ensure_future(self._serve(move.start, move.end))
+        try:
+            await old.handler.settle(self.config.move_drain_seconds)
+            return await loading
+        except BaseException:
+            loading.cancel()
+            raise
+
+    async def _stay(self, old: Serving, move: Move, error: Exception) -> None:
+        """A move failed: serve and announce the old span again, as if it had never started."""
+        logger.warning("Could not move to blocks %d:%d (%s: %s); serving %d:%d again", move.start, move.end,
+                       type(error).__name__, error, old.span.start, old.span.end)
+        old.handler.moving_to = None
+        self.state, self.target = ServerState.ONLINE, None
+        assert self.announcer is not None
+        try:
+            await self.announcer.announce()
+        except Exception as e:  # the announcer's next period announces it anyway
+            logger.warning("Could not announce blocks %d:%d again yet: %s: %s", old.span.start, old.span.end,
+                           type(e).__name__, e)
 
     async def _choose_span(self, node: DHTNode) -> tuple[int, int]:
         if self.config.blocks is not None:

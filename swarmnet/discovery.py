@@ -36,13 +36,26 @@ def _parse_block_record(record: object) -> BlockServers:
 
 def online_spans(block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
     """One RemoteSpanInfo per ONLINE server that speaks our protocol version, with the span it announced
-    (clipped to the blocks it announced). A server of another version shows in `swarm status` but is never used."""
-    spans: dict[str, RemoteSpanInfo] = {}
+    (clipped to the blocks it announced). A server of another version shows in `swarm status` but is never used.
+
+    A server that moved may still have ONLINE records of its old span in some DHT nodes until they expire: of a
+    server's announced spans, the one announced since its latest move is used, never a union of old and new."""
+    found: dict[tuple[str, int, int], RemoteSpanInfo] = {}
     for index, servers in enumerate(block_infos):
         for peer_id, info in servers.items():
             if info.state != ServerState.ONLINE or info.version != PROTOCOL_VERSION or not info.start <= index < info.end:
                 continue
-            known = spans.get(peer_id)
-            start = index if known is None else known.start
-            spans[peer_id] = RemoteSpanInfo(peer_id, start, index + 1, info)
+            known = found.get((peer_id, info.start, info.end))
+            found[(peer_id, info.start, info.end)] = RemoteSpanInfo(
+                peer_id, index if known is None else known.start, index + 1, info)
+    spans: dict[str, RemoteSpanInfo] = {}
+    for span in found.values():
+        other = spans.get(span.peer_id)
+        if other is None or _announced_after(span.info, other.info):
+            spans[span.peer_id] = span
     return list(spans.values())
+
+
+def _announced_after(info: ServerInfo, other: ServerInfo) -> bool:
+    """Whether `info` is a later announcement of the same server than `other`: one made after more moves."""
+    return max((move.at for move in info.moves), default=0.0) > max((move.at for move in other.moves), default=0.0)

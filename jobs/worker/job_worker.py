@@ -205,17 +205,10 @@ class JobWorker:
 
     def _crashed(self, claim: Claim, error: Exception) -> Outcome:
         """An unexpected error stopped the batch: give its requests back at once with the error, the attempt counted,
-        and retry with backoff. A request that keeps failing so fails after max_attempts with that error as its reason, instead of
-        waiting out a lease each time with no reason given."""
-        reason = f"{type(error).__name__}: {error}"
-        logger.exception("Job %s: the batch failed unexpectedly; its requests go back (%s)", claim.job.id, reason)
-
-        def unit() -> None:
-            with self.runtime.session() as session:
-                store.release_requests(session=session, token=claim.token, error=reason)
-                session.commit()
-        self._store(f"Job {claim.job.id}: release", unit)
-        return Outcome(retry=True)
+        and retry with backoff. A request that keeps failing so fails after max_attempts with that error as its
+        reason, instead of waiting out a lease each time with no reason given."""
+        logger.exception("Job %s: the batch failed unexpectedly; its requests go back", claim.job.id)
+        return self._release(claim.job, claim.token, error, count_attempt=True, blocked=False)
 
     def _run_batch(self, claim: Claim, plan: PipelinePlan, checks: CheckedOutputs) -> Outcome:
         job, token, claimed = claim.job, claim.token, claim.requests
@@ -376,20 +369,27 @@ class JobWorker:
         Missing blocks and busy servers cost no attempt (the job waits for servers until its deadline); others
         count, so a request that keeps failing ends as failed with its reason.
         """
+        outcome = self._release(job, token, error, count_attempt=not isinstance(error, MissingBlocksError | SwarmBusy),
+                                blocked=True)
+        logger.warning("Job %s blocked: %s: %s", job.id, type(error).__name__, error)
+        return outcome
+
+    def _release(self, job: Job, token: str, error: Exception, *, count_attempt: bool, blocked: bool) -> Outcome:
+        """Give the batch's requests back with the error as their reason (and the job's blocked reason if
+        `blocked`), and retry this task later with backoff."""
         reason = f"{type(error).__name__}: {error}"
 
         def unit() -> None:
             with self.runtime.session() as session:
-                store.release_requests(session=session, token=token, error=reason,
-                                       count_attempt=not isinstance(error, MissingBlocksError | SwarmBusy))
+                store.release_requests(session=session, token=token, error=reason, count_attempt=count_attempt)
                 row = session.get(Job, job.id)
                 assert row is not None
-                row.blocked_reason = reason
+                if blocked:
+                    row.blocked_reason = reason
                 # this task's retry chain comes back within MAX_RETRY_DELAY: sweeps add no other chain until then
                 store.refresh_dispatch_hold(session=session, job=row,
                                             seconds=MAX_RETRY_DELAY + self.settings.lease_seconds)
                 session.commit()
         self._store(f"Job {job.id}: release", unit)
-        logger.warning("Job %s blocked: %s", job.id, reason)
         return Outcome(retry=True)
 

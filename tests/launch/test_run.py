@@ -183,7 +183,8 @@ def test_ctrl_c_stops_every_child_keeps_the_job_and_the_same_command_resumes_it(
     runtime.close()
     assert job["status"] == "in_progress" and job["request_counts"]["completed"] < len(ids)
 
-    # When the same command runs again, it resumes that job to its end: every line once
+    # When the same command runs again (beside an errors file an older run left), it resumes that job to its end
+    (folder / "in.errors.jsonl").write_text('{"custom_id": "from an older run"}\n')
     resumed = Run(args, cwd=folder, home=home, logs=tmp_path / "run2")
     try:
         code, out, err = resumed.wait(400)
@@ -192,3 +193,4 @@ def test_ctrl_c_stops_every_child_keeps_the_job_and_the_same_command_resumes_it(
     assert code == 0, err
     assert f"Resuming job {job_id} of this file (in_progress)" in out and not resumed.living_descendants()
     assert sorted(r["custom_id"] for r in read_jsonl(folder / "in.results.jsonl")) == sorted(ids)
+    assert not (folder / "in.errors.jsonl").exists()  # every line once, and no error line: no errors file

@@ -1,8 +1,11 @@
 """When an unpinned server moves its span, and where: pure functions over a coverage snapshot, no network."""
 from __future__ import annotations
 
+import pytest
 from factories import block_infos, server_info, span
 
+from servers.config import ServerConfig
+from servers.errors import ServerConfigError
 from servers.rebalancing import Holder, coverage, holders_of, holes, plan, turn
 from swarmnet.data_structures import RemoteSpanInfo, ServerState, SpanMove
 
@@ -69,3 +72,20 @@ def test_the_snapshot_counts_online_and_joining_members_in_their_announced_span(
     found = holders_of(infos, allows=lambda peer: peer != "stranger")
     assert found == [Holder("a", 0, 3, 100.0, movable=True, last_move=5.0), Holder("b", 3, 6, 100.0, joining=True)]
     assert holes(coverage(found[:1], 6)) == [(3, 6)]
+
+
+def test_a_server_of_another_protocol_version_leaves_its_blocks_a_hole_to_fill() -> None:
+    # clients never route to it (swarmnet.discovery.online_spans), so its blocks count as uncovered
+    infos = block_infos(6, span("a", 0, 3), span("old", 3, 6, version="swarmbatch/1"))
+    assert [h.peer_id for h in holders_of(infos, allows=lambda peer: True)] == ["a"]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("balance_quality", 0.0, r"^--balance-quality 0 is outside \(0, 1\]; pass e.g. 0.75"),
+    ("balance_quality", 1.5, r"^--balance-quality 1.5 is outside \(0, 1\]"),
+    ("move_cooldown", -1.0, r"^--move-cooldown -1 is negative; pass 0 or more seconds$"),
+    ("rebalance_period", -5.0, r"^--rebalance-period -5 is negative"),
+])
+def test_a_rebalancing_option_out_of_range_is_refused_naming_it(field: str, value: float, message: str) -> None:
+    with pytest.raises(ServerConfigError, match=message):
+        ServerConfig(model_dir="unused", initial_peers=[], num_blocks=3, **{field: value})  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from factories import block_infos, span
 
 from swarmclient.routing import has_room, link_rtt, min_latency_route, missing_ranges, pushed_route, trusted_throughput
-from swarmnet.data_structures import RouteHop, ServerState
+from swarmnet.data_structures import RemoteSpanInfo, RouteHop, ServerState, SpanMove
 from swarmnet.discovery import online_spans
 
 
@@ -72,6 +72,16 @@ def test_a_server_speaking_another_protocol_version_is_never_routed_to() -> None
     assert [s.peer_id for s in online_spans(infos)] == ["new"]
     assert missing_ranges(online_spans(block_infos(8, span("old", 0, 8, version="swarmbatch/1"))), 0, 8) == [(0, 8)]
 
+
+
+def test_a_moved_servers_stale_records_of_its_old_span_are_not_joined_to_its_new_span() -> None:
+    # a server moved 0:4 -> 4:8; a DHT node still holds its ONLINE records of 0:4 (announced before the move)
+    old = span("mover", 0, 4)
+    moved = SpanMove(at=5.0, start=4, end=8, from_start=0, from_end=4, reason="a hole")
+    new = span("mover", 4, 8)
+    new = RemoteSpanInfo("mover", 4, 8, new.info.model_copy(update={"moves": (moved,), "rebalances": True}))
+    infos = block_infos(8, old, new)
+    assert [(s.peer_id, s.start, s.end) for s in online_spans(infos)] == [("mover", 4, 8)]
 
 # ---- what routing trusts: measurements over records, and the free cache servers announce -----------------------------
 
