@@ -299,14 +299,22 @@ def test_the_image_installs_the_cpu_torch_before_the_project_and_runs_swarmbatch
 
 
 
-def test_the_demo_documents_are_package_data_so_a_non_editable_install_finds_them() -> None:
+def test_every_data_file_of_the_shipped_packages_is_package_data_so_a_non_editable_install_has_it() -> None:
+    # setuptools ships a package's .py files alone; anything else (the demo's documents, the web view, alembic's
+    # template) reaches a non-editable install (the image, `pip install .`) only through a package-data glob
     from launch import demo
 
-    docs = demo.sample_documents()
-    assert len(docs) >= 4
-    package = Path(demo.__file__).resolve().parent
-    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["launch"]
-    assert all(any(doc.relative_to(package).match(glob) for glob in globs) for doc in docs), (docs, globs)
+    assert len(demo.sample_documents()) >= 4
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = {path for package, globs in setuptools["package-data"].items() for glob in globs
+              for path in (ROOT / package.replace(".", "/")).glob(glob)}
+    packages = [ROOT / name.rstrip("*") for name in setuptools["packages"]["find"]["include"]]
+    data = {path for package in packages for path in package.rglob("*")
+            if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts}
+    assert set(demo.sample_documents()) <= data
+    unlisted = sorted(str(path.relative_to(ROOT)) for path in data - listed)
+    assert not unlisted, f"not in [tool.setuptools.package-data]: {unlisted}"
+
 
 # ---- the stack for real: scripts/compose-smoke.sh ---------------------------------------------------------------------
 SKIPPED = 77  # the script's exit status when it cannot run here; its last stderr line says why
