@@ -138,7 +138,8 @@ def keys_list(as_json: JsonOption = False) -> None:
 @keys_app.command("revoke")
 def keys_revoke(name_or_id: Annotated[str, typer.Argument(
         metavar="NAME_OR_ID", help="The key's id (from 'keys list'), or its name if one live key has it.")]) -> None:
-    """Revoke a key: every request with it gets 401 from then on."""
+    """Revoke a key: every request with it gets 401 from then on, its unfinished batches are cancelled, and the
+    workers' next sweep deletes its files and its batches' outputs."""
     from jobs import store
     from jobs.assembly import get_runtime
 
@@ -146,9 +147,12 @@ def keys_revoke(name_or_id: Annotated[str, typer.Argument(
     runtime.ensure_store()
     with runtime.session() as session:
         key = store.revoke_api_key(session=session, name_or_id=name_or_id)  # the boundary reports an unknown one
+        cancelled = [runtime.lifecycle.cancel(session, job_id).id
+                     for job_id in store.active_job_ids(session=session, api_key_id=key.id)]
         session.commit()
         row = key_row(key)
-    typer.echo(f"key {row['id']} ({row['name']}) revoked at {row['revoked_at']}")
+    typer.echo(f"key {row['id']} ({row['name']}) revoked at {row['revoked_at']}; {len(cancelled)} unfinished "
+               f"batches cancelled; the workers' next sweep deletes its files and outputs")
 
 
 def key_row(key: ApiKey) -> dict[str, Any]:

@@ -43,11 +43,13 @@ class StoreBackend:
 
     def results(self, job_id: str) -> Iterator[str]:
         with self.runtime.session() as session:
-            yield from iter_results(session=session, job=store.get_job(session=session, job_id=job_id))
+            job = store.get_job(session=session, job_id=job_id)
+        yield from iter_results(sessions=self.runtime.session, job=job)
 
     def errors(self, job_id: str) -> Iterator[str]:
         with self.runtime.session() as session:
-            yield from iter_errors(session=session, job=store.get_job(session=session, job_id=job_id))
+            job = store.get_job(session=session, job_id=job_id)
+        yield from iter_errors(sessions=self.runtime.session, job=job)
 
 
 class ApiBackend:

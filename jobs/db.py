@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
@@ -48,6 +49,16 @@ def _sqlite_pragmas(connection: Any, _: Any) -> None:
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions that keep loaded objects usable after commit."""
     return sessionmaker(engine, expire_on_commit=False)
+
+
+# where a long read (a streamed download) gets each of its pages: a short session of its own per page
+# (Runtime.session), so nothing is held between pages, or one session the caller holds (`held`)
+SessionScope = Callable[[], AbstractContextManager[Session]]
+
+
+def held(session: Session) -> SessionScope:
+    """Every page read in `session` (the worker's transaction, which sees its own uncommitted writes)."""
+    return lambda: nullcontext(session)
 
 
 def is_transient(error: BaseException) -> bool:

@@ -5,6 +5,8 @@
     ├── FileNotFound          no such file for this API key (HTTP 404)
     ├── InvalidJob            the submission is refused whole (HTTP 400); nothing was created
     ├── IdempotencyConflict   an Idempotency-Key already names another batch of this API key (HTTP 409)
+    ├── InsufficientQuota     the API key keeps as many files or bytes as it may (HTTP 429); nothing was stored
+    ├── OutputsExpired        a batch's outputs passed their retention and were deleted (HTTP 410)
     ├── JobCancelled          raised inside a worker when its job is being cancelled; not retried
     ├── LeaseLost             a worker's claim expired and another worker took the request over
     ├── StoreUnavailable      the database or broker cannot be reached (exit code 3); retry later
@@ -54,6 +56,14 @@ class InvalidJob(JobsError):
 
 class IdempotencyConflict(JobsError):
     """Raised when an idempotency key is reused for a different submission; the first job is kept."""
+
+
+class InsufficientQuota(JobsError):
+    """Raised when an upload or submission would take an API key past its files or bytes quota; nothing is stored."""
+
+
+class OutputsExpired(JobsError):
+    """Raised when a batch's results or errors are read after their retention deleted them."""
 
 
 class JobCancelled(JobsError):

@@ -13,15 +13,17 @@ import logging
 import unicodedata
 import uuid
 from collections.abc import Iterable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from jobs import outputs
+from jobs.db import SessionScope, held
 from jobs.errors import FileNotFound, InvalidJob
 from jobs.models import FileChunk, FilePurpose, Job, StoredFile, utcnow
+from jobs.quotas import Quota, bytes_left, over_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +53,26 @@ def check_filename(filename: str) -> str:
 
 
 def store_upload(*, session: Session, pieces: Iterable[bytes], filename: str, api_key_id: int | None,
-                 max_bytes: int, purpose: FilePurpose = FilePurpose.batch) -> StoredFile:
-    """Store an upload read piece by piece; FileTooLarge as soon as it passes `max_bytes` (the session rolls back)."""
+                 max_bytes: int, purpose: FilePurpose = FilePurpose.batch, quota: Quota | None = None,
+                 expires_after_s: int | None = None) -> StoredFile:
+    """Store an upload read piece by piece; FileTooLarge as soon as it passes `max_bytes`, InsufficientQuota as soon
+    as it would take its key past `quota` (the session rolls back either way).
+
+    The file expires `expires_after_s` after it is made (None: kept until deleted).
+    """
     check_filename(filename)
+    quota_left = None
+    if quota is not None and api_key_id is not None:
+        quota_left = bytes_left(session=session, api_key_id=api_key_id, quota=quota)
+    now = utcnow()
     row = StoredFile(id=new_file_id(), api_key_id=api_key_id, purpose=purpose, filename=filename, size=0,
-                     created_at=utcnow())
+                     created_at=now, expires_at=expires_at(now, expires_after_s))
     session.add(row)
     session.flush()
     pending, seq = bytearray(), 0
     for piece in pieces:
         row.size += len(piece)
-        if row.size > max_bytes:
-            raise FileTooLarge(f"the file passed {max_bytes} bytes (SWARMBATCH_MAX_FILE_BYTES); split it into "
-                               f"smaller files", param="file")
+        _check_size(row.size, max_bytes, quota, quota_left)
         pending += piece
         while len(pending) >= CHUNK_BYTES:
             session.add(FileChunk(file_id=row.id, seq=seq, data=bytes(pending[:CHUNK_BYTES])))
@@ -75,6 +84,20 @@ def store_upload(*, session: Session, pieces: Iterable[bytes], filename: str, ap
     session.flush()
     logger.info("File %s stored: %r, %d bytes", row.id, filename, row.size)
     return row
+
+
+def _check_size(size: int, max_bytes: int, quota: Quota | None, quota_left: int | None) -> None:
+    """FileTooLarge past the file limit, InsufficientQuota past what is left of the key's bytes."""
+    if size > max_bytes:
+        raise FileTooLarge(f"the file passed {max_bytes} bytes (SWARMBATCH_MAX_FILE_BYTES); split it into "
+                           f"smaller files", param="file")
+    if quota is not None and quota_left is not None and size > quota_left:
+        raise over_bytes(quota.bytes - quota_left, quota)
+
+
+def expires_at(created_at: datetime, after_s: int | None) -> datetime | None:
+    """When a file made at `created_at` expires (None: never)."""
+    return created_at + timedelta(seconds=after_s) if after_s is not None else None
 
 
 def get_file(*, session: Session, file_id: str, api_key_id: int | None = None) -> StoredFile:
@@ -101,54 +124,71 @@ def list_files(*, session: Session, api_key_id: int, limit: int, after: str | No
 
 def delete_file(*, session: Session, row: StoredFile) -> None:
     """Delete a file and its bytes (a job made from it keeps its requests; a job's own file is just gone)."""
-    session.execute(delete(FileChunk).where(FileChunk.file_id == row.id))
-    session.delete(row)
-    session.flush()
+    delete_files(session=session, file_ids=[row.id])
     logger.info("File %s deleted", row.id)
+
+
+def delete_files(*, session: Session, file_ids: list[str]) -> None:
+    """Delete files and their bytes by id; ids already gone are no error (two sweeps may meet)."""
+    session.execute(delete(FileChunk).where(FileChunk.file_id.in_(file_ids)))
+    session.execute(delete(StoredFile).where(StoredFile.id.in_(file_ids)), execution_options={
+        "synchronize_session": "fetch"})
+    session.flush()
 
 
 def read_upload(*, session: Session, row: StoredFile) -> bytes:
     """An uploaded file's bytes, whole (for parsing a batch; bounded by the upload limit)."""
-    return b"".join(iter_upload(session=session, row=row))
+    return b"".join(iter_upload(sessions=held(session), row=row))
 
 
-def iter_upload(*, session: Session, row: StoredFile) -> Iterator[bytes]:
-    """An uploaded file's chunks, in order, one at a time."""
-    seqs = list(session.scalars(select(FileChunk.seq).where(FileChunk.file_id == row.id).order_by(FileChunk.seq)))
-    for seq in seqs:
-        chunk = session.get(FileChunk, (row.id, seq))
-        if chunk is not None:
-            yield chunk.data
+def iter_upload(*, sessions: SessionScope, row: StoredFile) -> Iterator[bytes]:
+    """An uploaded file's chunks in order, each read in a session of its own from `sessions` (after the last seq
+    read: keyset), so a client that stops reading holds no connection. FileNotFound when the file was deleted
+    meanwhile: a download ends short rather than looking whole."""
+    after, size = -1, 0
+    while True:
+        with sessions() as session:
+            chunk = session.scalars(select(FileChunk).where(FileChunk.file_id == row.id, FileChunk.seq > after)
+                                    .order_by(FileChunk.seq).limit(1)).first()
+            if chunk is None:
+                break
+            after, data = chunk.seq, chunk.data
             session.expunge(chunk)
+        size += len(data)
+        yield data
+    if size != row.size:
+        raise FileNotFound(row.id)
 
 
-def iter_content(*, session: Session, row: StoredFile) -> Iterator[bytes]:
+def iter_content(*, sessions: SessionScope, row: StoredFile) -> Iterator[bytes]:
     """What GET /v1/files/{id}/content streams: an upload's bytes, or a job's output or error lines."""
     if row.job_id is None:
-        yield from iter_upload(session=session, row=row)
+        yield from iter_upload(sessions=sessions, row=row)
         return
-    job = session.get(Job, row.job_id)
+    with sessions() as session:
+        job = session.get(Job, row.job_id)
     if job is not None:
-        yield from (line.encode() for line in _job_lines(session, job, row.lines))
+        yield from (line.encode() for line in _job_lines(sessions, job, row.lines))
 
 
-def _job_lines(session: Session, job: Job, lines: str | None) -> Iterator[str]:
+def _job_lines(sessions: SessionScope, job: Job, lines: str | None) -> Iterator[str]:
     if lines == OUTPUT:
-        return outputs.iter_results(session=session, job=job)
-    return outputs.iter_errors(session=session, job=job)
+        return outputs.iter_results(sessions=sessions, job=job)
+    return outputs.iter_errors(sessions=sessions, job=job)
 
 
 def attach_job_files(*, session: Session, job: Job, now: datetime | None = None) -> None:
     """Make an ended job's output and error files (each only if it has a line), counting their bytes by streaming."""
     for lines in (OUTPUT, ERROR):
         size = count = 0
-        for line in _job_lines(session, job, lines):
+        for line in _job_lines(held(session), job, lines):
             size, count = size + len(line.encode()), count + 1
         if not count:
             continue
+        made = now or utcnow()
         row = StoredFile(id=new_file_id(), api_key_id=job.api_key_id, purpose=FilePurpose.batch_output,
-                         filename=f"{job.id}_{lines}.jsonl", size=size, created_at=now or utcnow(), job_id=job.id,
-                         lines=lines)
+                         filename=f"{job.id}_{lines}.jsonl", size=size, created_at=made, job_id=job.id,
+                         lines=lines, expires_at=expires_at(made, job.output_expires_after_s))
         session.add(row)
         if lines == OUTPUT:
             job.output_file_id = row.id
@@ -160,5 +200,6 @@ def attach_job_files(*, session: Session, job: Job, now: datetime | None = None)
 def file_public(row: StoredFile) -> dict[str, Any]:
     """OpenAI's file object."""
     return {"id": row.id, "object": "file", "bytes": row.size, "created_at": int(row.created_at.timestamp()),
-            "filename": row.filename, "purpose": str(row.purpose), "status": "processed", "expires_at": None,
+            "filename": row.filename, "purpose": str(row.purpose), "status": "processed",
+            "expires_at": int(row.expires_at.timestamp()) if row.expires_at is not None else None,
             "status_details": None}

@@ -183,6 +183,10 @@ class Job(Base):
     steps_unverified: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # per worker (name), the batch it runs now: {"claim", "lanes", "bound"} (jobs.worker.sizing), for `status`
     pipeline: Mapped[dict[str, Any]] = mapped_column(default=dict, server_default="{}")
+    # retention (jobs.retention): the output and error files expire this long after they are made (None: kept);
+    # when they did, the outputs were deleted from the requests too, and the results and errors read 410
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
+    outputs_expired_at: Mapped[datetime | None]
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")
@@ -257,7 +261,8 @@ class StoredFile(Base):
     bytes: it is rendered from the job's requests when read (jobs.files), and `bytes` was counted when it was made."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_api_key_created", "api_key_id", "created_at"),)
+    __table_args__ = (Index("ix_files_api_key_created", "api_key_id", "created_at"),
+                      Index("ix_files_expires_at", "expires_at"))
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     api_key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id"))
@@ -268,6 +273,8 @@ class StoredFile(Base):
     # an output or error file: the job it renders, and which of its two line streams
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     lines: Mapped[str | None] = mapped_column(String(10))  # "output" | "error"
+    # OpenAI's expires_at: the sweep deletes the file after it (jobs.retention); None: kept until deleted
+    expires_at: Mapped[datetime | None]
 
 
 class FileChunk(Base):

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from jobs import liveness
 from jobs.batch_input import CHAT_URL
+from jobs.db import SessionScope
 from jobs.models import Job, JobKind, Request, RequestStatus
 from jobs.store import JobCounts, job_counts, job_usage
 
@@ -19,7 +20,7 @@ FINISH_REASONS = ("stop", "length")  # OpenAI's; an output cut short by a cancel
 # what an unfinished request without output says in the error file when its job was cancelled or expired
 UNFINISHED = {RequestStatus.cancelled: ("batch_cancelled", "the batch was cancelled before this request ran"),
               RequestStatus.expired: ("batch_expired", "the batch's completion window ended before this request ran")}
-ROWS_PER_READ = 200  # requests read per round trip while streaming a file: memory stays this many rows
+ROWS_PER_READ = 200  # requests read per page while streaming a file: memory stays this many rows
 
 
 def response_body(job: Job, line: list[Request]) -> dict[str, Any]:
@@ -90,36 +91,46 @@ def line_error(error: dict[str, Any]) -> dict[str, Any]:
             "line": error["line_number"]}
 
 
-def iter_results(*, session: Session, job: Job) -> Iterator[str]:
+def iter_results(*, sessions: SessionScope, job: Job) -> Iterator[str]:
     """JSONL of finished lines in input order (partial outputs of cancelled/expired requests included)."""
-    for line in _lines(session, job, OUTPUT_STATUSES):
+    for line in _lines(sessions, job, OUTPUT_STATUSES):
         if _outcome(line) == "output":
             yield json.dumps(result_line(job, line)) + "\n"
 
 
-def iter_errors(*, session: Session, job: Job) -> Iterator[str]:
+def iter_errors(*, sessions: SessionScope, job: Job) -> Iterator[str]:
     """JSONL of input line errors (by line number), then lines with a failed request, or whose cancelled or
     expired requests produced nothing, in input order."""
     for error in job.line_errors:
         yield json.dumps({"id": None, "custom_id": error.get("custom_id"), "response": None,
                           "error": line_error(error)}) + "\n"
-    for line in _lines(session, job, (RequestStatus.failed, *UNFINISHED)):
+    for line in _lines(sessions, job, (RequestStatus.failed, *UNFINISHED)):
         if _outcome(line) == "error":
             yield json.dumps(error_line(job, line)) + "\n"
 
 
-def _lines(session: Session, job: Job, statuses: tuple[RequestStatus, ...]) -> Iterator[list[Request]]:
-    """The requests of the job's lines that have one in `statuses`, a line's choices together, in input order,
-    read ROWS_PER_READ at a time."""
+def _lines(sessions: SessionScope, job: Job, statuses: tuple[RequestStatus, ...]) -> Iterator[list[Request]]:
+    """The requests of the job's lines that have one in `statuses`, a line's choices together, in input order.
+
+    Read ROWS_PER_READ at a time, each page after the last index of the one before (keyset) in a session of its
+    own from `sessions`: a client that stops reading holds no connection, and memory stays one page.
+    """
     wanted = select(Request.custom_id).where(Request.job_id == job.id, Request.status.in_(statuses))
     query = (select(Request).where(Request.job_id == job.id, Request.custom_id.in_(wanted)).order_by(Request.index)
-             .execution_options(yield_per=ROWS_PER_READ))
+             .limit(ROWS_PER_READ))
     line: list[Request] = []
-    for request in session.scalars(query):
-        if line and request.custom_id != line[0].custom_id:
-            yield line
-            line = []
-        line.append(request)
+    after = -1
+    while True:
+        with sessions() as session:
+            page = list(session.scalars(query.where(Request.index > after)))
+        for request in page:
+            if line and request.custom_id != line[0].custom_id:
+                yield line
+                line = []
+            line.append(request)
+        if len(page) < ROWS_PER_READ:
+            break
+        after = page[-1].index
     if line:
         yield line
 

@@ -49,8 +49,29 @@ class Settings(BaseSettings):
     max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens a request may ask")
     max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1, description="largest accepted input file")
     max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")
-    max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process reads "
-                                                                         "and parses at once; more get 429")
+    max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process parses "
+                                            "and stores at once, once their bodies are in; more get 429")
+    # per API key, per API process (docs/security.md "API limits"): one key cannot hold what others need
+    max_submissions_per_key: int = Field(default=1, ge=1, description="submissions of one API key in progress at "
+                                         "once in one API process, from the body's first byte; more get 429")
+    max_uploads_per_key: int = Field(default=2, ge=1, description="file uploads of one API key in progress at once "
+                                     "in one API process; more get 429")
+    max_downloads_per_key: int = Field(default=2, ge=1, description="downloads (file content, batch results and "
+                                       "errors) of one API key streaming at once in one API process; more get 429")
+    body_deadline_seconds: float = Field(default=300.0, gt=0, description="a request body not received whole "
+                                         "this many seconds after its request's head is cut off with 408")
+    max_files_per_key: int = Field(default=10_000, ge=1, description="files one API key may keep (as GET /v1/files "
+                                   "lists them: uploads, batch inputs, outputs); an upload or submission beyond gets "
+                                   "429 insufficient_quota")
+    max_stored_bytes_per_key: int = Field(default=10 * 1024 ** 3, ge=1, description="bytes of files one API key may "
+                                          "keep (the sum of their `bytes`); an upload or submission beyond gets 429 "
+                                          "insufficient_quota")
+    upload_retention_seconds: int = Field(default=30 * 24 * 3600, ge=0, description="an API key's uploaded and "
+                                          "submitted input files are deleted this long after they are made (a "
+                                          "shorter expires_after wins); 0 = kept until deleted")
+    output_retention_seconds: int = Field(default=30 * 24 * 3600, ge=0, description="an API key's batch output and "
+                                          "error files, and the outputs in the store, are deleted this long after "
+                                          "they are made (a shorter output_expires_after wins); 0 = kept until deleted")
     verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0, description="fraction of hop steps a worker "
                                    "recomputes on a second server to catch servers that compute wrong outputs; 0 = off")
     worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")

@@ -415,10 +415,13 @@ def expire_leases(*, session: Session, now: datetime | None = None) -> list[str]
     return sorted({r.job_id for r in rows})
 
 
-def active_job_ids(*, session: Session) -> list[str]:
-    """Jobs that are not terminal."""
+def active_job_ids(*, session: Session, api_key_id: int | None = None) -> list[str]:
+    """Jobs that are not terminal (only the key's, when a key is given)."""
     live = [JobStatus.validating, JobStatus.in_progress, JobStatus.cancelling]
-    return list(session.scalars(select(Job.id).where(Job.status.in_(live)).order_by(Job.created_at)))
+    query = select(Job.id).where(Job.status.in_(live))
+    if api_key_id is not None:
+        query = query.where(Job.api_key_id == api_key_id)
+    return list(session.scalars(query.order_by(Job.created_at)))
 
 
 # ---- API keys ---------------------------------------------------------------------------------------------------

@@ -16,13 +16,16 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from jobs import files, store
 from jobs.batch_input import BatchFileRejected, InputLimits, ParsedBatch, parse_batch_file
 from jobs.durations import parse_window
 from jobs.errors import IdempotencyConflict, InvalidJob
-from jobs.models import Job
+from jobs.models import Job, StoredFile
 from jobs.queue import ENQUEUE_ERRORS, enqueue_job
+from jobs.quotas import Quota
+from jobs.retention import retention
 from jobs.runtime import Runtime
 from jobs.store import create_job
 from modelprep import ModelPrepError
@@ -88,13 +91,16 @@ def submit_batch(runtime: Runtime, data: bytes, *, model: str, filename: str | N
 def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = None, api_key_id: int | None = None,
            completion_window: str = "24h", metadata: dict[str, Any] | None = None,
            idempotency_key: str | None = None, raise_enqueue_errors: bool = False,
-           input_file_id: str | None = None, endpoint: str | None = None) -> Submitted:
+           input_file_id: str | None = None, endpoint: str | None = None,
+           output_expires_after_s: int | None = None) -> Submitted:
     """submit_batch, saying whether the job is an earlier one returned again for its idempotency key.
 
     `input_file_id` names the stored file `data` was read from (OpenAI's batches.create); without one, `data` is
     stored as a file of its own in the job's transaction, so every job has an input file. With an `endpoint`,
     lines of another url are line errors. A broker error after the commit is logged and the job returned, unless
-    `raise_enqueue_errors`.
+    `raise_enqueue_errors`. An API key's stored input counts against its quota, and its files expire (jobs.retention:
+    the input after SWARMBATCH_UPLOAD_RETENTION_SECONDS, the outputs after `output_expires_after_s` or
+    SWARMBATCH_OUTPUT_RETENTION_SECONDS, the shorter).
     """
     model = runtime.settings.resolve_model(model)  # an alias (SWARMBATCH_MODEL_ALIASES) names its served model
     window = parse_window(completion_window)
@@ -109,14 +115,15 @@ def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = 
     with runtime.session() as session:
         try:
             if input_file_id is None:
-                input_file_id = files.store_upload(session=session, pieces=_pieces(data), api_key_id=api_key_id,
-                                                   filename=filename or "batch.jsonl",
-                                                   max_bytes=runtime.settings.max_file_bytes).id
+                input_file_id = _store_input(runtime, session, data, filename, api_key_id).id
             job = create_job(session=session, parsed=parsed, model=model, api_key_id=api_key_id,
                              completion_window_s=window, checkpoint_every=runtime.settings.checkpoint_every,
                              input_filename=filename, metadata=metadata, idempotency_key=idempotency_key,
                              input_file_id=input_file_id)
             job.idempotency_fingerprint = fingerprint
+            if api_key_id is not None:
+                job.output_expires_after_s = retention(output_expires_after_s,
+                                                       runtime.settings.output_retention_seconds)
             # the tasks enqueued below are the job's chains: no sweep adds one while they claim (see hold_dispatch)
             store.refresh_dispatch_hold(session=session, job=job, seconds=runtime.settings.lease_seconds)
             session.commit()
@@ -129,6 +136,17 @@ def submit(runtime: Runtime, data: bytes, *, model: str, filename: str | None = 
             return Submitted(earlier, replayed=True)
     _enqueue_committed(runtime, job, parsed, raise_errors=raise_enqueue_errors)
     return Submitted(job)
+
+
+def _store_input(runtime: Runtime, session: Session, data: bytes, filename: str | None,
+                 api_key_id: int | None) -> StoredFile:
+    """A submitted batch's bytes as its input file: an API key's within its quota, expiring as its uploads do."""
+    keyed = api_key_id is not None
+    return files.store_upload(session=session, pieces=_pieces(data), api_key_id=api_key_id,
+                              filename=filename or "batch.jsonl", max_bytes=runtime.settings.max_file_bytes,
+                              quota=Quota.of(runtime.settings) if keyed else None,
+                              expires_after_s=retention(None, runtime.settings.upload_retention_seconds)
+                              if keyed else None)
 
 
 def _pieces(data: bytes) -> list[bytes]:

@@ -21,6 +21,8 @@ from jobs.errors import InvalidJob
 
 DEFAULT_WINDOW = "24h"
 METADATA = "Yours alone: up to 16 pairs of strings, keys up to 64 characters, values up to 512."
+EXPIRES = ('OpenAI\'s {"anchor": "created_at", "seconds": 3600 to 2592000}: the output and error files (and the '
+           "outputs in the store) are deleted this long after they are made; the operator's retention bounds it.")
 
 
 class BatchOptions(BaseModel):
@@ -35,6 +37,7 @@ class BatchCreate(BatchOptions):
 
     requests: list[Any] = Field(description='Objects like {"custom_id", "method": "POST", "url", "body"}.')
     metadata: dict[str, Any] | None = Field(default=None, description=METADATA)
+    output_expires_after: dict[str, Any] | None = Field(default=None, description=EXPIRES)
 
 
 class BatchFromFile(BaseModel):
@@ -44,6 +47,7 @@ class BatchFromFile(BaseModel):
     endpoint: str = Field(description=f"One of {', '.join(URLS)}; every line's url must be it.")
     completion_window: str = Field(default=DEFAULT_WINDOW, description="24h (OpenAI's), or a duration like 90m.")
     metadata: dict[str, Any] | None = Field(default=None, description=METADATA)
+    output_expires_after: dict[str, Any] | None = Field(default=None, description=EXPIRES)
 
 
 class BatchForm(BatchOptions):
@@ -63,6 +67,7 @@ class Submission:
     filename: str | None
     input_file_id: str | None = None
     endpoint: str | None = None
+    output_expires_after: dict[str, Any] | None = None
 
 
 REQUEST_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
@@ -72,7 +77,9 @@ REQUEST_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
             "file": {"type": "string", "format": "binary", "description": "The JSONL batch, one request a line."},
             "model": {"type": "string"},
             "completion_window": {"type": "string", "default": DEFAULT_WINDOW},
-            "metadata": {"type": "string", "description": f"{METADATA} As JSON text."}}}},
+            "metadata": {"type": "string", "description": f"{METADATA} As JSON text."},
+            "output_expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+            "output_expires_after[seconds]": {"type": "integer", "description": EXPIRES}}}},
     "application/json": {"schema": {"oneOf": [BatchFromFile.model_json_schema(), BatchCreate.model_json_schema()]}},
 }}}
 
@@ -101,7 +108,8 @@ def _from_json(body: bytes) -> Submission:
     except ValidationError as e:
         raise InvalidJob(f"the JSON body is not valid: {_summary(e)}", param=_param(e)) from None
     data = "\n".join(json.dumps(line) for line in batch.requests).encode()
-    return Submission(data, batch.model, batch.completion_window, batch.metadata, filename=None)
+    return Submission(data, batch.model, batch.completion_window, batch.metadata, filename=None,
+                      output_expires_after=batch.output_expires_after)
 
 
 async def _from_form(form: FormData) -> Submission:
@@ -114,7 +122,8 @@ async def _from_form(form: FormData) -> Submission:
     if not isinstance(upload, UploadFile):
         raise InvalidJob("the form has no 'file' field: attach the JSONL batch as a file named 'file'", param="file")
     data = await upload.read()
-    return Submission(data, options.model, options.completion_window, options.metadata, filename=upload.filename)
+    return Submission(data, options.model, options.completion_window, options.metadata, filename=upload.filename,
+                      output_expires_after=form_object(fields, "output_expires_after"))
 
 
 def _from_file(batch: BatchFromFile) -> Submission:
@@ -122,7 +131,22 @@ def _from_file(batch: BatchFromFile) -> Submission:
         raise InvalidJob(f"endpoint must be {' or '.join(URLS)} (got {batch.endpoint!r}); this service runs no "
                          f"other endpoint", param="endpoint")
     return Submission(None, None, batch.completion_window, batch.metadata, filename=None,
-                      input_file_id=batch.input_file_id, endpoint=batch.endpoint)
+                      input_file_id=batch.input_file_id, endpoint=batch.endpoint,
+                      output_expires_after=batch.output_expires_after)
+
+
+def form_object(fields: dict[str, str], name: str) -> dict[str, Any] | None:
+    """An object sent in a form as `name[key]` fields (how the openai SDK sends one), or as JSON text in `name`;
+    None when absent."""
+    if name in fields:
+        try:
+            value = json.loads(fields[name])
+        except json.JSONDecodeError:
+            raise InvalidJob(f"{name} must be a JSON object or {name}[key] fields", param=name) from None
+        return value if isinstance(value, dict) else {"": value}
+    prefix = f"{name}["
+    found = {key[len(prefix):-1]: value for key, value in fields.items() if key.startswith(prefix) and key.endswith("]")}
+    return found or None
 
 
 def _param(error: ValidationError) -> str | None:

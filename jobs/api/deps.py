@@ -35,20 +35,26 @@ RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
 def get_session(runtime: RuntimeDep) -> Iterator[Session]:
-    """A session for this request, closed after the response (streamed ones included) is sent."""
+    """A session for this request, closed as soon as the route returns: never held while an answer is sent, so a
+    client that reads slowly (or not at all) holds no pooled connection. A streamed answer reads its pages in
+    sessions of its own (jobs.db.SessionScope)."""
     with runtime.session() as session:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
-def get_api_key(session: SessionDep,
+def get_api_key(runtime: RuntimeDep,
                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> ApiKey:
-    """The caller's key row; 401 without a Bearer key or with an unknown or revoked one (read on every request)."""
+    """The caller's key row; 401 without a Bearer key or with an unknown or revoked one (read on every request).
+
+    Read in a session of its own, closed at once: a route reading a body that trickles in holds no connection
+    meanwhile (the request's session connects at its first query, once the body is in)."""
     if credentials is None:
         raise _unauthorized(MISSING_KEY)
-    key = find_api_key(session=session, key=credentials.credentials)
+    with runtime.session() as session:
+        key = find_api_key(session=session, key=credentials.credentials)
     if key is None:
         raise _unauthorized(UNKNOWN_KEY)
     return key

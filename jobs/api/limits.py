@@ -1,19 +1,18 @@
-"""Bounds on what one caller can make an API process hold: body size (413) and concurrent submissions (429).
+"""Bounds on a request body: its size (413) and the time it may take to arrive (408); the API's refusal error.
 
 `BodyLimit` is ASGI middleware, not a route check: Starlette reads a multipart body whole (spooled to disk) and
-`request.body()` reads a JSON one whole before any route code runs, so the limit must sit under them, on
+`request.body()` reads a JSON one whole before any route code runs, so the limits must sit under them, on
 `receive`. A declared Content-Length over the limit is answered before one byte of the body is read (a client
 sending `Expect: 100-continue` never sends it); a body without one (chunked) is counted as it arrives and refused
-as soon as the count passes the limit. Both answers close the connection, so uvicorn stops reading the body
-rather than draining it.
+as soon as the count passes the limit. A body that is not whole SWARMBATCH_BODY_DEADLINE_SECONDS after its
+request's head arrived (one that trickles in at a byte a second) is cut off with a 408. Every such answer closes
+the connection, so uvicorn stops reading the body rather than draining it. Concurrent requests are bounded
+per key in jobs.api.slots.
 """
 from __future__ import annotations
 
-import threading
-from collections.abc import AsyncIterator
-from typing import Annotated
+import asyncio
 
-from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,11 +41,16 @@ class _BodyTooLarge(Exception):
     """Raised from `receive` when a streamed body passes the limit; BodyLimit turns it into the 413."""
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for a request body over `max_bytes`, without reading more of it than the limit."""
+class _BodyTimedOut(Exception):
+    """Raised from `receive` when a body is not whole by its deadline; BodyLimit turns it into the 408."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `max_bytes`, without reading more of it than the limit; 408 for
+    one not whole `deadline` seconds after the request's head."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, deadline: float) -> None:
+        self.app, self.max_bytes, self.deadline = app, max_bytes, deadline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Refuse on the declared length at once, else count what arrives."""
@@ -57,14 +61,21 @@ class BodyLimit:
         if declared is not None and declared > self.max_bytes:
             await self._refuse(f"the request body is {declared} bytes")(scope, receive, send)
             return
-        received = 0
-        started = False
+        received, whole, started = 0, False, False
+        deadline = asyncio.get_running_loop().time() + self.deadline
 
         async def counting_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, whole
+            if whole:  # after the body, receive() waits for a disconnect (a streamed answer listens): no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _BodyTimedOut from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                whole = not message.get("more_body", False)
                 if received > self.max_bytes:
                     raise _BodyTooLarge
             return message
@@ -76,10 +87,20 @@ class BodyLimit:
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
+        except (_BodyTooLarge, _BodyTimedOut) as refused:
             if started:  # cannot happen with our routes (they answer after reading the body); never send twice
                 raise
-            await self._refuse(f"the request body passed {self.max_bytes} bytes")(scope, receive, send)
+            answer = (self._refuse(f"the request body passed {self.max_bytes} bytes")
+                      if isinstance(refused, _BodyTooLarge) else self._too_slow(received))
+            await answer(scope, receive, send)
+
+    def _too_slow(self, received: int) -> JSONResponse:
+        """The 408, closing the connection: the rest of the body is never read."""
+        refusal = ApiRefusal(408, "RequestTimeout", f"the request body did not arrive within {self.deadline:g} s "
+                                                    f"(SWARMBATCH_BODY_DEADLINE_SECONDS; {received} bytes came); "
+                                                    f"send it again from a faster link, or split the batch",
+                             headers={"Connection": "close"})
+        return refusal.response()
 
     def _refuse(self, what: str) -> JSONResponse:
         """The 413; `Connection: close` makes uvicorn drop the connection instead of reading the rest."""
@@ -97,41 +118,3 @@ def _content_length(scope: Scope) -> int | None:
         if name == b"content-length":
             return int(value)
     return None
-
-
-class SubmissionSlots:
-    """A bounded count of submissions in progress in this process; a try that finds none free fails at once."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._free = threading.BoundedSemaphore(size)  # released from whichever thread ends the request
-
-    def try_acquire(self) -> bool:
-        """Take a slot if one is free, without waiting."""
-        return self._free.acquire(blocking=False)
-
-    def release(self) -> None:
-        """Give a slot back."""
-        self._free.release()
-
-
-async def submission_slot(request: Request) -> AsyncIterator[None]:
-    """Hold a slot from before the body is read until the job is stored; 429 with Retry-After when none is free.
-
-    Held while the body arrives too, so the slots bound the memory of bodies being parsed as well as the CPU of
-    parsing and tokenizing them.
-    """
-    slots: SubmissionSlots = request.app.state.submission_slots
-    if not slots.try_acquire():
-        raise ApiRefusal(429, "TooManySubmissions",
-                         f"{slots.size} batch submissions are already in progress on this server "
-                         f"(SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS); retry in {RETRY_AFTER_SECONDS} s",
-                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-    try:
-        yield
-    finally:
-        slots.release()
-
-
-# "function" scope: the slot is given back when the route returns, not after its response is sent
-SubmissionSlotDep = Annotated[None, Depends(submission_slot, scope="function")]

@@ -10,17 +10,20 @@ from starlette.exceptions import HTTPException
 
 from jobs.api.docs import add_docs
 from jobs.api.error_body import error_response
-from jobs.api.limits import BODY_OVERHEAD_BYTES, ApiRefusal, BodyLimit, SubmissionSlots
+from jobs.api.limits import BODY_OVERHEAD_BYTES, ApiRefusal, BodyLimit
 from jobs.api.metrics import make_registry
 from jobs.api.routes import batches, files, health, models, swarm
+from jobs.api.slots import ApiSlots
 from jobs.api.ui import add_ui
 from jobs.errors import (
     FileNotFound,
     IdempotencyConflict,
+    InsufficientQuota,
     InvalidJob,
     JobNotFound,
     JobsError,
     ModelNotFound,
+    OutputsExpired,
     StoreUnavailable,
 )
 from jobs.files import FileTooLarge
@@ -40,7 +43,8 @@ A web view of the key's jobs and the swarm is at `/ui/`."""
 # the first class that matches wins: FileTooLarge is an InvalidJob
 STATUS_CODES: dict[type[JobsError], int] = {FileTooLarge: 413, JobNotFound: 404, FileNotFound: 404, ModelNotFound: 404,
                                              InvalidJob: 400,
-                                             IdempotencyConflict: 409, StoreUnavailable: 503}
+                                             IdempotencyConflict: 409, InsufficientQuota: 429, OutputsExpired: 410,
+                                             StoreUnavailable: 503}
 HTTP_KINDS = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 
 
@@ -49,8 +53,9 @@ def make_app(runtime: Runtime) -> FastAPI:
     app = FastAPI(title="swarmbatch", version="0.1.0", description=DESCRIPTION, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
     app.state.metrics_registry = make_registry(runtime)
-    app.state.submission_slots = SubmissionSlots(runtime.settings.max_concurrent_submissions)
-    app.add_middleware(BodyLimit, max_bytes=runtime.settings.max_file_bytes + BODY_OVERHEAD_BYTES)
+    app.state.slots = ApiSlots.of(runtime.settings)
+    app.add_middleware(BodyLimit, max_bytes=runtime.settings.max_file_bytes + BODY_OVERHEAD_BYTES,
+                       deadline=runtime.settings.body_deadline_seconds)
     app.add_exception_handler(JobsError, jobs_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(ApiRefusal, refusal_response)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, http_error_response)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
 """The sweep: lost leases back to pending, overdue jobs expired, finished ones settled, failed end hooks retried,
-work re-enqueued."""
+work re-enqueued, expired files (and revoked keys' files) deleted."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from sqlalchemy import text
 
-from jobs import store
+from jobs import retention, store
 from jobs.db import retry_store
 from jobs.errors import StoreUnavailable
 from jobs.models import Job, utcnow
@@ -37,6 +37,7 @@ def sweep_store(runtime: Runtime) -> list[str]:
         # whoever ended a job ran its end hooks then; only those that failed (a page write) come back here
         for job_id in _store(runtime, "Sweep", lambda: _ended_due(runtime, now)):
             _each(runtime, job_id, lambda job_id: _retry_ended(runtime, job_id, now))
+        _store(runtime, "Sweep: expired files", lambda: _expire_files(runtime, now))
     except StoreUnavailable as e:  # the jobs whose dispatch this sweep already holds are still sent
         logger.warning("Sweep stopped: %s", e)
         return needing
@@ -87,6 +88,14 @@ def _sweep_job(runtime: Runtime, job_id: str, now: datetime) -> bool:
                                                          seconds=runtime.settings.lease_seconds, now=now)
         session.commit()
         return dispatch
+
+
+def _expire_files(runtime: Runtime, now: datetime) -> int:
+    """One bounded batch of expired files, deleted in one transaction (retention.FILES_PER_SWEEP at most)."""
+    with runtime.session() as session:
+        deleted = retention.expire_files(session=session, now=now)
+        session.commit()
+        return deleted
 
 
 def _ended_due(runtime: Runtime, now: datetime) -> list[str]:

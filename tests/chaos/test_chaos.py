@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 
 from jobs import store
 from jobs.assembly import build_runtime
+from jobs.db import held
 from jobs.migrate import upgrade
 from jobs.models import RequestStatus
 from jobs.outputs import iter_results
@@ -106,7 +107,7 @@ def worker(swarm: LocalSwarm, tmp_path: Path) -> Iterator[Callable[..., ManagedP
 def texts(runtime: Runtime, job_id: str) -> dict[str, str]:
     """custom_id -> text of the job's results; asserts that no custom_id appears twice."""
     with runtime.session() as session:
-        lines = [json.loads(line) for line in iter_results(session=session, job=store.get_job(session=session,
+        lines = [json.loads(line) for line in iter_results(sessions=held(session), job=store.get_job(session=session,
                                                                                                job_id=job_id))]
     custom_ids = [line["custom_id"] for line in lines]
     assert len(custom_ids) == len(set(custom_ids)), "a request appears twice in the results"

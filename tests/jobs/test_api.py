@@ -536,29 +536,30 @@ def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(
     print(f"10 MB prompt refused in {elapsed:.2f} s (upload, parse and store included)")
 
 
-def test_submissions_over_the_concurrency_bound_get_429_with_retry_after(
-        make_runtime: Callable[..., Runtime], redis_url: str, client: ApiClient, tiny_model: Path) -> None:
-    # Given a server taking one submission at a time, busy with a client that has sent half its body
-    runtime = make_runtime(broker_url=redis_url, max_concurrent_submissions=1, api_models=[str(tiny_model)])
-    key = new_key(runtime)
-    api = client(runtime, key)
+def test_a_keys_submissions_over_its_bound_get_429_with_retry_after_and_another_keys_go_through(
+        runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
+    # Given alice's submission whose client has sent half its body (one submission per key: the default)
+    alice, bob = new_key(runtime, "alice"), new_key(runtime, "bob")
+    api, other = client(runtime, alice), client(runtime, bob)
     body = json.dumps({"model": str(tiny_model), "requests": [request_line("slow")]}).encode()
     batch = {"model": str(tiny_model), "requests": [request_line("a")]}
-    with raw_request(api, key, {"Content-Type": "application/json", "Content-Length": str(len(body)),
-                                "Connection": "close"}) as slow:
+    with raw_request(api, alice, {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                                  "Connection": "close"}) as slow:
         slow.sendall(body[:len(body) // 2])
         deadline = time.monotonic() + 10
         while api.post("/v1/batches", content=b"{", headers={"content-type": "application/json"}).status_code != 429:
             assert time.monotonic() < deadline, "the slow submission never took the slot"  # (a free slot: 400)
 
-        # When another submission comes
+        # When alice submits another, and bob one
         refused = api.post("/v1/batches", json=batch)
+        bobs = other.post("/v1/batches", json=batch)
 
-        # Then it is refused at once with when to retry
+        # Then alice's is refused at once with when to retry, and bob's is stored
         assert refused.status_code == 429, refused.text
         assert refused.headers["retry-after"] == "5"
         error = refused.json()["error"]
-        assert error["type"] == "TooManySubmissions" and "SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS" in error["message"]
+        assert error["type"] == "TooManySubmissions" and "SWARMBATCH_MAX_SUBMISSIONS_PER_KEY" in error["message"]
+        assert bobs.status_code == 200, bobs.text
         # and the busy one completes, giving its slot back
         slow.sendall(body[len(body) // 2:])
         status, _, slow_job = read_response(slow)
@@ -623,6 +624,8 @@ def test_the_same_idempotency_key_returns_the_first_job(any_store_runtime: Runti
 
 def test_concurrent_submissions_under_one_idempotency_key_make_one_job(any_store_runtime: Runtime, client: ApiClient,
                                                                        tiny_model: Path) -> None:
+    # two submissions of one key at once (the default is one per key: the second would be a 429)
+    any_store_runtime.settings = any_store_runtime.settings.model_copy(update={"max_submissions_per_key": 2})
     api = client(any_store_runtime, new_key(any_store_runtime))
     batch = {"model": str(tiny_model), "requests": [request_line(f"r{i}") for i in range(50)]}
 

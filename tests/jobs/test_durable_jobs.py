@@ -12,6 +12,7 @@ from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 from sqlalchemy import select
 
 from jobs import store
+from jobs.db import held
 from jobs.models import Job
 from jobs.outputs import iter_errors, iter_results
 from jobs.runtime import Runtime
@@ -72,7 +73,7 @@ def batch_file(count: int, *, max_tokens: int = 40, bad_lines: bool = False) -> 
 def texts(runtime: Runtime, job_id: str) -> dict[str, str]:
     with runtime.session() as session:
         job = store.get_job(session=session, job_id=job_id)
-        lines = [json.loads(line) for line in iter_results(session=session, job=job)]
+        lines = [json.loads(line) for line in iter_results(sessions=held(session), job=job)]
     custom_ids = [line["custom_id"] for line in lines]
     assert len(custom_ids) == len(set(custom_ids)), "a request appears twice in the results"
     return {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in lines}
@@ -124,7 +125,7 @@ def test_a_job_survives_kill_9_of_its_worker_with_identical_output(
     # and the bad lines are reported with their line numbers
     with backend.session() as session:
         errors = [json.loads(line)["error"] for line in
-                  iter_errors(session=session, job=store.get_job(session=session, job_id=job.id))]
+                  iter_errors(sessions=held(session), job=store.get_job(session=session, job_id=job.id))]
     assert [(e["line"], e["code"]) for e in errors] == [(4, "invalid_json"), (5, "duplicate_custom_id")]
     assert second.proc.poll() is None
 

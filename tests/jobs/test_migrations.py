@@ -265,6 +265,27 @@ def test_0013_adds_the_swarm_snapshots_table_and_takes_it_away_again(database_ur
     assert schema_diffs(engine) == []
 
 
+# ---- 0014: retention of the Files API ------------------------------------------------------------------------------
+def test_0014_adds_the_expiry_columns_keeping_the_files_and_takes_them_away_again(database_url: str,
+                                                                                 engine: Engine) -> None:
+    # Given a database at 0013 holding a file
+    upgrade(database_url, "0013_swarm_snapshots")
+    with engine.begin() as connection:
+        connection.execute(text("INSERT INTO files (id, purpose, filename, bytes, created_at) "
+                                "VALUES ('file-1', 'batch', 'a.jsonl', 3, CURRENT_TIMESTAMP)"))
+    # When it is upgraded, Then the file is kept, expiring never, and the schema matches the models
+    upgrade(database_url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT id, expires_at FROM files")).all() == [("file-1", None)]
+    assert schema_diffs(engine) == []
+    # And downgraded again, the columns go and the file stays
+    downgrade(database_url, "0013_swarm_snapshots")
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT id FROM files")).scalars().all() == ["file-1"]
+    assert "expires_at" not in {c["name"] for c in inspect(engine).get_columns("files")}
+    assert "outputs_expired_at" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
+
+
 @pytest.mark.swarm  # starts processes
 def test_processes_starting_together_on_a_new_embedded_store_each_migrate_it_without_error(tmp_path: Path) -> None:
     # Given three processes (the demo, its worker, an api) opening the same new SQLite store at once

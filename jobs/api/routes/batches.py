@@ -10,10 +10,11 @@ from sqlalchemy.orm import Session
 from jobs import files, outputs, store
 from jobs.api.batch_request import REQUEST_BODY, Submission, SubmissionDep
 from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep, require_served_model
-from jobs.api.limits import SubmissionSlotDep
+from jobs.api.slots import DownloadSlotDep, ParsingSlotDep, SubmissionSlotDep
 from jobs.batch_input import batch_model
-from jobs.errors import InvalidJob
-from jobs.models import ApiKey, FilePurpose
+from jobs.errors import InvalidJob, OutputsExpired
+from jobs.models import ApiKey, FilePurpose, Job
+from jobs.retention import asked_seconds
 from jobs.settings import Settings
 from jobs.submission import submit
 
@@ -30,11 +31,16 @@ SUBMIT_ERRORS: Responses = {
     409: {"description": "IdempotencyConflict: the Idempotency-Key was first used with another batch."},
     413: {"description": "RequestTooLarge: the body is over SWARMBATCH_MAX_FILE_BYTES (+64 KiB for the form); "
                          "refused before it is read, or as soon as a streamed body passes the limit."},
-    429: {"description": "TooManySubmissions: SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS are in progress; "
-                         "retry after Retry-After seconds."}}
+    408: {"description": "RequestTimeout: the body did not arrive within SWARMBATCH_BODY_DEADLINE_SECONDS."},
+    429: {"description": "TooManySubmissions: the key's SWARMBATCH_MAX_SUBMISSIONS_PER_KEY, or the server's "
+                         "SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS, are in progress; retry after Retry-After seconds. "
+                         "InsufficientQuota: the key keeps as many files or bytes as it may; delete some."}}
 MAX_IDEMPOTENCY_KEY_CHARS = 255  # stored as api:<key id>:<key> in jobs.idempotency_key, a String(300)
 NOT_FOUND: Responses = {404: {"description": "JobNotFound: no such job for this API key."}}
-STREAMED: Responses = {200: {"content": {JSONL: {}}, "description": "One JSON line per request, in input order."}}
+STREAMED: Responses = {200: {"content": {JSONL: {}}, "description": "One JSON line per request, in input order."},
+                       410: {"description": "OutputsExpired: the batch's outputs passed their retention."},
+                       429: {"description": "TooManyDownloads: SWARMBATCH_MAX_DOWNLOADS_PER_KEY of this key are "
+                                            "streaming; retry after Retry-After seconds."}}
 
 
 def idempotency_key(key: ApiKeyDep, header: Annotated[str | None, Header(
@@ -52,8 +58,8 @@ def idempotency_key(key: ApiKeyDep, header: Annotated[str | None, Header(
 
 @router.post("", openapi_extra=REQUEST_BODY, responses=SUBMIT_ERRORS)
 def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idempotency_key)],
-                 _slot: SubmissionSlotDep, submission: SubmissionDep, runtime: RuntimeDep, session: SessionDep,
-                 response: Response) -> dict[str, Any]:
+                 _slot: SubmissionSlotDep, submission: SubmissionDep, _parsing: ParsingSlotDep, runtime: RuntimeDep,
+                 session: SessionDep, response: Response) -> dict[str, Any]:
     """Create a batch: OpenAI's `{"input_file_id", "endpoint", "completion_window", "metadata"}` (a file uploaded
     to /v1/files; the model is the lines' `body.model` or the model it is an alias of, else the first of
     SWARMBATCH_API_MODELS), a JSONL upload
@@ -62,15 +68,16 @@ def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idemp
     With an `Idempotency-Key` header, a repeat of the same batch returns the first job (with the response header
     `Idempotent-Replayed: true`); the same key with another batch is a 409.
     """
-    # the key, then a submission slot, come first among the parameters: an anonymous caller is refused, and a
-    # caller over the concurrency bound gets its 429, before the body is read
+    # the key, then one of its submission slots, come first among the parameters: an anonymous caller is refused,
+    # and a key over its bound gets its 429, before the body is read; the server's slot is taken once it is in
+    output_expires_after_s = asked_seconds(submission.output_expires_after, "output_expires_after")
     data, name, filename = _batch_input(session, key, submission, runtime.settings)
     model = runtime.settings.resolve_model(name)  # an alias (SWARMBATCH_MODEL_ALIASES) names its served model
     require_served_model(runtime.settings, model)  # before any lookup of the model on this server
     submitted = submit(runtime, data, model=model, filename=filename, api_key_id=key.id,
                        completion_window=submission.completion_window, metadata=submission.metadata,
                        idempotency_key=scoped_key, input_file_id=submission.input_file_id,
-                       endpoint=submission.endpoint)
+                       endpoint=submission.endpoint, output_expires_after_s=output_expires_after_s)
     if submitted.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return outputs.job_public(session=session, job=store.get_job(session=session, job_id=submitted.job.id))
@@ -112,17 +119,28 @@ def get_batch(job_id: str, session: SessionDep, key: ApiKeyDep) -> dict[str, Any
 
 
 @router.get("/{job_id}/results", response_class=StreamingResponse, responses={**STREAMED, **NOT_FOUND})
-def get_results(job_id: str, session: SessionDep, key: ApiKeyDep) -> StreamingResponse:
+def get_results(job_id: str, session: SessionDep, key: ApiKeyDep, slot: DownloadSlotDep,
+                runtime: RuntimeDep) -> StreamingResponse:
     """Output lines of the finished requests, in input order (partial while the job runs)."""
-    job = store.get_job(session=session, job_id=job_id, api_key_id=key.id)
-    return StreamingResponse(outputs.iter_results(session=session, job=job), media_type=JSONL)
+    job = _unexpired(store.get_job(session=session, job_id=job_id, api_key_id=key.id))
+    return slot.stream(outputs.iter_results(sessions=runtime.session, job=job), media_type=JSONL)
 
 
 @router.get("/{job_id}/errors", response_class=StreamingResponse, responses={**STREAMED, **NOT_FOUND})
-def get_errors(job_id: str, session: SessionDep, key: ApiKeyDep) -> StreamingResponse:
+def get_errors(job_id: str, session: SessionDep, key: ApiKeyDep, slot: DownloadSlotDep,
+               runtime: RuntimeDep) -> StreamingResponse:
     """Input line errors, then failed requests, as JSON lines."""
-    job = store.get_job(session=session, job_id=job_id, api_key_id=key.id)
-    return StreamingResponse(outputs.iter_errors(session=session, job=job), media_type=JSONL)
+    job = _unexpired(store.get_job(session=session, job_id=job_id, api_key_id=key.id))
+    return slot.stream(outputs.iter_errors(sessions=runtime.session, job=job), media_type=JSONL)
+
+
+def _unexpired(job: Job) -> Job:
+    """The job, unless its outputs passed their retention (OutputsExpired, a 410)."""
+    if job.outputs_expired_at is not None:
+        raise OutputsExpired(f"the outputs of batch {job.id} passed their retention and were deleted at "
+                             f"{job.outputs_expired_at:%Y-%m-%d %H:%M:%S} UTC (output_expires_after, "
+                             f"SWARMBATCH_OUTPUT_RETENTION_SECONDS); download outputs before they expire")
+    return job
 
 
 @router.post("/{job_id}/cancel", responses=NOT_FOUND)
