@@ -152,3 +152,9 @@ class Runtime:
 def worker_name_of(pid: int) -> str:
     """The lease owner name of process `pid` on this machine (what its Runtime.worker_name says)."""
     return f"{socket.gethostname()}:{pid}"
+
+
+def local_pid_of(owner: str) -> int | None:
+    """The process id a lease owner name gives, if it names a process of this machine (worker_name_of's inverse)."""
+    host, _, pid = owner.rpartition(":")
+    return int(pid) if host == socket.gethostname() and pid.isdigit() else None

@@ -362,6 +362,12 @@ def release_requests(*, session: Session, token: str, error: str, count_attempt:
         logger.info("Job %s request %s: in_progress -> pending (%s)", row.job_id, row.id, error)
 
 
+def lease_owners(*, session: Session) -> list[str]:
+    """The workers holding requests in progress now (their lease owner names)."""
+    return [owner for owner in session.scalars(select(Request.lease_owner).where(
+        Request.status == RequestStatus.in_progress, Request.lease_owner.is_not(None)).distinct()) if owner]
+
+
 def release_owned(*, session: Session, owners: Collection[str], error: str) -> list[str]:
     """Give back the requests leased by `owners` (worker names of processes known to be stopped), keeping their
     committed tokens and uncounting the claim, and lift their jobs' dispatch holds: the next sweep sends a worker at

@@ -94,7 +94,7 @@ def run_file(request: RunRequest, echo: Echo) -> RunOutcome:
         job_id = job_of_file(runtime, request, data, model, echo)
         job = client.get(job_id)
         if job["status"] != JobStatus.completed:
-            job = generate(runtime, client, job_id, model_dir, echo)
+            job = generate(runtime, client, job_id, model_dir, echo, resume=request.command())
         results, errors = write_outputs(client, job_id, request)
     except KeyboardInterrupt:
         raise interrupted(runtime, job_id, request) from None
@@ -138,13 +138,16 @@ def job_of_file(runtime: Runtime, request: RunRequest, data: bytes, model: str, 
     return job.id
 
 
-def generate(runtime: Runtime, client: StoreBackend, job_id: str, model_dir: Path, echo: Echo) -> dict[str, Any]:
-    """Start the embedded stack, follow the job until it ends, stop the stack; returns the job as it ended."""
+def generate(runtime: Runtime, client: StoreBackend, job_id: str, model_dir: Path, echo: Echo, *,
+             resume: str) -> dict[str, Any]:
+    """Start the embedded stack, follow the job until it ends, stop the stack; returns the job as it ended.
+    `resume`: the command that resumes the job if the worker dies."""
     log_dir = runtime.settings.home / "run-logs" / job_id
     echo(f"Starting a DHT node, two block servers ({describe_spans(two_spans(model_dir))}) and a worker on "
          f"127.0.0.1; logs in {log_dir}")
     with embedded_stack(runtime, model_dir, log_dir=log_dir) as worker:
-        return follow_job(client, job_id, check_alive=lambda: require_running(worker))
+        hint = f"run '{resume}' again to resume it"
+        return follow_job(client, job_id, check_alive=lambda: require_running(worker, resume=hint))
 
 
 def write_outputs(client: StoreBackend, job_id: str, request: RunRequest) -> tuple[int, int]:

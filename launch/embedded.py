@@ -11,8 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+from sqlalchemy.orm import Session
+
 from jobs import store
-from jobs.runtime import Runtime, worker_name_of
+from jobs.runtime import Runtime, local_pid_of
 from jobs.settings import Settings
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
@@ -62,13 +65,21 @@ def worker_settings(settings: Settings, swarm: LocalSwarm) -> Settings:
 
 
 def stop_worker(worker: ManagedProcess, runtime: Runtime, *, at_once: bool) -> None:
-    """Stop the worker and its pool processes (gracefully, or killed `at_once`), then give back what they held."""
-    owners = [worker_name_of(pid) for pid in worker.tree_pids()]
+    """Stop the worker and its pool processes (gracefully, or killed `at_once`), then give back what they held, and
+    what any other stopped worker process of this machine still holds (one that died before: its pool processes
+    are no longer the worker's children, so only their names in the store say they held leases)."""
     if at_once:
         worker.kill()
     else:
         worker.terminate()
-    if owners:
-        with runtime.session() as session:
+    with runtime.session() as session:
+        owners = dead_local_owners(session)
+        if owners:
             store.release_owned(session=session, owners=owners, error=STOPPED)
             session.commit()
+
+
+def dead_local_owners(session: Session) -> list[str]:
+    """The lease owners of requests in progress that are processes of this machine no longer running."""
+    return [owner for owner in store.lease_owners(session=session)
+            if (pid := local_pid_of(owner)) is not None and not psutil.pid_exists(pid)]

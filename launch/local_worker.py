@@ -41,9 +41,10 @@ def start_local_worker(settings: Settings, *, log_dir: Path, name: str = "worker
     return ManagedProcess(cli_command(*args), name=name, log_dir=log_dir, env=settings_env(settings))
 
 
-def require_running(worker: ManagedProcess) -> None:
-    """Raise WorkerGone, naming its exit code and log, if the worker process has exited."""
+def require_running(worker: ManagedProcess, *, resume: str = "run 'swarmbatch worker' to resume") -> None:
+    """Raise WorkerGone, naming its exit code, how to resume (`resume`) and its log, if the worker process has
+    exited."""
     code = worker.proc.poll()
     if code is not None:
         raise WorkerGone(f"the {worker.name} process (pid {worker.pid}) exited with code {code} before the job "
-                         f"ended; its checkpoints are kept: run 'swarmbatch worker' to resume. Log: {worker.log_path}")
+                         f"ended; its checkpoints are kept: {resume}. Log: {worker.log_path}")
