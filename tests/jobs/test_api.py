@@ -536,6 +536,22 @@ def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(
     print(f"10 MB prompt refused in {elapsed:.2f} s (upload, parse and store included)")
 
 
+def slow_submission_holding_the_slot(api: httpx.Client, key: str, body: bytes) -> socket.socket:
+    """A submission that has sent half of `body` and holds its key's one submission slot: a probe of the same key
+    gets 429 (a free slot answers the probe's broken body 400). A probe takes the slot for an instant, so a slow
+    submission that arrived then was refused (it has its answer already): it is replaced by another."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        slow = raw_request(api, key, {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                                      "Connection": "close"})
+        slow.sendall(body[:len(body) // 2])
+        while time.monotonic() < deadline and not select.select([slow], [], [], 0.2)[0]:
+            if api.post("/v1/batches", content=b"{", headers={"content-type": "application/json"}).status_code == 429:
+                return slow
+        slow.close()
+    raise AssertionError("the slow submission never took the slot")
+
+
 def test_a_keys_submissions_over_its_bound_get_429_with_retry_after_and_another_keys_go_through(
         runtime: Runtime, client: ApiClient, tiny_model: Path) -> None:
     # Given alice's submission whose client has sent half its body (one submission per key: the default)
@@ -543,13 +559,7 @@ def test_a_keys_submissions_over_its_bound_get_429_with_retry_after_and_another_
     api, other = client(runtime, alice), client(runtime, bob)
     body = json.dumps({"model": str(tiny_model), "requests": [request_line("slow")]}).encode()
     batch = {"model": str(tiny_model), "requests": [request_line("a")]}
-    with raw_request(api, alice, {"Content-Type": "application/json", "Content-Length": str(len(body)),
-                                  "Connection": "close"}) as slow:
-        slow.sendall(body[:len(body) // 2])
-        deadline = time.monotonic() + 10
-        while api.post("/v1/batches", content=b"{", headers={"content-type": "application/json"}).status_code != 429:
-            assert time.monotonic() < deadline, "the slow submission never took the slot"  # (a free slot: 400)
-
+    with slow_submission_holding_the_slot(api, alice, body) as slow:
         # When alice submits another, and bob one
         refused = api.post("/v1/batches", json=batch)
         bobs = other.post("/v1/batches", json=batch)

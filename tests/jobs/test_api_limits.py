@@ -91,6 +91,20 @@ def started_upload(api: httpx.Client, key: str, *, declared: int = 100_000) -> s
     return sock
 
 
+def started_upload_holding_the_slot(api: httpx.Client, key: str, *, declared: int) -> socket.socket:
+    """A started upload (as `started_upload`) that holds its key's one upload slot: a probe of the same key, a form
+    without a file, gets 429 (a free slot answers it with an error and stores nothing). A probe takes the slot for
+    an instant, so an upload that arrived then was refused (it has its answer already): it is replaced."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        slow = started_upload(api, key, declared=declared)
+        while time.monotonic() < deadline and not select.select([slow], [], [], 0.2)[0]:
+            if api.post("/v1/files", data={"purpose": "batch"}).status_code == 429:
+                return slow
+        slow.close()
+    raise AssertionError("the started upload never took the slot")
+
+
 def answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """The status, headers and body of the answer on `sock` (read until the server closes or the body is whole)."""
     data = b""
@@ -164,10 +178,7 @@ def test_a_keys_uploads_past_its_bound_get_429_while_another_keys_go_through(
     as_alice, as_bob = client(runtime, alice), client(runtime, bob)
     content = b"x" * 1000
     tail = content + b"\r\n--b--\r\n"
-    with started_upload(as_alice, alice, declared=len(MULTIPART_HEAD) + len(tail)) as slow:
-        time.sleep(0.3)  # its head has reached the route before the next one's
-        eventually(lambda: upload(as_alice, b"y"), 429)
-        assert not select.select([slow], [], [], 0)[0], "the started upload was answered (took no slot)"
+    with started_upload_holding_the_slot(as_alice, alice, declared=len(MULTIPART_HEAD) + len(tail)) as slow:
 
         # When alice uploads another file, and bob one
         refused, bobs = upload(as_alice, b"y"), upload(as_bob, b"z")
