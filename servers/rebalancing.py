@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
-from swarmnet.discovery import BlockServers
+from swarmnet.discovery import BlockServers, uncovered_ranges
 
 PATIENCE_ROUNDS = 3  # rounds a server waits for each candidate ranked before it (one that does not move)
 
@@ -112,15 +112,7 @@ def coverage(holders: Iterable[Holder], num_blocks: int) -> Coverage:
 
 def holes(cover: Coverage) -> list[tuple[int, int]]:
     """The ranges [a, b) of blocks no server holds."""
-    ranges: list[tuple[int, int]] = []
-    for index, count in enumerate(cover.counts):
-        if count:
-            continue
-        if ranges and ranges[-1][1] == index:
-            ranges[-1] = (ranges[-1][0], index + 1)
-        else:
-            ranges.append((index, index + 1))
-    return ranges
+    return uncovered_ranges(cover.counts)
 
 
 def plan(holders: list[Holder], num_blocks: int, *, quality: float, cooldown: float, now: float) -> list[Move]:

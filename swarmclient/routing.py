@@ -23,6 +23,7 @@ import heapq
 from collections.abc import Collection, Mapping
 
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop
+from swarmnet.discovery import uncovered_ranges
 
 DEFAULT_RTT = 0.05  # seconds assumed for a server we have not pinged yet
 
@@ -33,16 +34,7 @@ def missing_ranges(spans: list[RemoteSpanInfo], start: int, end: int) -> list[tu
     for span in spans:
         for i in range(max(span.start, start), min(span.end, end)):
             covered[i - start] = True
-    ranges: list[tuple[int, int]] = []
-    for offset, ok in enumerate(covered):
-        i = start + offset
-        if ok:
-            continue
-        if ranges and ranges[-1][1] == i:
-            ranges[-1] = (ranges[-1][0], i + 1)
-        else:
-            ranges.append((i, i + 1))
-    return ranges
+    return uncovered_ranges(covered, start)
 
 
 def trusted_throughput(announced: float, *measured: float | None) -> float:

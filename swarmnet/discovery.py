@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from hivemind.dht.node import DHTNode
 
@@ -59,3 +60,18 @@ def online_spans(block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
 def _announced_after(info: ServerInfo, other: ServerInfo) -> bool:
     """Whether `info` is a later announcement of the same server than `other`: one made after more moves."""
     return max((move.at for move in info.moves), default=0.0) > max((move.at for move in other.moves), default=0.0)
+
+
+def uncovered_ranges(covered: Sequence[object], start: int = 0) -> list[tuple[int, int]]:
+    """The merged ranges [a, b) of blocks whose entry in `covered` is falsy (a count of 0, False); `covered[0]`
+    is block `start`. E.g. [2, 0, 0, 1] -> [(1, 3)]."""
+    ranges: list[tuple[int, int]] = []
+    for index, held in enumerate(covered, start):
+        if held:
+            continue
+        if ranges and ranges[-1][1] == index:
+            ranges[-1] = (ranges[-1][0], index + 1)
+        else:
+            ranges.append((index, index + 1))
+    return ranges
+
