@@ -21,8 +21,9 @@ class ServerConfigError(ServerError):
 
 
 class RequestRejected(ServerError):
-    """Raised while handling a request that must be refused; `code` tells the client what to do."""
+    """Raised while handling a request that must be refused; `code` tells the client what to do, `ends_stream`
+    whether the server ends the stream after its answer (the caller broke the rules)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        self.code = code
+    def __init__(self, code: ErrorCode, message: str, *, ends_stream: bool = False) -> None:
+        self.code, self.ends_stream = code, ends_stream
         super().__init__(message)

@@ -10,7 +10,9 @@ servers/push_receiver.py. What a caller can make the server take is bounded befo
   a client's bytes unread: p2pd resets a stream ended with unread bytes, and the client then loses the answer;
 - a session reserves its KV cache only once its open message is valid, within the caller's share of sessions
   and cache; a refused open takes nothing;
-- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer.
+- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer;
+- a step applied before (a duplicate) is answered again uncomputed, keeps no stream alive, is pushed on only where
+  its push failed (push_receiver.py), and its MAX_DUPLICATES_PER_STEP + 1st copy ends the stream.
 """
 from __future__ import annotations
 
@@ -52,6 +54,9 @@ from swarmnet import protocol
 from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
+# copies of one step a session takes (from its client or pushed) before its stream is ended: a client sends a step
+# at most once per attempt (ClientConfig.max_retries = 8), and the server before may push it once more each time
+MAX_DUPLICATES_PER_STEP = 16
 # each RPC and the handler method that serves it
 RPCS = {protocol.RPC_PUSH: "rpc_push", protocol.RPC_INFO: "rpc_info", protocol.RPC_FORWARD: "rpc_forward",
         protocol.RPC_INFERENCE: "rpc_inference"}
@@ -230,20 +235,23 @@ class BlockHandler(PushReceiver):
         if session is None:
             raise RequestRejected(ErrorCode.UNKNOWN_SESSION, "no session is open on this stream: send an open message first")
         check_session_id(meta, session)
-        return await self._apply(session, tensors, meta)
+        return await self._apply(session, tensors, meta, stream)
 
-    async def _apply(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]) -> bytes:
-        """Apply one step to a session, once per step id (a duplicate gets the first answer again), and push its
-        outputs on along the step's route."""
+    async def _apply(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream
+                     ) -> bytes:
+        """Apply one step to a session, once per step id (a duplicate gets the first answer again, and keeps no
+        stream alive), and push its outputs on along the step's route."""
         step_id, route = validate_step_id(meta.get("step_id")), validate_route(meta.get("route"))
         if route and not session.pushable:
             raise reject("a step with a 'route' needs a session opened with \"push\": true")
+        if route and step_id is None:
+            raise reject("a step with a 'route' needs a 'step_id'")
         if route and not self.may_push_to(route[0][0]):
             raise RequestRejected(ErrorCode.UNAUTHORIZED, f"this server pushes to members of its swarm only, and "
                                   f"{route[0][0][:64]} is none: route through member servers")
         async with session.lock:
             if step_id is not None and step_id != session.applied:
-                applied = self._repeated(session, step_id)
+                applied, stream.repeated = self._repeated(session, step_id), True
             else:
                 answer, output, mask, positions = await self._compute_step(session, tensors, meta)
                 session.applied += 1
@@ -251,15 +259,22 @@ class BlockHandler(PushReceiver):
                                       meta.get("keep_rows"))
                 if step_id is not None:
                     session.last_step = applied
-        if route:  # a duplicate too: its first push may have failed (the client then names a new next hop)
-            self._push_on(session, step_id, route, *applied.pushed, applied.keep_rows)
+        if route:  # a duplicate too, where its first push failed (the client may name a replacement next hop)
+            await self._push_on(session, applied, route)
         return applied.answer
 
     def _repeated(self, session: Session, step_id: int) -> AppliedStep:
-        """A step id other than the next one: the last step, applied once already; else a refusal."""
-        if session.last_step is not None and session.last_step.step_id == step_id:
-            return session.last_step
-        raise reject(f"step {step_id} is out of order: session {session.session_id[:8]} expects step {session.applied}")
+        """A step id other than the next one: the last step, applied once already; else a refusal. Past
+        MAX_DUPLICATES_PER_STEP copies of it, the stream is ended (no client retries a step that often)."""
+        last = session.last_step
+        if last is None or last.step_id != step_id:
+            raise reject(f"step {step_id} is out of order: session {session.session_id[:8]} expects step "
+                         f"{session.applied}")
+        last.duplicates += 1
+        if last.duplicates > MAX_DUPLICATES_PER_STEP:
+            raise RequestRejected(ErrorCode.INVALID, f"step {step_id} of session {session.session_id[:8]} came "
+                                                     f"{last.duplicates} times; ending the stream", ends_stream=True)
+        return last
 
     async def _compute_step(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]
                             ) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,10 @@ push.py), and pushing our own outputs on along a step's route.
 A push stream starts with an attach message naming a session its client opened with "push": true; each pushed step
 is applied like the client's own (once per step id), its answer goes to the client on the session's own stream, and
 the pusher gets {"accepted": step_id}.
+
+A duplicate (a step id applied before, from the client or pushed) is never computed again, and is pushed on only
+where that step's push failed, or to a replacement hop while the step has fewer than MAX_PUSH_TARGETS targets; after
+MAX_DUPLICATES_PER_STEP copies of one step the stream is ended (handler.py).
 """
 from __future__ import annotations
 
@@ -15,11 +19,13 @@ import torch
 
 from servers.errors import RequestRejected
 from servers.push import Pusher
-from servers.sessions import Session, Stream, check_session_id
+from servers.sessions import AppliedStep, Session, Stream, check_session_id
 from servers.streams import StreamService
 from servers.validation import Limits, reject, validate_step_id
 from swarmnet import protocol
 from swarmnet.protocol import ErrorCode
+
+MAX_PUSH_TARGETS = 3  # hops one step may be pushed to: its route's first, then replacements the client names
 
 
 class PushReceiver(StreamService):
@@ -30,8 +36,10 @@ class PushReceiver(StreamService):
     pusher: Pusher
 
     @abstractmethod
-    async def _apply(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]) -> bytes:
-        """Apply one step to a session, once per step id, and push its outputs on (the handler's)."""
+    async def _apply(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream
+                     ) -> bytes:
+        """Apply one step to a session, once per step id, and push its outputs on (the handler's); a repeated step
+        marks `stream.repeated`."""
 
     async def _serve_push(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """An attach message (authorized like any stream's first message), then pushed steps of that session."""
@@ -66,26 +74,33 @@ class PushReceiver(StreamService):
         check_session_id(meta, session)
         if validate_step_id(meta.get("step_id")) is None:
             raise reject("a pushed step needs a 'step_id'")
-        answer = await self._apply(session, tensors, meta)
-        if session.stream is not None:
+        answer = await self._apply(session, tensors, meta, stream)
+        if session.stream is not None and not stream.repeated:
             session.stream.accepted()  # the client's stream carries no message of its own for pushed steps
         await self._tell_client(session, answer)
         return protocol.encode([], {"accepted": meta["step_id"]})
 
-    def _push_on(self, session: Session, step_id: int | None, route: list[tuple[str, str]], output: torch.Tensor,
-                 mask: torch.Tensor, positions: torch.Tensor, keep_rows: Any) -> None:
-        """Push a step's outputs to the next hop of its route, in the background; a failure is told the client."""
+    async def _push_on(self, session: Session, applied: AppliedStep, route: list[tuple[str, str]]) -> None:
+        """Push a step's outputs to the next hop of its route, in the background, unless a push of it there is
+        under way or done already; a failure is told the client, which then sends the step on itself."""
         (peer, target), rest = route[0], route[1:]
-        meta: dict[str, Any] = {"session_id": target, "step_id": step_id, "route": [list(hop) for hop in rest]}
-        if keep_rows is not None:
-            meta["keep_rows"] = keep_rows
+        if not may_push_again(applied, (peer, target)) or self.sessions.get(session.session_id) is not session:
+            return
+        applied.targets[(peer, target)] = False
+        output, mask, positions = applied.pushed
+        meta: dict[str, Any] = {"session_id": target, "step_id": applied.step_id, "route": [list(hop) for hop in rest]}
+        if applied.keep_rows is not None:
+            meta["keep_rows"] = applied.keep_rows
         frame = protocol.encode([output, mask, positions], meta)
 
         async def report(downstream: str, reason: str) -> None:
+            applied.targets[(peer, target)] = True  # a duplicate of the step may push it there again
             await self._tell_client(session, protocol.encode([], {
-                "session_id": session.session_id, "step_id": step_id,
+                "session_id": session.session_id, "step_id": applied.step_id,
                 "push_failed": {"peer": downstream, "reason": reason[:500]}}))
-        self.pusher.push_later(session.session_id, (peer, target), frame, report)
+        tokens = output.shape[0] * output.shape[1]
+        if not self.pusher.push_later(session.session_id, (peer, target), frame, report, tokens=tokens):
+            await report(peer, f"{ErrorCode.BUSY.value}: {self.pusher.max_in_flight} pushes of this session in flight")
 
     async def _tell_client(self, session: Session, frame: bytes) -> None:
         """Write a message the client did not ask for on the session's own stream (push answers and reports)."""
@@ -97,3 +112,10 @@ class PushReceiver(StreamService):
             await writer.drain()
         except ConnectionError:
             pass
+
+
+def may_push_again(applied: AppliedStep, target: tuple[str, str]) -> bool:
+    """Whether a step (a duplicate, or a first copy: no targets yet) is pushed to target: where its push failed, or
+    to a new target while it has fewer than MAX_PUSH_TARGETS."""
+    failed = applied.targets.get(target)
+    return len(applied.targets) < MAX_PUSH_TARGETS if failed is None else failed

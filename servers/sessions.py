@@ -20,14 +20,17 @@ SESSION_OPENED_LOG = "Session %s opened by %s: blocks %d:%d, batch %d, up to %d 
 SESSION_CLOSED_LOG = "Session %s closed after %d tokens"
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class AppliedStep:
-    """A step a session applied: its answer, and what pushing it on takes (a duplicate may name a new route)."""
+    """A step a session applied: its answer, what pushing it on takes, where it was pushed, how often it came again."""
 
     step_id: int
     answer: bytes
     pushed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # output, attention mask, position ids
     keep_rows: Any
+    # (peer, session) its outputs were pushed to -> whether that push failed (then a duplicate may push it again)
+    targets: dict[tuple[str, str], bool] = field(default_factory=dict)
+    duplicates: int = 0  # copies of it that came since it was applied (from its client or pushed)
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Stream:
     ended: bool = False
     writer: asyncio.StreamWriter | None = None
     step_id: int | None = None  # the step id of the message being answered (its refusal carries it too)
+    repeated: bool = False  # the message being answered repeats a step applied before: it keeps no stream alive
     push_target: Session | None = None  # a push stream: the session it was attached to
 
     def __post_init__(self) -> None:

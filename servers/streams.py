@@ -6,8 +6,9 @@
 - a stream's first message is authorized (`authorize`, in `_read`, the one place) before anything else is done,
   and a refused one ends the stream; a stranger's refusals are logged once per peer (MAX_LOGGED_STRANGERS), with
   what the caller sent escaped (%r);
-- a stream is closed `session_timeout` after its last accepted message (refused ones do not keep it alive), and
-  after MAX_REFUSED_BEFORE_OPEN refused messages in a row before a session exists;
+- a stream is closed `session_timeout` after its last accepted message (refused ones and repeated steps do not keep
+  it alive), after MAX_REFUSED_BEFORE_OPEN refused messages in a row before a session exists, and after a refusal
+  that ends it (`RequestRejected.ends_stream`: a step repeated too often);
 - every exception becomes an in-band error answer in one place (`_answer`), so a bad request never stops the server
   or the stream it came on.
 """
@@ -104,10 +105,11 @@ class StreamService(ABC):
     async def _reply(self, stream: Stream, writer: asyncio.StreamWriter, handle: Callable[[], Awaitable[bytes]]
                      ) -> None:
         """Answer one message; only an accepted one keeps the stream alive, and too many refusals end it."""
-        stream.step_id = None
+        stream.step_id, stream.repeated = None, False
         answer, error = await self._answer(handle, stream)
         if error is None:
-            stream.accepted()
+            if not stream.repeated:  # a repeated step is answered, but keeps nothing alive
+                stream.accepted()
         else:
             if stream.step_id is not None:  # a push client files answers by step id (swarmclient/answers.py)
                 answer = protocol.encode([], {**protocol.decode_meta(answer), "step_id": stream.step_id})
@@ -138,6 +140,7 @@ class StreamService(ABC):
             raise
         except RequestRejected as e:
             self._log_refusal(stream, e)
+            stream.ended = stream.ended or e.ends_stream
             return self._error(e.code, str(e))
         except (ValueError, TypeError, IndexError) as e:  # undecodable tensors or metadata
             return self._error(ErrorCode.INVALID, f"malformed request: {type(e).__name__}: {e}")

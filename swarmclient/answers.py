@@ -4,6 +4,11 @@ With server-to-server push (protocol.py) a server answers steps the client never
 before it), and reports failed pushes, unasked, on the same stream. So a push session's stream is read by one task
 that files every answer under its step id: a waiter that gave up (a timeout, another hop's failure) leaves the stream
 in step, and an answer that comes before anyone waits for it is kept until asked for.
+
+Only answers to steps the client sent (`expect`) and has not taken yet are kept: a late copy of one taken already
+(a duplicate step's) is dropped, and an answer to a step never sent, or a push failure that the client does not act
+on (`PushFailure` returns False), is a stray. After MAX_STRAYS of them the server is taken for faulty: the stream
+breaks, every waiter gets StreamBroken, and the client bans the server and routes around it as for any broken stream.
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ import torch
 from swarmnet import protocol
 
 Answer = tuple[list[torch.Tensor], dict[str, Any]]
-PushFailure = Callable[[int, str, str], None]  # (step id, downstream peer, reason)
+# (step id, downstream peer, reason) -> whether the report was one to expect (False: counted against the server)
+PushFailure = Callable[[int, str, str], bool]
+MAX_STRAYS = 8  # answers to steps never sent and unexpected push reports a server may send before it is taken for faulty
 
 
 class StreamBroken(Exception):
@@ -30,14 +37,23 @@ class AnswerReader:
         self._reader = reader
         self._on_push_failure = on_push_failure
         self._answers: dict[int, asyncio.Future[Answer]] = {}
+        self._expected: set[int] = set()  # step ids sent (to this server or one before it) and not taken yet
+        self._taken = -1  # the highest step id whose answer was taken
+        self.strays = 0
         self.limit = protocol.OPEN_FRAME_LIMIT  # the largest answer expected now (raised by `expect`)
         self.broken: str | None = None
         self.received_bytes = 0  # every answer's frame, as it came off the stream
         self._task = asyncio.ensure_future(self._run())
 
-    def expect(self, max_bytes: int) -> None:
-        """Allow answers up to `max_bytes` (a step about to be sent or pushed)."""
+    def expect(self, step_id: int, max_bytes: int) -> None:
+        """Step `step_id` is about to be sent here or pushed: its answer (up to `max_bytes`) is one to keep."""
         self.limit = max(self.limit, max_bytes)
+        self._expected.add(step_id)
+
+    @property
+    def pending(self) -> int:
+        """Answers waited for or kept, not taken yet."""
+        return len(self._answers)
 
     async def answer(self, step_id: int, timeout: float) -> Answer:
         """The answer to step `step_id`; TimeoutError after `timeout` s, StreamBroken if the stream ended."""
@@ -48,6 +64,8 @@ class AnswerReader:
             if future.done():
                 for old in [s for s in self._answers if s <= step_id]:
                     del self._answers[old]
+                self._expected = {s for s in self._expected if s > step_id}
+                self._taken = max(self._taken, step_id)
 
     def fail(self, step_id: int, error: BaseException) -> None:
         """Make the waiter of `step_id` fail now (an upstream server could not push it); a later answer still counts."""
@@ -88,11 +106,22 @@ class AnswerReader:
             raise StreamBroken(str(protocol.response_error(meta) or meta)[:300])
         failure = meta.get("push_failed")
         if isinstance(failure, dict):
-            self._on_push_failure(step_id, str(failure.get("peer")), str(failure.get("reason"))[:300])
+            peer = str(failure.get("peer"))
+            if not self._on_push_failure(step_id, peer, str(failure.get("reason"))[:300]):
+                self._stray(f"a push failure of step {step_id} naming {peer[-8:]!r}, not its next hop")
             return
-        future = self._future(step_id)
-        if not future.done():
-            future.set_result(answer)
+        if step_id in self._expected or step_id in self._answers:
+            future = self._future(step_id)
+            if not future.done():
+                future.set_result(answer)
+        elif step_id > self._taken:  # (a late copy of an answer taken already is dropped: a duplicate step's)
+            self._stray(f"an answer to step {step_id}, never sent")
+
+    def _stray(self, what: str) -> None:
+        """Count a message the client did not ask for; past MAX_STRAYS, take the server for faulty."""
+        self.strays += 1
+        if self.strays > MAX_STRAYS:
+            raise StreamBroken(f"the server sent {what} ({self.strays} unasked messages): taken for faulty")
 
     def _break(self, reason: str) -> None:
         self.broken = reason

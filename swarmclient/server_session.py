@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from hivemind.p2p import PeerID
 
-from swarmclient.answers import AnswerReader, PushFailure, StreamBroken
+from swarmclient.answers import AnswerReader, StreamBroken
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, SessionTimeout, Unauthorized
 from swarmclient.swarm import Swarm
 from swarmnet import protocol
 from swarmnet.data_structures import RouteHop
+
+# (the session whose server reported it, step id, downstream peer, reason) -> whether the report was one to expect
+PushReport = Callable[["ServerSession", int, str, str], bool]
 
 
 class ServerSession:
@@ -32,13 +35,14 @@ class ServerSession:
 
     push=True: the session is opened at `open()` for server-to-server push (protocol.py); its answers, asked for or
     pushed by the server before it, are read by an AnswerReader and matched to steps by step id (`send`, `answer`).
-    A failed push that the server reports is passed to `on_push_failure`.
+    A failed push that the server reports is passed to `on_push_failure`, with this session; one it returns False for
+    counts against the server (answers.py).
     """
 
     def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int, push: bool = False,
-                 on_push_failure: PushFailure | None = None) -> None:
+                 on_push_failure: PushReport | None = None) -> None:
         self.swarm, self.hop, self.push = swarm, hop, push
-        self._on_push_failure = on_push_failure or (lambda step_id, peer, reason: None)
+        self._on_push_failure = on_push_failure or (lambda session, step_id, peer, reason: True)
         self._answers: AnswerReader | None = None
         self.batch_size, self.max_length = batch_size, max_length
         self.session_id = uuid.uuid4().hex
@@ -80,7 +84,8 @@ class ServerSession:
             self._output(answer, None)  # raises the refusal
             raise self._broken("the server did not open the session")
         assert self._reader is not None
-        self._answers = AnswerReader(self._reader, self._on_push_failure)
+        self._answers = AnswerReader(self._reader, lambda step_id, peer, reason: self._on_push_failure(
+            self, step_id, peer, reason))
 
     def _open_message(self) -> bytes:
         """The session's first message: its id, blocks and size (what the server reserves), and the caller's keys."""
@@ -140,7 +145,7 @@ class ServerSession:
         if self._failure is not None or self._answers is None or self._answers.broken is not None:
             raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure or 'closed'})")
         assert self._writer is not None
-        self.expect(hidden.shape)
+        self.expect(hidden.shape, step_id)
         protocol.write_frame(self._writer, protocol.encode([hidden, attention_mask, position_ids],
                                                            self._step_meta(keep_rows, step_id, route)))
         try:
@@ -148,10 +153,10 @@ class ServerSession:
         except Exception as e:
             raise self._broken(f"{type(e).__name__}: {e}") from e
 
-    def expect(self, shape: torch.Size) -> None:
-        """Push mode: an answer of this shape may come (pushed steps come unasked)."""
+    def expect(self, shape: torch.Size, step_id: int) -> None:
+        """Push mode: an answer of this shape to step `step_id` may come (pushed steps come unasked)."""
         if self._answers is not None:
-            self._answers.expect(self._answer_bytes(shape))
+            self._answers.expect(step_id, self._answer_bytes(shape))
 
     async def answer(self, step_id: int, shape: torch.Size) -> torch.Tensor:
         """Push mode: this hop's output of step `step_id` (sent by the client or pushed by the server before)."""

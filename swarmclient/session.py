@@ -238,7 +238,7 @@ class InferenceSession:
         pending = hops[first:]
         shape = boundaries[0].shape
         for hop in pending:
-            self._sessions[hop.start].expect(shape)
+            self._sessions[hop.start].expect(shape, step_id)
         head = self._sessions[pending[0].start]
         sent = time.perf_counter()
         try:
@@ -281,11 +281,16 @@ class InferenceSession:
                 task.cancel()
         return [arrived[hop.start] for hop in hops]
 
-    def _push_failed(self, step_id: int, peer_id: str, reason: str) -> None:
-        """A server reports that it could not push step `step_id` to `peer_id`: stop waiting for that server."""
-        for session in self._sessions.values():
-            if session.hop.peer_id == peer_id:
-                session.fail_step(step_id, PushReported(peer_id, f"the server before it could not push: {reason}"))
+    def _push_failed(self, reporter: ServerSession, step_id: int, peer_id: str, reason: str) -> bool:
+        """A server reports that it could not push step `step_id` to `peer_id`: stop waiting for that server, if it
+        is the reporter's next hop and the step is the one in progress. A report naming any other peer steers
+        nothing, and is counted against the reporter (False)."""
+        following = self._sessions.get(reporter.hop.end)
+        if following is None or following.hop.peer_id != peer_id:
+            return False
+        if step_id == len(self._history):  # (a late report of an earlier step is dropped)
+            following.fail_step(step_id, PushReported(peer_id, f"the server before it could not push: {reason}"))
+        return True
 
     async def _check_pushed(self, hop: RouteHop, boundaries: dict[int, torch.Tensor], attention_mask: torch.Tensor,
                             position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:

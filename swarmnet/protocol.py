@@ -25,7 +25,8 @@ reader refuses a length over its limit having read only those 8 bytes. Before a 
   "session_id"} (the downstream session), answered {"attached": true}; then one step per message, each answered
   {"accepted": step_id} or an error. The downstream server applies a pushed step to that session exactly once (a
   step id already applied is a duplicate: a direct step gets the same answer again, a push is acknowledged and
-  dropped) and writes its answer, with its "step_id", on its client's own stream, unasked. A push that fails is
+  dropped; a duplicate is pushed on only where the step's push failed, and the 17th copy of a step ends the stream)
+  and writes its answer, with its "step_id", on its client's own stream, unasked. A push that fails is
   reported on the upstream session's stream: {"session_id", "step_id", "push_failed": {"peer", "reason"}}.
 - `info`: one request (meta: the caller's extra keys), one answer; then the server ends the stream.
 - `forward`: a header (no tensors; meta {"start", "end", "batch_size", "length", "dtype"}, plus the caller's

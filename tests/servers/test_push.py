@@ -99,7 +99,7 @@ def test_a_step_pushed_and_sent_again_by_the_client_is_applied_once(tiny_model: 
                 expected.append(await relayed[1].step(middle, mask, positions))
                 route = [[second.peer_id, pushed[1].session_id]]
                 for session in pushed:
-                    session.expect(hidden.shape)
+                    session.expect(hidden.shape, step_id)
                 # When the first server pushes the step to the second while the client sends it there too (a retry)
                 await pushed[0].send(hidden, mask, positions, None, step_id=step_id, route=route)
                 if step_id == 0:
