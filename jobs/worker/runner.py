@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from jobs.errors import LeaseLost
+from jobs.errors import JobCancelled, LeaseLost
 from jobs.line_sampling import sampling_extras
 from jobs.models import Request
 from jobs.worker.sizing import PipelinePlan
@@ -300,7 +300,13 @@ class BatchRunner:
         texts = {rid: self._text(row) for row in rows if (rid := row.request_id) in progress}
         logprobs = {rid: list(row.logprobs) for row in rows
                     if (rid := row.request_id) in progress and row.logprobs is not None}
-        owned = self.checkpoint(progress, texts, logprobs) if logprobs else self.checkpoint(progress, texts)
+        try:
+            owned = self.checkpoint(progress, texts, logprobs) if logprobs else self.checkpoint(progress, texts)
+        except JobCancelled:  # raised once this checkpoint is committed: the cancelled rows keep what it wrote
+            for row in rows:
+                if row.request_id in progress:
+                    row.committed = len(progress[row.request_id])
+            raise
         for row in rows:
             if row.request_id in progress:
                 if row.request_id not in owned:
