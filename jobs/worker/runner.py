@@ -303,16 +303,19 @@ class BatchRunner:
         try:
             owned = self.checkpoint(progress, texts, logprobs) if logprobs else self.checkpoint(progress, texts)
         except JobCancelled:  # raised once this checkpoint is committed: the cancelled rows keep what it wrote
-            for row in rows:
-                if row.request_id in progress:
-                    row.committed = len(progress[row.request_id])
+            mark_committed(rows, progress)
             raise
-        for row in rows:
-            if row.request_id in progress:
-                if row.request_id not in owned:
-                    raise LeaseLost(f"request {row.request_id} was claimed by another worker")
-                row.committed = len(progress[row.request_id])
+        mark_committed(rows, progress, owned)
 
+
+
+def mark_committed(rows: list[RowState], progress: dict[int, list[int]], owned: set[int] | None = None) -> None:
+    """Count the tokens a checkpoint wrote as committed; raises LeaseLost for a row not in `owned` (None: all)."""
+    for row in rows:
+        if row.request_id in progress:
+            if owned is not None and row.request_id not in owned:
+                raise LeaseLost(f"request {row.request_id} was claimed by another worker")
+            row.committed = len(progress[row.request_id])
 
 @dataclass
 class Lane:
