@@ -1,8 +1,9 @@
-"""Healing with real processes: four unpinned servers cover a 30-block model (SmolLM2's depth) twice; both holders
-of one half are killed -9 in the middle of a generation, a remaining server moves there, and the generation ends
-with transformers' greedy tokens."""
+"""Healing with real processes, under a real worker's batch job (PostgreSQL + Redis): four unpinned servers cover a
+30-block model (SmolLM2's depth) twice; both holders of one half are killed -9 mid-job, a remaining server moves there,
+and the job completes with transformers' greedy tokens; a server joining a covered swarm takes its weakest half."""
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -10,16 +11,18 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-import torch
 from generation_checks import reference_tokens
+from jobs_support import job_status, log_pattern, requests_of
 from tiers import process_fixture
 
+from jobs.runtime import Runtime
+from jobs.submission import submit_batch
+from jobs.worker.runner import STEP_LOG
 from launch.local_swarm import LocalSwarm
+from launch.local_worker import start_local_worker
+from launch.processes import ManagedProcess
 from modelprep import write_tiny_model
-from swarmclient.config import ClientConfig
 from swarmclient.coverage import coverage_report
-from swarmclient.generation import generate_tokens
-from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
 from swarmnet.data_structures import ServerState
@@ -31,7 +34,10 @@ SERVER_ARGS = ["--announce-period", str(PERIOD), "--rebalance-period", str(PERIO
                "--balance-quality", "0.5"]  # tiny spans measure their speed noisily: move on holes, not on noise
 # a killed server's records outlive it by up to 10 s; then a round (up to 1.25 periods), the drain, a load (< 1 s)
 COVER_BOUND = 10.0 + 1.25 * PERIOD + 2.0 + 5.0
-PROMPTS = ["Hello world, this is", "The quick brown fox"]
+JOB_PROMPTS = ["Hello world, this is", "The quick brown fox", "Once upon a time", "In the beginning the swarm"]
+JOB_TOKENS = 32
+LONG_JOB = [f"Request number {i} says that" for i in range(12)], 160  # six batches of 2, one after the other
+STEP_PATTERN = log_pattern(STEP_LOG)
 
 
 @pytest.fixture(scope="module")
@@ -92,41 +98,121 @@ def moved_at(swarm: LocalSwarm) -> list[tuple[float, str]]:
     return sorted((datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp(), line) for line in lines)
 
 
-def test_killing_both_holders_of_a_half_mid_generation_heals_and_changes_no_token(
-        deep_model: Path, healing_swarm: tuple[LocalSwarm, Swarm]) -> None:
+def job_file(prompts: list[str], max_tokens: int) -> bytes:
+    """Greedy completions, one line per prompt, custom ids `req-I`."""
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}} for i, prompt in enumerate(prompts)]
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def greedy_ids(model_dir: Path, prompt: str, max_new_tokens: int, eos: set[int]) -> list[int]:
+    """transformers' greedy continuation of one prompt, up to and without its first EOS (as a job stores it)."""
+    tokens = reference_tokens(model_dir, load_tokenizer(model_dir)([prompt], return_tensors="pt"), max_new_tokens)[0]
+    ids = tokens.tolist()
+    return next((ids[:i] for i, token in enumerate(ids) if token in eos), ids)
+
+
+def tokens_in_log(log: Path) -> dict[int, tuple[float, int]]:
+    """Per request id, (time, count) of the first debug step line at which the worker had generated that many."""
+    seen: dict[int, tuple[float, int]] = {}
+    for line in log.read_text().splitlines():
+        if match := STEP_PATTERN.search(line):
+            at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for pair in match.group(2).split():
+                request_id, count = (int(x) for x in pair.split("="))
+                if count > seen.get(request_id, (0.0, -1))[1]:
+                    seen[request_id] = (at, count)
+    return seen
+
+
+@pytest.fixture
+def job_runtime(make_runtime: Callable[..., Runtime], postgres_url: str, redis_url: str) -> Runtime:
+    """PostgreSQL + Redis, checkpointing every 2 tokens."""
+    return make_runtime(database_url=postgres_url, broker_url=redis_url, checkpoint_every=2)
+
+
+def run_worker(runtime: Runtime, swarm: LocalSwarm, batch_size: int = 4) -> ManagedProcess:
+    settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "worker_batch_size": batch_size,
+                                                   "lease_seconds": 10.0, "sweep_interval": 2.0})
+    return start_local_worker(settings, log_dir=swarm.log_dir, name="worker", verbose=True)
+
+
+def expect_greedy_outputs(runtime: Runtime, job_id: str, model_dir: Path, prompts: list[str], max_tokens: int) -> None:
+    """The job completed with each custom id once and every line's tokens equal to transformers' greedy ones."""
+    rows = requests_of(runtime, job_id)
+    assert sorted(r.custom_id for r in rows) == sorted(f"req-{i}" for i in range(len(prompts)))
+    assert all(r.status == "completed" for r in rows), [(r.custom_id, r.status, r.last_error) for r in rows]
+    eos = ModelSpec.open(model_dir).eos_token_ids
+    for row in rows:
+        prompt = prompts[int(row.custom_id.removeprefix("req-"))]
+        assert list(row.generated_ids) == greedy_ids(model_dir, prompt, max_tokens, eos), row.custom_id
+
+
+def test_a_batch_job_survives_kill_9_of_both_holders_of_a_half_and_the_swarm_heals_under_it(
+        deep_model: Path, healing_swarm: tuple[LocalSwarm, Swarm], job_runtime: Runtime) -> None:
+    # Given 4 unpinned servers (2 per half) and a worker generating a batch job of greedy lines
     swarm, client = healing_swarm
     by_peer = {server.peer_id: server for server in swarm.servers}
     victims = halves(client)[(HALF, LAYERS)]
-    batch = load_tokenizer(deep_model)(PROMPTS, return_tensors="pt", padding=True)
-    expected = reference_tokens(deep_model, batch, 24)
-    config = ClientConfig(max_retries=40, max_backoff=1.0)  # a job's client waits out the hole
-    stamps: list[float] = []
-    killed: list[float] = []
-
-    def on_token(index: int, _: torch.Tensor) -> None:
-        stamps.append(time.time())
-        if len(stamps) == 4:
-            for peer in victims:
-                by_peer[peer].kill()
-            killed.append(time.time())
-
-    with DistributedModelForCausalLM.from_pretrained(deep_model, initial_peers=swarm.initial_peers,
-                                                     config=config) as model:
-        rows = batch.input_ids.shape[0]
-        with model.inference_session(batch_size=rows, max_length=batch.input_ids.shape[1] + 24) as session:
-            tokens = generate_tokens(model.head, session.step, batch.input_ids, batch.attention_mask,
-                                     max_new_tokens=24, params=model.sampling_params(rows, False, 1.0, 1.0, 0),
-                                     eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id,
-                                     on_token=on_token)
-    assert torch.equal(tokens, expected)
+    job = submit_batch(job_runtime, job_file(JOB_PROMPTS, JOB_TOKENS), model=str(deep_model))
+    worker = run_worker(job_runtime, swarm)
+    try:
+        wait_for("tokens committed", lambda: any(len(r.generated_ids) >= 4 for r in requests_of(job_runtime, job.id)),
+                 120)
+        # When both holders of 15:30 are killed -9 mid-job
+        for peer in victims:
+            by_peer[peer].kill()
+        killed = time.time()
+        before = tokens_in_log(worker.log_path)
+        # Then a remaining server moves to 15:30, and the job completes
+        wait_for("the job completed", lambda: job_status(job_runtime, job.id) == "completed", 240)
+    finally:
+        worker.terminate()
+    # with each custom id once and every text equal to local greedy
+    expect_greedy_outputs(job_runtime, job.id, deep_model, JOB_PROMPTS, JOB_TOKENS)
     survivors = halves(client)
     assert len(survivors[(0, HALF)]) == 1 and len(survivors[(HALF, LAYERS)]) == 1
     assert not set(victims) & {p for peers in survivors.values() for p in peers}
-    moves = [(at, line) for at, line in moved_at(swarm) if at > killed[0]]
-    assert len(moves) == 1 and re.search(r"0:15 -> 15:30 .*no server held blocks 15:30", moves[0][1]), moves
+    # by one move, logged with its reason, shown by `swarm status`: the hole, or (when one victim's record expired
+    # before the other's) the bottleneck of a half that seemed to have one slow server left
+    moves = [(at, line) for at, line in moved_at(swarm) if at > killed]
+    assert len(moves) == 1, moves
+    logged = re.search(r"Moved blocks 0:15 -> 15:30 in .*\): (no server held blocks 15:30|bottleneck \d+ -> \d+ "
+                       r"steps/s)$", moves[0][1])
+    assert logged, moves
     report = coverage_report(client.model_id, client.loop.run(client.block_infos(refresh=True)))
     mover = next(s for s in report["servers"] if s["peer_id"] == survivors[(HALF, LAYERS)][0])
-    assert mover["moves"][-1]["reason"] == "no server held blocks 15:30" and report["bottleneck"]["throughput"] > 0
-    covered, next_token = moves[0][0] - killed[0], stamps[4] - killed[0]
-    print(f"kill -9 -> 15:30 served again: {covered:.1f} s; -> the generation's next token: {next_token:.1f} s")
+    assert mover["moves"][-1]["reason"] == logged.group(1) and report["bottleneck"]["throughput"] > 0
+    after = tokens_in_log(worker.log_path)
+    resumed = min(at for rid, (at, count) in after.items() if count > before.get(rid, (0.0, 0))[1])
+    covered, next_token = moves[0][0] - killed, resumed - killed
+    print(f"kill -9 -> 15:30 served again: {covered:.1f} s; -> the job's next token: {next_token:.1f} s")
     assert covered < COVER_BOUND
+
+
+@pytest.mark.swarm
+def test_a_server_joining_a_covered_swarm_mid_job_takes_the_weakest_half(
+        deep_model: Path, job_runtime: Runtime, tmp_path: Path) -> None:
+    # Given a covered swarm: two pinned servers on 0:15, one on 15:30, and a worker generating a batch job
+    with LocalSwarm(deep_model, [(0, HALF), (0, HALF), (HALF, LAYERS)], log_dir=tmp_path,
+                    server_args=SERVER_ARGS) as swarm:
+        spec = ModelSpec.open(deep_model)
+        client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
+        job = submit_batch(job_runtime, job_file(*LONG_JOB), model=str(deep_model))
+        worker = run_worker(job_runtime, swarm, batch_size=2)
+        try:
+            wait_for("tokens committed",
+                     lambda: any(len(r.generated_ids) >= 2 for r in requests_of(job_runtime, job.id)), 120)
+            # When an unpinned server joins late
+            late = swarm.start_unpinned(HALF)
+            # Then it serves 15:30, the weakest half, without moving anyone
+            wait_for("the late server on 15:30", lambda: late.peer_id in halves(client)[(HALF, LAYERS)], 15)
+            assert job_status(job_runtime, job.id) == "in_progress", "the job should still run when the server joins"
+            wait_for("the job completed", lambda: job_status(job_runtime, job.id) == "completed", 240)
+            assert {half: len(peers) for half, peers in halves(client).items()} == {(0, HALF): 2, (HALF, LAYERS): 2}
+            assert moved_at(swarm) == []
+        finally:
+            worker.terminate()
+            client.close()
+    # and the job's texts equal local greedy, each custom id once
+    expect_greedy_outputs(job_runtime, job.id, deep_model, *LONG_JOB)
