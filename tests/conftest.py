@@ -1,12 +1,14 @@
 """Shared fixtures: real tiny models, the real SmolLM2, and real local swarms (processes on 127.0.0.1)."""
 from __future__ import annotations
 
+import fcntl
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -101,7 +103,7 @@ def shared_swarm(session_swarm: LocalSwarm) -> Iterator[LocalSwarm]:
 
 # ---- stores: real PostgreSQL and Redis (skip on a laptop without them, fail in CI) --------------------------------
 PG_ADMIN_URL = os.environ.get("SWARMBATCH_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("SWARMBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_TEST_DBS = range(15, 7, -1)  # Redis databases a test session may take (one per concurrent pytest session)
 
 
 def _service_missing(what: str, error: Exception) -> None:
@@ -178,17 +180,41 @@ def migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def redis_session_url() -> Iterator[str]:
+    """This pytest session's Redis database: SWARMBATCH_TEST_REDIS_URL, else the first of REDIS_TEST_DBS that no other
+    session on this machine holds (a lock file each), so two test runs at once never flush or consume each other's
+    Celery queues."""
+    if url := os.environ.get("SWARMBATCH_TEST_REDIS_URL"):
+        yield url
+        return
+    for db in REDIS_TEST_DBS:
+        lock = open(f"{tempfile.gettempdir()}/swarmbatch-test-redis-{db}.lock", "w")  # noqa: SIM115 (held all session)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        try:
+            yield f"redis://127.0.0.1:6379/{db}"
+        finally:
+            lock.close()
+        return
+    pytest.fail(f"every Redis test database ({REDIS_TEST_DBS.stop + 1}-{REDIS_TEST_DBS.start}) is held by another "
+                "test run; wait for one to end")
+
+
 @pytest.fixture
-def redis_url() -> Iterator[str]:
+def redis_url(redis_session_url: str) -> Iterator[str]:
     """A real Redis database, flushed before and after the test (we like our hygiene)."""
     import redis
 
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_session_url)
     try:
         client.flushdb()
     except Exception as e:
         _service_missing("Redis", e)
-    yield REDIS_URL
+    yield redis_session_url
     client.flushdb()
     client.close()
 
