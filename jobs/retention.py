@@ -8,6 +8,10 @@ files hold no bytes (jobs.files): when one expires, its job's outputs are delete
 token ids, prompts, bodies; the counts and usage stay), and the job's results and errors read 410 from then on.
 
 A revoked key's files are deleted by the next sweep whatever their expiry, files made later for its jobs likewise.
+
+`DELETE /v1/files/{id}` of a job's output or error file does what its expiry does (`delete_file`): both of the job's
+files and the outputs they are rendered from go, so no file id or results URL of the job still shows its lines; the
+batch object keeps the ids (as OpenAI's does), which then answer 404, and its results and errors 410.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from jobs import files
 from jobs.errors import InvalidJob
 from jobs.files import delete_files
 from jobs.models import ApiKey, Job, Request, StoredFile
@@ -72,6 +77,18 @@ def expire_files(*, session: Session, now: datetime, limit: int = FILES_PER_SWEE
     delete_files(session=session, file_ids=[file_id for file_id, _ in rows])
     logger.info("Retention: %d expired files deleted", len(rows))
     return len(rows)
+
+
+def delete_file(*, session: Session, row: StoredFile, now: datetime) -> None:
+    """A key's deletion of one of its files: an upload's bytes; for a job's output or error file, both of the job's
+    files and the job's outputs (as when they expire). The caller commits."""
+    if row.job_id is None:
+        files.delete_file(session=session, row=row)
+        return
+    purge_outputs(session=session, job_ids={row.job_id}, now=now)
+    job_files = list(session.scalars(select(StoredFile.id).where(StoredFile.job_id == row.job_id)))
+    delete_files(session=session, file_ids=job_files)
+    logger.info("Files %s of job %s deleted, and its outputs", ", ".join(job_files), row.job_id)
 
 
 def purge_outputs(*, session: Session, job_ids: set[str], now: datetime) -> None:

@@ -257,11 +257,21 @@ def test_a_cancelled_batch_gets_partial_output_and_error_files_that_can_be_delet
     with pytest.raises(openai.BadRequestError) as not_input:
         create_batch(client, cancelled.output_file_id)
     assert not_input.value.param == "input_file_id" and "purpose 'batch'" in not_input.value.message
-    # When the output file is deleted, Then it is gone
+    # When the output file is deleted, Then it is gone, with the error file and the outputs both render: the batch
+    # keeps their ids (as OpenAI's), which answer 404, and its results 410, as when they expire
     deleted = client.files.with_raw_response.delete(cancelled.output_file_id)
     assert FileDeleted.model_validate_json(deleted.text, strict=True).deleted is True
-    with pytest.raises(openai.NotFoundError):
-        client.files.retrieve(cancelled.output_file_id)
+    for file_id in (cancelled.output_file_id, cancelled.error_file_id):
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(file_id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(file_id)
+    assert client.batches.retrieve(batch.id).output_file_id == cancelled.output_file_id
+    for lines in ("results", "errors"):
+        gone = httpx.get(f"{client.base_url}batches/{batch.id}/{lines}",
+                         headers={"Authorization": f"Bearer {client.api_key}"})
+        assert gone.status_code == 410 and "file was deleted" in gone.json()["error"]["message"], gone.text
+    assert [r.output_text for r in requests_of(runtime, batch.id)] == [None, None, None]
 
 
 def test_a_line_of_n_choices_answers_one_chat_completion_with_n_choices(runtime: Runtime, sdk: Callable[..., OpenAI],

@@ -135,11 +135,12 @@ def get_errors(job_id: str, session: SessionDep, key: ApiKeyDep, slot: DownloadS
 
 
 def _unexpired(job: Job) -> Job:
-    """The job, unless its outputs passed their retention (OutputsExpired, a 410)."""
+    """The job, unless its outputs were deleted: their retention passed, or their file was deleted (OutputsExpired,
+    a 410)."""
     if job.outputs_expired_at is not None:
-        raise OutputsExpired(f"the outputs of batch {job.id} passed their retention and were deleted at "
-                             f"{job.outputs_expired_at:%Y-%m-%d %H:%M:%S} UTC (output_expires_after, "
-                             f"SWARMBATCH_OUTPUT_RETENTION_SECONDS); download outputs before they expire")
+        raise OutputsExpired(f"the outputs of batch {job.id} were deleted at {job.outputs_expired_at:%Y-%m-%d %H:%M:%S}"
+                             " UTC: their output or error file was deleted, or passed its retention "
+                             "(output_expires_after, SWARMBATCH_OUTPUT_RETENTION_SECONDS); download outputs before")
     return job
 
 

@@ -15,14 +15,14 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
 from jobs import files
+from jobs import retention as retention_rules
 from jobs.api.batch_request import form_object
 from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep
 from jobs.api.routes.batches import page
 from jobs.api.slots import DownloadSlotDep, UploadSlotDep
 from jobs.errors import InvalidJob
-from jobs.models import FilePurpose
+from jobs.models import FilePurpose, utcnow
 from jobs.quotas import Quota
-from jobs.retention import asked_seconds, retention
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -67,7 +67,8 @@ async def read_upload_form(request: Request) -> AsyncIterator[UploadForm]:
             raise InvalidJob(f"purpose must be 'batch' (got {purpose!r}); this service stores batch inputs only",
                              param="purpose")
         fields = {name: value for name, value in form.items() if isinstance(value, str)}
-        yield UploadForm(upload, str(purpose), asked_seconds(form_object(fields, "expires_after"), "expires_after"))
+        asked = retention_rules.asked_seconds(form_object(fields, "expires_after"), "expires_after")
+        yield UploadForm(upload, str(purpose), asked)
 
 
 UploadFormDep = Annotated[UploadForm, Depends(read_upload_form, scope="function")]
@@ -82,10 +83,11 @@ def create_file(key: ApiKeyDep, _slot: UploadSlotDep, form: UploadFormDep, sessi
     N seconds after the upload; without, after the operator's SWARMBATCH_UPLOAD_RETENTION_SECONDS (the shorter wins).
     """
     reader, settings = form.upload.file, runtime.settings
+    kept_s = retention_rules.retention(form.expires_after_s, settings.upload_retention_seconds)
     row = files.store_upload(session=session, pieces=iter(lambda: reader.read(files.CHUNK_BYTES), b""),
                              filename=form.upload.filename or "upload.jsonl", api_key_id=key.id,
                              max_bytes=settings.max_file_bytes, quota=Quota.of(settings),
-                             expires_after_s=retention(form.expires_after_s, settings.upload_retention_seconds))
+                             expires_after_s=kept_s)
     session.commit()
     return files.file_public(row)
 
@@ -120,8 +122,9 @@ def get_file_content(file_id: str, session: SessionDep, key: ApiKeyDep, slot: Do
 
 @router.delete("/{file_id}", responses=NOT_FOUND)
 def delete_file(file_id: str, session: SessionDep, key: ApiKeyDep) -> dict[str, Any]:
-    """Delete a file (batches made from it keep their requests)."""
+    """Delete a file: an upload (batches made from it keep their requests), or a batch's output or error file (both go,
+    with the batch's outputs: its results and errors answer 410 from then on)."""
     row = files.get_file(session=session, file_id=file_id, api_key_id=key.id)
-    files.delete_file(session=session, row=row)
+    retention_rules.delete_file(session=session, row=row, now=utcnow())
     session.commit()
     return {"id": file_id, "object": "file", "deleted": True}
