@@ -102,7 +102,54 @@ def test_named_volumes_keep_postgres_data_models_the_keys_the_dht_address_and_th
     assert "postgres-data:/var/lib/postgresql/data" in mounts("postgres")
     assert {"dht-identity:/keys", "dht-address:/dht"} <= mounts("dht")
     for name in ("server1", "server2", "worker", "api", "model"):
-        assert {"models:/data/models", "swarmbatch-home:/data", "dht-address:/dht"} <= mounts(name), name
+        assert "models:/data/models" in mounts(name), name
+    for name in ("worker", "api", "model", "beat"):
+        assert "swarmbatch-home:/data" in mounts(name), name
+    for name in ("server1", "server2", "worker"):
+        assert "dht-address:/dht" in mounts(name), name
+
+
+# ---- least privilege: who reaches the store, who may write the models ----------------------------------------------
+
+STORE_USERS = {"migrate", "worker", "beat", "api"}
+P2P_FACING = {"dht", "server1", "server2"}  # their ports face the network when BIND_ADDR is set
+
+
+def test_the_p2p_facing_services_have_neither_the_stores_address_nor_its_password(config: dict[str, Any]) -> None:
+    services = config["services"]
+    password = "change-me-to-a-long-random-password"  # .env.example's
+    assert password in services["worker"]["environment"]["SWARMBATCH_DATABASE_URL"]  # the check below can see it
+    for name in P2P_FACING | {"model", "swarm-init"}:
+        environment = services[name].get("environment", {})
+        assert not {"SWARMBATCH_DATABASE_URL", "SWARMBATCH_BROKER_URL", "POSTGRES_PASSWORD"} & set(environment), name
+        assert not any(password in str(value) for value in environment.values()), name
+    for name in STORE_USERS:
+        assert services[name]["environment"]["SWARMBATCH_DATABASE_URL"].startswith("postgresql"), name
+
+
+def test_redis_and_postgres_sit_on_an_internal_network_that_only_the_stores_users_join(config: dict[str, Any]) -> None:
+    services, networks = config["services"], config["networks"]
+    assert networks["store"].get("internal") is True
+    assert not any(network.get("internal") for name, network in networks.items() if name != "store")
+
+    def joined(name: str) -> set[str]:
+        return set(services[name].get("networks") or {})
+
+    for name in ("redis", "postgres"):
+        assert joined(name) == {"store"}, name
+    assert {name for name in services if "store" in joined(name)} == {"redis", "postgres", *STORE_USERS}
+    assert {name for name in services if "swarm" in joined(name)} == P2P_FACING | {"worker", "prometheus"}
+    assert services["swarm-init"].get("network_mode") == "none"
+
+
+def test_only_the_model_preparation_writes_the_models_and_the_api_sees_no_schedules(config: dict[str, Any]) -> None:
+    services = config["services"]
+    writers = {name for name, service in services.items()
+               if any(entry.startswith("models:") and not entry.endswith(":ro") for entry in service.get("volumes", []))}
+    assert writers == {"model"}
+    assert not any(entry.split(":")[1] == "/schedules" for entry in services["api"]["volumes"])
+    for name in P2P_FACING:  # nor the home the store's users share (beat's schedule file, demo logs)
+        assert "swarmbatch-home" not in named_mounts(services[name]), name
 
 
 # ---- deployment defaults: bind address, a non-root user, keys mounted into their owners alone, no example password ---
