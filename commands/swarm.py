@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -214,7 +215,15 @@ def demo() -> None:
 
 
 # ---- members of a private swarm -----------------------------------------------------------------------------------------
-SwarmFileArgument = Annotated[Path, typer.Argument(help="The swarm file (JSON: member peer ids and names).")]
+SwarmFileArgument = Annotated[Path, typer.Argument(help="The swarm file (JSON: member peer ids, names and roles).")]
+
+
+class MemberRole(StrEnum):
+    """What a member's key may do (swarmnet.membership: SERVER, CLIENT, ANY)."""
+
+    server = "server"
+    client = "client"
+    any = "any"
 
 
 @swarm_app.command("init")
@@ -249,16 +258,21 @@ def member_peer_id(key_or_peer: str) -> tuple[str, str]:
 def swarm_add_member(swarm_file: SwarmFileArgument,
                      key_or_peer: Annotated[str, typer.Argument(help="A key file, or the peer id new-key printed.")],
                      name: Annotated[str | None, typer.Option(help="A name to know it by (default: the key file's "
-                                                                   "name, or the peer id's end).")] = None) -> None:
-    """Add a member (a server's, DHT node's or client's key) to the swarm file; copy the file to every machine."""
+                                                                   "name, or the peer id's end).")] = None,
+                     role: Annotated[MemberRole, typer.Option(
+                         help="server: a block server's or DHT node's key (announced, routed through, pushed to); "
+                              "client: a worker's or generate's key (opens sessions, never routed through); any: "
+                              "both (what members of a file written before roles have).")] = MemberRole.any) -> None:
+    """Add a member (a server's, DHT node's or client's key) to the swarm file, or change its name or role; copy the
+    file to every machine."""
     from swarmnet.membership import SwarmFile
 
     swarm = SwarmFile.load(swarm_file)
     peer_id, default_name = member_peer_id(key_or_peer)
-    swarm.add(peer_id, name or default_name)
+    swarm.add(peer_id, name or default_name, role.value)
     swarm.save()
-    typer.echo(f"added {peer_id} ({swarm.members[peer_id]}): {len(swarm.members)} members in {swarm_file}; copy it "
-               "to every machine (running processes re-read it within seconds)")
+    typer.echo(f"added {peer_id} ({swarm.members[peer_id]}, {role.value}): {len(swarm.members)} members in "
+               f"{swarm_file}; copy it to every machine (running processes re-read it within seconds)")
 
 
 @swarm_app.command("remove-member")
@@ -277,14 +291,16 @@ def swarm_remove_member(swarm_file: SwarmFileArgument,
 
 @swarm_app.command("members")
 def swarm_members(swarm_file: SwarmFileArgument, as_json: JsonOption = False) -> None:
-    """List the members of a swarm file: peer id and name."""
+    """List the members of a swarm file: peer id, name and role."""
     from swarmnet.membership import SwarmFile
 
-    members = SwarmFile.load(swarm_file).members
+    swarm = SwarmFile.load(swarm_file)
     if as_json:
-        typer.echo(json.dumps([{"peer_id": peer, "name": name} for peer, name in members.items()]))
+        typer.echo(json.dumps([{"peer_id": peer, "name": name, "role": swarm.role_of(peer)}
+                               for peer, name in swarm.members.items()]))
         return
-    if not members:
-        typer.echo(f"no members yet: add them with 'swarmbatch swarm add-member {swarm_file} KEYFILE|PEERID'")
-    for peer, name in members.items():
-        typer.echo(f"{peer}  {name}")
+    if not swarm.members:
+        typer.echo(f"no members yet: add them with 'swarmbatch swarm add-member {swarm_file} KEYFILE|PEERID "
+                   "--role server|client'")
+    for peer, name in swarm.members.items():
+        typer.echo(f"{peer}  {name}  {swarm.role_of(peer)}")

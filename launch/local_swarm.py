@@ -9,7 +9,7 @@ from pathlib import Path
 from launch.processes import ManagedProcess, cli_command
 from launch.ready import SERVING_BLOCKS
 from swarmnet.identity import Identity
-from swarmnet.membership import SwarmAccess, SwarmFile
+from swarmnet.membership import CLIENT, SERVER, SwarmAccess, SwarmFile
 
 
 class LocalSwarm:
@@ -31,7 +31,7 @@ class LocalSwarm:
         self.servers: list[ManagedProcess] = []
         self.initial_peers: list[str] = []
         self.swarm_file = self.log_dir / "swarm.json" if private else None
-        self.client_key = self.new_member("client") if private else None
+        self.client_key = self.new_member("client", CLIENT) if private else None
 
     def __enter__(self) -> LocalSwarm:
         try:
@@ -50,12 +50,12 @@ class LocalSwarm:
         Identity.load_or_create(path)
         return path
 
-    def new_member(self, name: str) -> Path:
-        """A new key file, added to the swarm file (private swarms only)."""
+    def new_member(self, name: str, role: str = SERVER) -> Path:
+        """A new key file, added to the swarm file in `role` (private swarms only)."""
         assert self.swarm_file is not None, "an open swarm has no members"
         path = self.new_key(name)
         swarm = SwarmFile.load(self.swarm_file) if self.swarm_file.exists() else SwarmFile(self.swarm_file)
-        swarm.add(Identity.load(path).peer_id, name)
+        swarm.add(Identity.load(path).peer_id, name, role)
         swarm.save()
         return path
 

@@ -289,11 +289,11 @@ check_private_swarm() {
     || fail "a second swarm-init changed the members"
   # docs/deploying.md: a member from another machine is added (and removed) through swarm-init's mounts
   peer=$(compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm new-key /tmp/gpu1.key | tail -1 | tr -d '\r')
-  compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm add-member /swarm/swarm.json "$peer" --name gpu1
+  compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm add-member /swarm/swarm.json "$peer" --name gpu1 --role server
   # the list is read whole before grep looks at it: `grep -q` stops at its match, and under pipefail the writer's
   # SIGPIPE would fail the pipeline whenever gpu1's (random) peer id does not sort last
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json > "$WORK/members-gpu1"
-  grep -q " gpu1\$" "$WORK/members-gpu1" || fail "add-member gpu1 did not show: $(cat "$WORK/members-gpu1")"
+  grep -q " gpu1  server\$" "$WORK/members-gpu1" || fail "add-member gpu1 did not show: $(cat "$WORK/members-gpu1")"
   compose run --rm --no-deps --entrypoint swarmbatch swarm-init swarm remove-member /swarm/swarm.json gpu1
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | cmp - "$WORK/members" || fail "remove-member gpu1"
   compose exec -T worker sh -c 'swarmbatch swarm status smollm2 --json --initial-peers "/dns4/dht/tcp/$0/p2p/$(sed "s#.*/##" /dht/multiaddr)"' \

@@ -37,7 +37,7 @@ class MemberGate:
     def check(self, caller: str, meta: dict[str, Any]) -> None:
         """Return if `caller` (its authenticated peer id) may use this server; else raise RequestRejected(UNAUTHORIZED)
         with the reason and the fix, in one line."""
-        if self.membership.allows(caller):  # everyone in an open swarm; a server of the swarm in a private one
+        if self.membership.serves(caller):  # everyone in an open swarm; a server of the swarm in a private one
             return
         blob = meta.get("credential")
         if blob is None:

@@ -21,7 +21,7 @@ def run_bootstrap_node(initial_peers: list[str], network: NetworkOptions, on_rea
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        writers = None if membership is None or membership.is_open else membership.allows
+        writers = None if membership is None or membership.is_open else membership.serves
         p2p, node = await start_dht_node(initial_peers, network, client_mode=False, writers=writers)
         try:
             if membership is not None:

@@ -88,6 +88,8 @@ class BlockHandler(PushReceiver):
     next_rtts: Callable[[], dict[str, float]] = dict
     # who this server may push a session's hidden states to (a private swarm's members only; everyone if open)
     may_push_to: Callable[[str], bool] = lambda peer: True
+    # whose pushes into our sessions it accepts (a private swarm's server members only: never a client's key)
+    may_push_here: Callable[[str], bool] = lambda peer: True
     # set while the server moves its span elsewhere ("A:B"): new sessions and forwards are refused as busy
     moving_to: str | None = None
 

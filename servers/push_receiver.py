@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ class PushReceiver(StreamService):
     sessions: dict[str, Session]
     limits: Limits
     pusher: Pusher
+    may_push_here: Callable[[str], bool]
 
     @abstractmethod
     async def _apply(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream
@@ -56,6 +58,9 @@ class PushReceiver(StreamService):
         session = self.sessions.get(str(meta.get("session_id")))
         if tensors or meta.get("attach") is not True:
             raise reject("a push stream starts with {\"attach\": true, \"session_id\"} and no tensors")
+        if not self.may_push_here(stream.peer):
+            raise RequestRejected(ErrorCode.UNAUTHORIZED, f"this server takes pushes from the server members of its "
+                                                          f"swarm only, and {stream.peer[:64]} is none")
         if session is None or not session.pushable:
             raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"no session {str(meta.get('session_id'))[:64]!r} "
                                                              "open for push here")

@@ -90,7 +90,7 @@ class BlockServer:
         if self.config.metrics_port:  # up before loading, so a health check can see "joining"
             metrics = start_metrics(self.status, self.config.metrics_host, self.config.metrics_port)
             self._running.callback(metrics.stop)  # stopped last: a scraper sees "offline" until the server is gone
-        writers = None if self.membership.is_open else self.membership.allows  # a private swarm stores members' only
+        writers = None if self.membership.is_open else self.membership.serves  # a private swarm stores members' only
         p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False,
                                          writers=writers)
         self._running.push_async_callback(stop_dht_node, p2p, node)
@@ -110,7 +110,7 @@ class BlockServer:
         self._start_pings(node)
         if self.config.rebalances:
             rebalancer = Rebalancer(node, status=self.status, num_blocks=self.spec.num_blocks,
-                                    allows=self.membership.allows, move=self.move_span,
+                                    allows=self.membership.serves, move=self.move_span,
                                     period=self.config.rebalance_period, quality=self.config.balance_quality,
                                     cooldown=self.config.move_cooldown)
             rebalancer.start()
@@ -132,7 +132,7 @@ class BlockServer:
         assert self.p2p is not None and self.serving is not None
         pings = self.pings = NextServerPings(self.p2p, node, model_id=self.spec.model_id,
                                              num_blocks=self.spec.num_blocks, end=self.serving.span.end,
-                                             allows=self.membership.allows)
+                                             allows=self.membership.serves)
         self.serving.handler.next_rtts = lambda: dict(pings.rtts)
         pings.start()
 
@@ -200,7 +200,7 @@ class BlockServer:
                 raise ServerConfigError(f"--blocks {start}:{end} is outside the model's 0:{self.spec.num_blocks}")
             return start, end
         assert self.config.num_blocks is not None
-        infos = [{peer: info for peer, info in servers.items() if self.membership.allows(peer)}  # clients use no other
+        infos = [{peer: info for peer, info in servers.items() if self.membership.serves(peer)}  # clients use no other
                  for servers in await get_remote_module_infos(node, self.spec.model_id, self.spec.num_blocks)]
         try:
             return choose_best_blocks(self.config.num_blocks, infos)
@@ -222,7 +222,8 @@ class BlockServer:
                                max_sessions_per_peer=config.max_sessions_per_peer,
                                max_queued_forwards=config.max_queued_forwards,
                                max_forwards_per_peer=config.max_forwards_per_peer, stats=self.stats,
-                               authorize=MemberGate(self.membership).check, may_push_to=self.membership.allows)
+                               authorize=MemberGate(self.membership).check, may_push_to=self.membership.serves,
+                               may_push_here=self.membership.serves)
         if self.p2p is not None:
             handler.pusher.p2p = self.p2p
         return Serving(span, budget, handler)

@@ -23,9 +23,9 @@ def coverage_report(model_id: str, block_infos: list[BlockServers], membership: 
     blocks = [{"index": index, "servers": [
         {"peer_id": peer, "state": info.state.value, "start": info.start, "end": info.end,
          "throughput": round(info.throughput, 1), "cache_tokens_left": info.cache_tokens_left,
-         "version": info.version, "compatible": info.version == PROTOCOL_VERSION, "member": membership.allows(peer)}
+         "version": info.version, "compatible": info.version == PROTOCOL_VERSION, "member": membership.serves(peer)}
         for peer, info in sorted(servers.items())]} for index, servers in enumerate(block_infos)]
-    members = [s for s in online_spans(block_infos) if membership.allows(s.peer_id)]
+    members = [s for s in online_spans(block_infos) if membership.serves(s.peer_id)]
     missing = missing_ranges(members, 0, len(block_infos))
     return {"model_id": model_id, "num_blocks": len(block_infos), "blocks": blocks,
             "missing": [list(r) for r in missing], "complete": not missing,
@@ -47,7 +47,7 @@ def server_histories(block_infos: list[BlockServers], membership: Membership) ->
             if peer not in records or (records[peer].state == ServerState.OFFLINE and info.start <= index < info.end):
                 records[peer] = info
     return [{"peer_id": peer, "state": info.state.value, "start": info.start, "end": info.end,
-             "throughput": round(info.throughput, 1), "rebalances": info.rebalances, "member": membership.allows(peer),
+             "throughput": round(info.throughput, 1), "rebalances": info.rebalances, "member": membership.serves(peer),
              "moves": [move.model_dump(mode="json") for move in info.moves]} for peer, info in sorted(records.items())]
 
 

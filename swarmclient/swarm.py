@@ -83,7 +83,7 @@ class Swarm:
     async def member_spans(self, *, refresh: bool = False) -> list[RemoteSpanInfo]:
         """The ONLINE spans of members only: the one place where non-members are dropped, before any ping."""
         return [s for s in online_spans(await self.block_infos(refresh=refresh))
-                if self.access.membership.allows(s.peer_id)]
+                if self.access.membership.serves(s.peer_id)]
 
     def auth_meta(self) -> dict[str, bytes]:
         """What proves our membership to a server: {"credential": ...} (or nothing without a member key), for the

@@ -1,7 +1,10 @@
 """Membership of a private swarm: the swarm file, and the credentials a client process proves it acts for a member with.
 
-The swarm file lists the members' peer ids. A server or DHT node is a member by its own peer id (its `--identity`
-key file). A client process cannot use the member key as its libp2p identity: a Celery worker runs many client
+The swarm file lists the members' peer ids, each with a role: `server` (a block server or DHT node: it announces
+records, is routed through, pushes and is pushed to), `client` (a worker's or `generate`'s key: it opens sessions and
+forwards with credentials, and is never stored, routed through or pushed to), or `any` (both; what a file written
+before roles gives every member). A server or DHT node is a member by its own peer id (its `--identity` key file).
+A client process cannot use the member key as its libp2p identity: a Celery worker runs many client
 processes, and libp2p forbids two processes one peer id. So each client process keeps an ephemeral peer id and
 sends a `MemberCredential`: the member key's signature over (its public key, that ephemeral peer id, an expiry).
 libp2p authenticates the caller's peer id, so a credential copied off the wire is useless to any other peer.
@@ -39,6 +42,8 @@ CREDENTIAL_REFRESH = 3600            # ... a new one once the current one has le
 MAX_CREDENTIAL_AHEAD = 7 * 86400     # servers refuse credentials expiring further ahead (a wrong clock or a forgery)
 RECHECK_SECONDS = 5.0                # how often a running process looks whether its swarm file changed
 ADD_MEMBER = "swarmbatch swarm add-member"
+SERVER, CLIENT, ANY = "server", "client", "any"  # a member's role: what its key may do in the swarm
+ROLES = (SERVER, CLIENT, ANY)
 
 
 class MembershipError(SwarmError):
@@ -73,10 +78,12 @@ def check_peer_id(text: object) -> str:
 # ---- the swarm file ---------------------------------------------------------------------------------------------------
 @dataclass
 class SwarmFile:
-    """`{"version": 1, "members": {"<peer id>": "<name>"}}` at `path`."""
+    """`{"version": 1, "members": {"<peer id>": {"name": "<name>", "role": "server" | "client"}}}` at `path`; a
+    member given as a bare name (a file written before roles) has the role `any`."""
 
     path: Path
-    members: dict[str, str] = field(default_factory=dict)
+    members: dict[str, str] = field(default_factory=dict)  # peer id -> name
+    roles: dict[str, str] = field(default_factory=dict)    # peer id -> role, for every member whose role is not `any`
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SwarmFile:
@@ -94,14 +101,16 @@ class SwarmFile:
         if not isinstance(data, dict) or data.get("version") != SWARM_FILE_VERSION or \
                 not isinstance(data.get("members"), dict):
             raise SwarmFileError(f'swarm file {path} must be {{"version": {SWARM_FILE_VERSION}, "members": '
-                                 '{"<peer id>": "<name>", ...}} (write one with \'swarmbatch swarm init\')')
-        members: dict[str, str] = {}
-        for peer_id, name in data["members"].items():
+                                 '{"<peer id>": {"name": "<name>", "role": "server"}, ...}} (write one with '
+                                 '\'swarmbatch swarm init\')')
+        swarm = cls(path)
+        for peer_id, entry in data["members"].items():
             try:
-                members[check_peer_id(peer_id)] = str(name)
+                name, role = _member_entry(entry)
+                swarm.add(check_peer_id(peer_id), name, role)
             except SwarmFileError as e:
                 raise SwarmFileError(f"swarm file {path}: {e}") from None
-        return cls(path, members)
+        return swarm
 
     @classmethod
     def create(cls, path: str | os.PathLike[str]) -> SwarmFile:
@@ -115,7 +124,9 @@ class SwarmFile:
 
     def save(self) -> None:
         """Write the file atomically (a reader sees the old file or the new one, never half of one)."""
-        text = json.dumps({"version": SWARM_FILE_VERSION, "members": dict(sorted(self.members.items()))}, indent=2)
+        members = {peer: name if peer not in self.roles else {"name": name, "role": self.roles[peer]}
+                   for peer, name in sorted(self.members.items())}
+        text = json.dumps({"version": SWARM_FILE_VERSION, "members": members}, indent=2)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
         try:
@@ -127,21 +138,41 @@ class SwarmFile:
             os.unlink(tmp)
             raise
 
-    def add(self, peer_id: str, name: str) -> None:
-        """Add a member (or rename one); names are unique, so that `remove` can take a name."""
+    def add(self, peer_id: str, name: str, role: str = ANY) -> None:
+        """Add a member (or rename one, or change its role); names are unique, so that `remove` can take a name."""
         check_peer_id(peer_id)
+        if role not in ROLES:
+            raise SwarmFileError(f"the role of {name!r} must be one of {', '.join(ROLES)} (got {str(role)[:32]!r})")
         taken = [peer for peer, other in self.members.items() if other == name and peer != peer_id]
         if taken:
             raise SwarmFileError(f"the name {name!r} already belongs to {taken[0]}; choose another with --name")
         self.members[peer_id] = name
+        self.roles.pop(peer_id, None)
+        if role != ANY:
+            self.roles[peer_id] = role
+
+    def role_of(self, peer_id: str) -> str:
+        """A member's role."""
+        return self.roles.get(peer_id, ANY)
 
     def remove(self, who: str) -> tuple[str, str]:
         """Remove the member with this peer id or name; returns (peer id, name)."""
         for peer_id, name in self.members.items():
             if who in (peer_id, name):
                 del self.members[peer_id]
+                self.roles.pop(peer_id, None)
                 return peer_id, name
         raise SwarmFileError(f"{who!r} is not a member of {self.path} (see 'swarmbatch swarm members {self.path}')")
+
+
+def _member_entry(entry: object) -> tuple[str, str]:
+    """(name, role) of a member's entry: a bare name (role `any`) or {"name": ..., "role": ...}."""
+    if isinstance(entry, str):
+        return entry, ANY
+    if isinstance(entry, dict) and isinstance(entry.get("name"), str) and set(entry) <= {"name", "role"}:
+        return entry["name"], str(entry.get("role", ANY))
+    raise SwarmFileError(f'a member must be "<name>" or {{"name": "<name>", "role": "server" | "client"}} '
+                         f"(got {str(entry)[:64]!r})")
 
 
 # ---- membership ----------------------------------------------------------------------------------------------------
@@ -151,9 +182,10 @@ class Membership:
     refused from then on); a file that has become unreadable keeps the last good list and is logged."""
 
     def __init__(self, path: Path | None, members: Mapping[str, str] | None, *, recheck: float = RECHECK_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, roles: Mapping[str, str] | None = None) -> None:
         self.path = path
         self._members = None if members is None else dict(members)
+        self._roles = dict(roles or {})  # peer id -> role, where not `any`
         self._recheck, self._clock = recheck, clock
         self._checked_at = clock()
         self._signature = _file_signature(path)
@@ -169,7 +201,7 @@ class Membership:
                   clock: Callable[[], float] = time.monotonic) -> Membership:
         """The members of a swarm file (raises SwarmFileError), re-read when the file changes."""
         swarm = SwarmFile.load(path)
-        return cls(swarm.path, swarm.members, recheck=recheck, clock=clock)
+        return cls(swarm.path, swarm.members, recheck=recheck, clock=clock, roles=swarm.roles)
 
     @property
     def is_open(self) -> bool:
@@ -181,23 +213,31 @@ class Membership:
         self._refresh()
         return dict(self._members or {})
 
-    def allows(self, peer_id: str) -> bool:
-        """Whether `peer_id` is a member."""
+    def allows(self, peer_id: str, role: str | None = None) -> bool:
+        """Whether `peer_id` is a member (in `role`, if given: a member of role `any` has every role)."""
         if self._members is None:
             return True
         self._refresh()
-        return peer_id in self._members
+        return peer_id in self._members and (role is None or self._roles.get(peer_id, ANY) in (ANY, role))
+
+    def serves(self, peer_id: str) -> bool:
+        """Whether `peer_id` may serve: announce records, be routed through, push and be pushed to."""
+        return self.allows(peer_id, SERVER)
 
     def name_of(self, peer_id: str) -> str | None:
         """The member's name in the swarm file, if it is listed there."""
         return self.members().get(peer_id)
 
     def require(self, peer_id: str, role: str, key_path: str | None) -> None:
-        """Raise NotAMember unless this process's own peer id (a server's or DHT node's) is a member."""
+        """Raise NotAMember unless this process's own peer id (a server's or DHT node's) is a member that serves."""
         if not self.allows(peer_id):
             raise NotAMember(f"this {role}'s peer id {peer_id} (key {key_path}) is not a member of swarm file "
-                             f"{self.path}: add it with '{ADD_MEMBER} {self.path} {key_path or peer_id}' and copy "
-                             "the file to every machine")
+                             f"{self.path}: add it with '{ADD_MEMBER} {self.path} {key_path or peer_id} --role "
+                             f"{SERVER}' and copy the file to every machine")
+        if not self.serves(peer_id):
+            raise NotAMember(f"this {role}'s key {key_path or peer_id} is a {self._roles.get(peer_id)} member of swarm "
+                             f"file {self.path}, and only server members may serve: use a server key, or change its "
+                             f"role with '{ADD_MEMBER} {self.path} {key_path or peer_id} --role {SERVER}'")
 
     def _refresh(self) -> None:
         if self.path is None or self._clock() - self._checked_at < self._recheck:
@@ -207,14 +247,14 @@ class Membership:
         if signature == self._signature:
             return
         try:
-            members = SwarmFile.load(self.path).members
+            swarm = SwarmFile.load(self.path)
         except SwarmFileError as e:
             logger.warning("Keeping the last good member list: %s", e)
             return
         self._signature = signature
-        if members != self._members:
-            logger.info("Swarm file %s changed: %d members", self.path, len(members))
-            self._members = members
+        if swarm.members != self._members or swarm.roles != self._roles:
+            logger.info("Swarm file %s changed: %d members", self.path, len(swarm.members))
+            self._members, self._roles = swarm.members, swarm.roles
             self.generation += 1
 
 
@@ -282,7 +322,10 @@ class MemberCredential:
             raise CredentialError("malformed member credential: unusable key") from None
         if not membership.allows(member):
             raise CredentialError(f"key {member} is not a member of this server's swarm: add it with '{ADD_MEMBER} "
-                                  f"SWARM_FILE {member}' and copy the file to every machine")
+                                  f"SWARM_FILE {member} --role {CLIENT}' and copy the file to every machine")
+        if not membership.allows(member, CLIENT):
+            raise CredentialError(f"key {member} is a server member of this server's swarm, and server keys do not "
+                                  f"run clients: use a client key ('{ADD_MEMBER} SWARM_FILE KEY --role {CLIENT}')")
         if not verify(self.key, self.signed_part(self.key, self.peer, self.expires), self.sig):
             raise CredentialError(f"the member credential's signature does not match key {member}")
         return member
@@ -338,7 +381,11 @@ class SwarmAccess:
         key = Identity.load(identity)
         if strict and not membership.allows(key.peer_id):
             raise NotAMember(f"key {identity} (peer id {key.peer_id}) is not a member of swarm file {swarm_file}: add "
-                             f"it with '{ADD_MEMBER} {swarm_file} {key.peer_id}' and copy the file to every machine")
+                             f"it with '{ADD_MEMBER} {swarm_file} {key.peer_id} --role {CLIENT}' and copy the file to "
+                             "every machine")
+        if strict and not membership.allows(key.peer_id, CLIENT):
+            raise NotAMember(f"key {identity} is a server member of swarm file {swarm_file}, and server keys do not run "
+                             f"clients: use a client key ('{ADD_MEMBER} {swarm_file} KEY --role {CLIENT}')")
         if membership.is_open:
             logger.warning("A member key without --swarm-file: this client routes through any server announcing the "
                            "model; pass --swarm-file to use members only")

@@ -57,14 +57,19 @@ def test_members_are_managed_from_the_command_line(tmp_path: Path) -> None:
     code, out, _ = invoke("swarm", "new-key", str(tmp_path / "box1.key"))
     peer_id = out.strip()
     assert code == 0 and peer_id == Identity.load(tmp_path / "box1.key").peer_id
-    code, out, _ = invoke("swarm", "add-member", str(swarm_file), str(tmp_path / "box1.key"))  # a key file
-    assert code == 0 and out.startswith(f"added {peer_id} (box1): 1 members")
+    code, out, _ = invoke("swarm", "add-member", str(swarm_file), str(tmp_path / "box1.key"), "--role", "server")
+    assert code == 0 and out.startswith(f"added {peer_id} (box1, server): 1 members")  # a key file
     other = Identity.create(tmp_path / "laptop.key").peer_id
-    assert invoke("swarm", "add-member", str(swarm_file), other, "--name", "laptop")[0] == 0  # a peer id
-    assert SwarmFile.load(swarm_file).members == {peer_id: "box1", other: "laptop"}
+    assert invoke("swarm", "add-member", str(swarm_file), other, "--name", "laptop")[0] == 0  # a peer id, role any
+    swarm = SwarmFile.load(swarm_file)
+    assert swarm.members == {peer_id: "box1", other: "laptop"} and swarm.roles == {peer_id: "server"}
+    roles = {peer_id: ("box1", "server"), other: ("laptop", "any")}
     code, out, _ = invoke("swarm", "members", str(swarm_file), "--json")
-    assert json.loads(out) == [{"peer_id": p, "name": n} for p, n in sorted({peer_id: "box1", other: "laptop"}.items())]
-    assert f"{other}  laptop" in invoke("swarm", "members", str(swarm_file))[1]
+    assert json.loads(out) == [{"peer_id": p, "name": n, "role": r} for p, (n, r) in sorted(roles.items())]
+    assert f"{other}  laptop  any" in invoke("swarm", "members", str(swarm_file))[1]
+    assert invoke("swarm", "add-member", str(swarm_file), other, "--name", "laptop", "--role", "client")[0] == 0
+    assert f"{other}  laptop  client" in invoke("swarm", "members", str(swarm_file))[1]  # its role changed
+    assert invoke("swarm", "add-member", str(swarm_file), other, "--role", "admin")[0] == 2  # no such role
     assert invoke("swarm", "remove-member", str(swarm_file), "laptop")[0] == 0  # by name
     assert invoke("swarm", "remove-member", str(swarm_file), str(tmp_path / "box1.key"))[0] == 0  # by key file
     assert SwarmFile.load(swarm_file).members == {}

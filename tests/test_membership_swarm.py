@@ -32,7 +32,15 @@ from swarmclient.swarm import Swarm
 from swarmclient.textgen import load_tokenizer
 from swarmnet import protocol
 from swarmnet.identity import Identity
-from swarmnet.membership import RECHECK_SECONDS, MemberCredential, Membership, NotAMember, SwarmAccess, SwarmFile
+from swarmnet.membership import (
+    CLIENT,
+    RECHECK_SECONDS,
+    MemberCredential,
+    Membership,
+    NotAMember,
+    SwarmAccess,
+    SwarmFile,
+)
 from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "The quick brown fox"]
@@ -167,10 +175,12 @@ def open_meta(session_id: str, meta: dict[str, Any]) -> dict[str, Any]:
 class Stream:
     """A raw inference stream of `client` to a server: send one message, read its answer."""
 
+    rpc = protocol.RPC_INFERENCE
+
     def __init__(self, client: Swarm, peer: str) -> None:
         self.client = client
         _, self.reader, self.writer = client.loop.run(
-            client.p2p.call_binary_stream_handler(PeerID.from_base58(peer), protocol.RPC_INFERENCE))
+            client.p2p.call_binary_stream_handler(PeerID.from_base58(peer), self.rpc))
 
     def send(self, tensors: list[torch.Tensor], meta: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Any]]:
         async def exchange() -> bytes:
@@ -181,6 +191,12 @@ class Stream:
 
     def close(self) -> None:
         self.client.loop.loop.call_soon_threadsafe(self.writer.close)
+
+
+class PushStream(Stream):
+    """A raw push stream, as servers open them to the next hop."""
+
+    rpc = protocol.RPC_PUSH
 
 
 def step_inputs(hidden_size: int, length: int = 4) -> list[torch.Tensor]:
@@ -264,7 +280,7 @@ def test_a_key_outside_the_servers_swarm_file_gets_one_line_naming_add_member(
 def test_a_removed_member_is_refused_once_the_servers_see_the_file(
         tiny_model: Path, private_swarm: LocalSwarm, tmp_path: Path) -> None:
     assert private_swarm.swarm_file is not None
-    key = Identity.load(private_swarm.new_member("leaver"))
+    key = Identity.load(private_swarm.new_member("leaver", CLIENT))
     stale = Membership(None, {**SwarmFile.load(private_swarm.swarm_file).members})  # a box whose copy is old
     time.sleep(RECHECK_SECONDS)  # the servers see the new member
     tokens, _ = generate(tiny_model, private_swarm.initial_peers, SwarmAccess(stale, key))
@@ -331,3 +347,57 @@ def test_a_first_message_of_twenty_thousand_unknown_ext_objects_is_refused_unlog
     assert error_code(meta) is protocol.ErrorCode.INVALID
     close(raw_client, stream)
     assert len(server.log_path.read_text(errors="replace").splitlines()) - before <= 1
+
+
+# ---- roles: a client's key never serves ----------------------------------------------------------------------------
+@process_fixture()
+def swarm_with_a_client_key_server(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[LocalSwarm, ManagedProcess]]:
+    """Server members on 0:3 and 3:6, and a server of all six blocks run with a key the swarm file lists as a client
+    (its own copy is open, so it starts), announcing ten thousand times what it measured."""
+    with LocalSwarm(tiny_model, [], log_dir=tmp_path, private=True) as swarm:
+        laptop = swarm.new_member("laptop", CLIENT)
+        started = [swarm.start_server(0, 3, wait=False), swarm.start_server(3, 6, wait=False),
+                   swarm.start_server(0, 6, wait=False, env={TEST_OVERSTATE_ENV: "10000"}, member=False,
+                                      extra_args=["--identity", str(laptop)])]  # the last --identity wins
+        for server in started:
+            server.wait_for_line(SERVING_BLOCKS, timeout=swarm.ready_timeout)
+        assert started[2].peer_id == Identity.load(laptop).peer_id
+        yield swarm, started[2]
+
+
+def test_a_server_run_with_a_client_members_key_is_neither_routed_nor_pushed_to(
+        tiny_model: Path, swarm_with_a_client_key_server: tuple[LocalSwarm, ManagedProcess]) -> None:
+    swarm, laptop = swarm_with_a_client_key_server
+    servers = [swarm.servers[0].peer_id, swarm.servers[1].peer_id]
+    spec = ModelSpec.open(tiny_model)
+    client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks,
+                           access=swarm.access())
+    try:
+        assert laptop.peer_id in {p for block in client.loop.run(client.block_infos(refresh=True)) for p in block}
+        before = steps_of(client, laptop.peer_id)
+        # a member client routes through the server members only, although the client key's server claims more speed
+        tokens, model_swarm = generate(tiny_model, swarm.initial_peers, swarm.access(), verify_fraction=1.0)
+        assert tokens.shape[1] > 0 and set(model_swarm.rtts) == set(servers)
+        assert steps_of(client, laptop.peer_id) == before
+        # and a member server refuses to push a session's steps to it
+        credential = {"credential": swarm.access().credential(client.p2p.peer_id.to_base58())}
+        stream = Stream(client, servers[0])
+        try:
+            _, opened = stream.send([], open_meta("p" * 32, {**credential, "push": True}))
+            assert protocol.response_error(opened) is None
+            _, answer = stream.send(step_inputs(spec.hidden_size), {
+                "session_id": "p" * 32, "step_id": 0, "route": [[laptop.peer_id, "q" * 32]]})
+            code, message = protocol.response_error(answer) or (None, "")
+            assert code is protocol.ErrorCode.UNAUTHORIZED and "pushes to members of its swarm only" in message
+            # and a client (a member's credential) cannot push into a session either: only server members do
+            push = PushStream(client, servers[0])
+            try:
+                _, attached = push.send([], {"attach": True, "session_id": "p" * 32, **credential})
+                code, message = protocol.response_error(attached) or (None, "")
+                assert code is protocol.ErrorCode.UNAUTHORIZED and "takes pushes from the server members" in message
+            finally:
+                push.close()
+        finally:
+            stream.close()
+    finally:
+        client.close()

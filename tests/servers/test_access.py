@@ -9,7 +9,8 @@ from factories import ManualClock
 from servers.access import MemberGate
 from servers.errors import RequestRejected
 from swarmnet.identity import Identity
-from swarmnet.membership import MemberCredential, Membership, SwarmFile
+from swarmnet.membership import CLIENT as CLIENT_ROLE
+from swarmnet.membership import SERVER, MemberCredential, Membership, SwarmFile
 from swarmnet.protocol import ErrorCode
 
 CLIENT = "12D3KooWCxbSVdL8unKt3Y4pzF1KX9GJLuq7DiGtDJwP5HhSaFRP"
@@ -73,3 +74,16 @@ def test_the_cache_stays_bounded(swarm_file: Path, keys: dict[str, Identity]) ->
     for blob in credentials:
         gate.check(CLIENT, {"credential": blob})
     assert len(gate._verified) <= 2
+
+
+def test_a_client_members_own_peer_id_is_no_server_and_must_prove_itself_like_any_client(
+        tmp_path: Path, keys: dict[str, Identity]) -> None:
+    swarm = SwarmFile(tmp_path / "roles.json")
+    swarm.add(keys["member"].peer_id, "worker", CLIENT_ROLE)
+    swarm.add(keys["server"].peer_id, "box1", SERVER)
+    swarm.save()
+    gate = MemberGate(Membership.from_file(swarm.path), clock=lambda: NOW)
+    gate.check(keys["server"].peer_id, {})  # a server member: as itself
+    assert "sent no member credential" in refusal(gate, keys["member"].peer_id, {})  # a client key run as a peer
+    own = MemberCredential.issue(keys["member"], keys["member"].peer_id, int(NOW) + 86400).to_bytes()
+    gate.check(keys["member"].peer_id, {"credential": own})  # admitted as the client it is
