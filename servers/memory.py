@@ -25,6 +25,7 @@ class CacheUse:
     owner_limit: int = 0  # block-tokens one caller may reserve (its share of `limit`)
     lending: bool = False  # lending now: one caller alone here may reserve up to `lend_limit`
     lend_limit: int = 0    # block-tokens a caller alone may reserve while lending (all but the reserve)
+    lends: bool = False    # whether this server lends at all (--lend-idle-cache)
 
     @property
     def tokens_left(self) -> int:
@@ -36,6 +37,12 @@ class CacheUse:
         """Tokens per block one caller may reserve now, all its sessions together: its share of the budget, or the
         budget less its reserve while the server lends it (no other caller holds or was refused cache lately)."""
         return (self.lend_limit if self.lending else self.owner_limit) // self.num_blocks
+
+    @property
+    def most_per_caller(self) -> int:
+        """Tokens per block one caller could ever reserve here (alone, while lent): a session that needs more is
+        refused whatever happens, so a client can fail such a request at once instead of waiting for room."""
+        return (max(self.owner_limit, self.lend_limit) if self.lends else self.owner_limit) // self.num_blocks
 
 
 @dataclass
@@ -88,7 +95,8 @@ class CacheBudget:
     def use(self) -> CacheUse:
         """The budget now, as one reading."""
         return CacheUse(self.used, self.limit, self.num_blocks, self.owner_limit,
-                        lending=len(self.owners()) <= 1 and self._lending(), lend_limit=self.lend_limit)
+                        lending=len(self.owners()) <= 1 and self._lending(), lend_limit=self.lend_limit,
+                        lends=self.lend)
 
     def _lending(self) -> bool:
         return self.lend and self.clock() >= self.contended_until

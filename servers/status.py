@@ -58,6 +58,7 @@ class ServerStatus:
             cache_tokens_left=span.cache.tokens_left, dtype=self.dtype, quant=self.quant, version=self.version,
             revision=self.revision, max_batch_size=self.max_batch_size, max_length=self.max_length,
             max_sessions_per_peer=self.max_sessions_per_peer, cache_tokens_per_peer=span.cache.tokens_per_caller,
+            cache_tokens_most_per_peer=span.cache.most_per_caller,
             rebalances=self.rebalances, moves=self.moves)
 
     def info_answer(self) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class ServerInfo(BaseModel):
     # what one caller (peer id) may hold here at once; None from a server that does not say (an older one)
     max_sessions_per_peer: int | None = Field(default=None, gt=0)
     cache_tokens_per_peer: int | None = Field(default=None, ge=0, description="tokens per block, all its sessions")
+    # the most one caller could ever hold here (alone, while lent), tokens per block: a longer session never fits
+    cache_tokens_most_per_peer: int | None = Field(default=None, ge=0)
     # rebalancing (servers/rebalancing.py): whether this server may move its span (started with --num-blocks), and
     # its last moves; an older server says neither and is never asked to move
     rebalances: bool = False

@@ -257,6 +257,10 @@ class JobWorker:
         with self.runtime.session() as session:
             for request in requests:
                 result = results[request.id]
+                if result.error is not None:
+                    store.finish_request(session=session, request_id=request.id, token=token,
+                                         status=RequestStatus.failed, error=result.error)
+                    continue
                 store.finish_request(session=session, request_id=request.id, token=token,
                                      status=RequestStatus.completed, generated=result.generated,
                                      finish_reason=result.finish_reason, output_text=result.text)

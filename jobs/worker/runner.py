@@ -51,6 +51,7 @@ class RowState:
     committed: int = 0
     text: str = ""
     logprobs: list[Any] | None = None  # with the request's top_logprobs: an entry per generated id (logprob_entry)
+    error: str | None = None  # why the request fails without running (it can never fit the servers' cache)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class RowResult:
     generated: list[int]
     finish_reason: str
     text: str
+    error: str | None = None  # the request failed: this is why
 
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +130,8 @@ class BatchRunner:
                 wait(self._running)
                 raise
         self._commit(self.rows, force=True)
-        return {row.request_id: RowResult(row.generated, row.finish_reason or "length", row.text) for row in self.rows}
+        return {row.request_id: RowResult(row.generated, row.finish_reason or "length", row.text, row.error)
+                for row in self.rows}
 
     def _add(self, requests: list[Request]) -> list[tuple[RowState, Request]]:
         pairs = [(RowState(r.id, list(r.generated_ids), list(r.stop), committed=len(r.generated_ids),
@@ -145,7 +148,21 @@ class BatchRunner:
             if row.generated:
                 logger.info("Request %s resumes at token %d", request.id, len(row.generated))
             self._check_finished(row, request)
+            if row.finish_reason is None:
+                self._check_fits(row, request)
         return [(row, request) for row, request in pairs if row.finish_reason is None]
+
+    def _check_fits(self, row: RowState, request: Request) -> None:
+        """End a row at once, failed, when its session could never get its KV cache from the servers: waiting for
+        room would last until the job expires."""
+        need, ceiling = len(request.prompt_ids) + request.max_tokens, self.plan.ceiling
+        if ceiling is not None and need > ceiling:
+            row.finish_reason = "error"
+            row.error = (f"this request needs {need} tokens of KV cache per block (prompt {len(request.prompt_ids)} "
+                         f"+ max_tokens {request.max_tokens}), and the most any server of the swarm grants one caller "
+                         f"is {ceiling}: lower max_tokens or shorten the prompt, or run the servers with a larger "
+                         "--attn-cache-tokens or --max-cache-share-per-peer")
+            logger.warning("Request %s fails: %s", request.id, row.error)
 
     def _supervise(self, pool: ThreadPoolExecutor) -> None:
         """Start lanes while there is room, refill freed slots, renew the leases; re-raise a lane's failure."""

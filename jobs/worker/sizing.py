@@ -40,6 +40,7 @@ class ChainRoom:
     sessions: int             # sessions this caller may open on every server of the chain
     compute_seconds: tuple[float, ...]  # per hop: its blocks at its trusted throughput (one decode step)
     rtt_seconds: tuple[float, ...]      # per hop: the round trip to its server
+    ceiling: int | None = None  # tokens per block one request may ever reserve on some chain (caller_ceiling)
 
     def lanes_to_fill(self, *, round_trips: bool = True) -> int:
         """Micro-batches that keep the slowest server busy while a step travels the rest of the chain: one decode
@@ -74,6 +75,7 @@ class PipelinePlan:
     cache_tokens: int | None = None
     rows_per_session: int | None = None
     bound: str = "set"  # what set the claim, for the log and `status`
+    ceiling: int | None = None  # a request needing more KV cache per block can never run (caller_ceiling)
 
     def as_dict(self) -> dict[str, object]:
         """What the job object and `status` show of it."""
@@ -104,7 +106,8 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
     chosen_lanes = lanes or room.lanes_to_fill()
     max_lanes = max(chosen_lanes, room.max_lanes())
     if claim is not None:
-        return PipelinePlan(claim, chosen_lanes, max_lanes, room.cache_tokens, room.rows_per_session, "set")
+        return PipelinePlan(claim, chosen_lanes, max_lanes, room.cache_tokens, room.rows_per_session, "set",
+                            room.ceiling)
     limits = {"fair share": max(1, share), "max batch size": chosen_lanes * room.rows_per_session,
               "most per worker": MAX_CLAIM, "open requests": max(1, len(row_tokens))}
     bound = min(limits, key=limits.__getitem__)
@@ -116,7 +119,7 @@ def plan_pipeline(room: ChainRoom | None, row_tokens: Sequence[int], *, share: i
         at_once = min(count, rows_that_fit(row_tokens[:count], chosen_lanes, room.cache_tokens))
         chosen_lanes = max(room.lanes_for(at_once), -(-at_once // room.rows_per_session))
     return PipelinePlan(count, min(chosen_lanes, count), max_lanes, room.cache_tokens, room.rows_per_session,
-                        f"bound: {bound}")
+                        f"bound: {bound}", room.ceiling)
 
 
 def rows_that_fit(row_tokens: Sequence[int], lanes: int, cache_tokens: int) -> int:
@@ -145,7 +148,23 @@ async def chain_room(swarm: Swarm) -> ChainRoom:
         cache_tokens=min(caller_cache_tokens(span, answer) for (_, span), answer in zip(hops, answers, strict=True)),
         sessions=min(span.info.max_sessions_per_peer or DEFAULT_SESSIONS_PER_PEER for _, span in hops),
         compute_seconds=tuple(hop_cost(span, hop.end - hop.start, 0.0, throughputs[hop.peer_id]) for hop, span in hops),
-        rtt_seconds=tuple(swarm.rtts.get(hop.peer_id, DEFAULT_RTT) for hop, _ in hops))
+        rtt_seconds=tuple(swarm.rtts.get(hop.peer_id, DEFAULT_RTT) for hop, _ in hops),
+        ceiling=caller_ceiling(list(spans.values()), swarm.num_blocks))
+
+
+def caller_ceiling(spans: Sequence[RemoteSpanInfo], num_blocks: int) -> int | None:
+    """Tokens per block one request may ever reserve: per block, the most that any member server holding it grants
+    one caller (alone, while lent: `cache_tokens_most_per_peer`); the least of those over the blocks. None when it
+    cannot be known: a block without servers (routing says so), or a server that does not say (an older one)."""
+    most: list[int | None] = [0] * num_blocks
+    for span in spans:
+        grants = span.info.cache_tokens_most_per_peer
+        for index in range(span.start, min(span.end, num_blocks)):
+            current = most[index]
+            most[index] = None if grants is None or current is None else max(current, grants)
+    if any(value is None or value == 0 for value in most):
+        return None
+    return min(value for value in most if value is not None)
 
 
 def caller_cache_tokens(span: RemoteSpanInfo, answer: dict[str, Any] | BaseException) -> int:

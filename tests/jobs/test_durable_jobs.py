@@ -209,6 +209,36 @@ def test_a_job_waits_for_missing_blocks_and_says_so(
             worker.terminate()
 
 
+@pytest.mark.swarm
+def test_a_request_longer_than_any_server_grants_one_caller_fails_at_once_and_the_rest_runs(
+        make_runtime: Callable[..., Runtime], tiny_model: Path, tmp_path: Path) -> None:
+    # Given servers that grant one caller 32 tokens of KV cache per block (64 tokens, half each, nothing lent)
+    runtime = make_runtime(checkpoint_every=K)
+    small_cache = ["--attn-cache-tokens", "64", "--max-cache-share-per-peer", "0.5", "--no-lend-idle-cache"]
+    with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path / "small-cache", server_args=small_cache) as swarm:
+        settings = runtime.settings.model_copy(update={"initial_peers": swarm.initial_peers, "sweep_interval": 2.0})
+        worker = start_local_worker(settings, log_dir=tmp_path)
+        try:
+            # When a job holds a request that fits and one that needs prompt + 100 tokens
+            lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+                      "body": {"prompt": "Hello there", "max_tokens": tokens, "temperature": 0}}
+                     for name, tokens in (("fits", 8), ("too-long", 100))]
+            job = submit_batch(runtime, "".join(json.dumps(line) + "\n" for line in lines).encode(),
+                               model=str(tiny_model))
+            # Then the job ends within a minute (not at its deadline, a day later): the short one completed, the
+            # long one failed with one line saying what it needs, what the servers grant, and what to change
+            wait_for(lambda: job_status(runtime, job.id) == "completed", 60, "the job to end")
+        finally:
+            worker.terminate()
+    rows = {r.custom_id: r for r in requests_of(runtime, job.id)}
+    assert rows["fits"].status == "completed" and rows["fits"].generated_ids
+    failed = rows["too-long"]
+    assert failed.status == "failed" and failed.attempts == 1 and "\n" not in (failed.last_error or "")
+    prompt = len(failed.prompt_ids)
+    assert f"needs {prompt + 100} tokens of KV cache per block (prompt {prompt} + max_tokens 100), and the most any " \
+           "server of the swarm grants one caller is 32: lower max_tokens" in (failed.last_error or ""), failed.last_error
+
+
 def penalized_batch(count: int, *, max_tokens: int = 40) -> bytes:
     """`count` requests with penalties on (greedy ones and sampled ones with vLLM's extensions, explicit seeds), and
     the same prompts without them (`plain-i`)."""

@@ -18,6 +18,7 @@ from jobs.worker.sizing import (
     ChainRoom,
     PipelinePlan,
     caller_cache_tokens,
+    caller_ceiling,
     lane_reservation,
     plan_pipeline,
     rows_that_fit,
@@ -90,6 +91,16 @@ def test_the_cache_a_caller_may_take_is_the_servers_answer_now_else_its_record()
     for answer in ({}, {"cache_tokens_for_caller": True}, {"cache_tokens_for_caller": -1}, TimeoutError()):
         assert caller_cache_tokens(record, answer) == 100
     assert caller_cache_tokens(span("QmServer", 0, 6, cache_tokens_left=900), {}) == 900  # no share announced
+
+
+def test_the_ceiling_is_per_block_the_most_generous_holder_and_over_blocks_the_least() -> None:
+    spans = [span("QmA", 0, 3, cache_tokens_most_per_peer=100), span("QmB", 0, 6, cache_tokens_most_per_peer=40),
+             span("QmC", 3, 6, cache_tokens_most_per_peer=70)]
+    assert caller_ceiling(spans, 6) == 70  # blocks 0:3 grant 100 (A), blocks 3:6 grant 70 (C)
+    assert caller_ceiling(spans[:2], 6) == 40  # without C, B alone holds 3:6
+    assert caller_ceiling(spans[:1], 6) is None  # 3:6 has no server: routing says so, not the ceiling
+    assert caller_ceiling([*spans, span("QmOld", 3, 6)], 6) is None  # an older server that does not say may grant more
+    assert plan_pipeline(ChainRoom(8, 100, 16, (0.03,), (0.002,), ceiling=70), [10], share=4).ceiling == 70
 
 
 def test_explicit_settings_win() -> None:

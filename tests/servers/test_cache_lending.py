@@ -58,6 +58,14 @@ def test_a_caller_alone_borrows_all_but_the_reserve_and_says_so_in_the_record() 
     assert budget.use().tokens_per_caller == 50 and budget.tokens_for("b") == 5
 
 
+def test_the_most_a_caller_could_ever_hold_is_what_it_is_lent_alone_or_else_its_share() -> None:
+    lending = CacheBudget(1000, 10, owner_share=0.5, lend=True)
+    assert lending.use().most_per_caller == 1000 - int(1000 * LENDING_RESERVE)
+    lending.reserve("a", owner="other", batch_size=1, max_length=100, num_blocks=10)
+    assert lending.use().most_per_caller == 750, "the ceiling does not move with who holds cache now"
+    assert CacheBudget(1000, 10, owner_share=0.5, lend=False).use().most_per_caller == 500
+
+
 def test_without_lending_a_caller_alone_is_held_to_its_share() -> None:
     budget = lending_budget(Clock(), lend=False)
     reserve(budget, "a1", "a", 50)
