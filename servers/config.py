@@ -59,7 +59,8 @@ class ServerConfig:
     model_dir: str
     initial_peers: list[str]
     blocks: tuple[int, int] | None = None   # explicit span [start, end) (--blocks A:B)
-    num_blocks: int | None = option(None, "Serve N blocks where coverage is weakest.", min=1)
+    num_blocks: int | None = option(None, "Serve N blocks where coverage is weakest (without it and --blocks: as "
+                                          "many as fit the memory, see --max-memory-gb).", min=1)
     network: NetworkOptions = field(default_factory=NetworkOptions)  # --host, --port, --announce-host, --identity
     device: str = option("auto", "Where weights, KV cache and compute live: auto (cuda when torch sees a GPU, else "
                                  "cpu), cpu, cuda or cuda:N.")
@@ -67,6 +68,9 @@ class ServerConfig:
                                       "bfloat16 on CUDA where supported, else float16.")
     quant: Quant = option(Quant.none, "Weight quantization (bitsandbytes).")
     attn_cache_tokens: int = option(16384, "KV-cache tokens per block, all sessions.", min=1)
+    max_memory_gb: float = option(0.0, "Memory this server may use for weights and KV cache when it sizes its span "
+                                       "itself (neither --blocks nor --num-blocks); 0 = the device's free memory.",
+                                  min=0)
     max_batch_size: int = option(64, "Largest batch accepted.", min=1)
     max_length: int | None = option(None, "Longest session in tokens; default: the model's context.", min=1)
     announce_period: float = option(15.0, "Seconds between DHT announcements.")
@@ -102,8 +106,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         self.torch_device()  # a device this machine lacks is refused now, in one line
-        if (self.blocks is None) == (self.num_blocks is None):
-            raise ServerConfigError("pass exactly one of --blocks A:B and --num-blocks N")
+        if self.blocks is not None and self.num_blocks is not None:
+            raise ServerConfigError("pass one of --blocks A:B and --num-blocks N (or neither: as many blocks as fit "
+                                    "the memory)")
         if self.attn_cache_tokens < 1 or self.max_batch_size < 1 or self.announce_period <= 0:
             raise ServerConfigError("--attn-cache-tokens, --max-batch-size and --announce-period must be positive")
         if self.announce_period > ANNOUNCE_PERIOD_LIMIT:

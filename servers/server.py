@@ -21,6 +21,7 @@ from servers.access import MemberGate
 from servers.announcer import Announcer
 from servers.block_loading import load_span
 from servers.block_selection import choose_best_blocks
+from servers.block_sizing import auto_num_blocks
 from servers.config import ServerConfig
 from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
@@ -199,11 +200,13 @@ class BlockServer:
             if not 0 <= start < end <= self.spec.num_blocks:
                 raise ServerConfigError(f"--blocks {start}:{end} is outside the model's 0:{self.spec.num_blocks}")
             return start, end
-        assert self.config.num_blocks is not None
+        count = self.config.num_blocks or auto_num_blocks(
+            self.spec, self.device, self.dtype, self.config.quant, self.config.attn_cache_tokens,
+            self.config.max_memory_gb)
         infos = [{peer: info for peer, info in servers.items() if self.membership.serves(peer)}  # clients use no other
                  for servers in await get_remote_module_infos(node, self.spec.model_id, self.spec.num_blocks)]
         try:
-            return choose_best_blocks(self.config.num_blocks, infos)
+            return choose_best_blocks(count, infos)
         except ValueError as e:
             raise ServerConfigError(str(e)) from e
 
