@@ -23,6 +23,7 @@ from swarmnet.discovery import BlockServers, get_remote_module_infos, online_spa
 from swarmnet.membership import ADD_MEMBER, NotAMember, SwarmAccess
 from swarmnet.network import LoopThread, start_dht_node
 from swarmnet.protocol import ErrorCode
+from swarmnet.relays import RelayRole
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ class Swarm:
         """
         loop = LoopThread()
         try:
-            p2p, node = loop.run(start_dht_node(initial_peers, network or NetworkOptions(), client_mode=True))
+            # a client dials servers behind NAT through their relays (swarmnet/relays.py)
+            network = network or NetworkOptions(relay_role=RelayRole.dial)
+            p2p, node = loop.run(start_dht_node(initial_peers, network, client_mode=True))
         except BaseException:
             loop.stop()
             raise
