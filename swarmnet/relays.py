@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 RELAY_LOGGER = "relay"  # go-libp2p's logger of the relay service (p2p/protocol/circuitv2/relay); RelayP2P reads it
 _RESERVED = re.compile(r"^reserving relay slot for (\w+)$")
 _RELAYING = re.compile(r"^relaying connection from (\w+) to (\w+)$")
+RELAY_CONNECTION_CAP = "128 KiB each way or 2 minutes"  # what p2pd's relay lets one relayed connection carry
 MAX_LOGGED_STRANGERS = 100  # refused strangers logged by name (one line each); more are refused silently
 
 

@@ -34,6 +34,7 @@ class NatSwarm:
     dht: ManagedProcess
     server: ManagedProcess
     server_port: int
+    server_peer_id: str
     member_args: list[str]  # --swarm-file and a member key, for a client
     stranger_key: Path
 
@@ -58,12 +59,13 @@ def start_nat_swarm(model_dir: Path, tmp: Path, *, private: bool = True) -> NatS
                                              "--port", "4100", "--use-relay", "--num-threads", "1",
                                              *membership("server"), "--initial-peers", *peers),
                          name="server-behind-nat", env={"OMP_NUM_THREADS": "1"})
-        server.wait_for_line(SERVING_BLOCKS, timeout=180)
+        ready = server.wait_for_line(SERVING_BLOCKS, timeout=180)
     except BaseException:
         lab.close()
         raise
     member_args = ["--swarm-file", str(swarm.path), "--identity", str(keys["client"].path)] if private else []
-    return NatSwarm(lab, inside, peers, dht, server, 4100, member_args, keys["stranger"].path)
+    assert keys["server"].peer_id in ready
+    return NatSwarm(lab, inside, peers, dht, server, 4100, keys["server"].peer_id, member_args, keys["stranger"].path)
 
 
 @process_fixture(scope="module")
@@ -105,6 +107,46 @@ def test_a_member_client_generates_local_greedy_tokens_through_the_relay(tiny_mo
     tokens = generate_in(nat_swarm.lab, 2, tiny_model, nat_swarm.peers, PROMPTS, 12, *nat_swarm.member_args)
     # Then the tokens are local greedy generation's
     assert tokens == expected_ids(tiny_model, PROMPTS, 12)
+
+
+SESSIONS = """
+import json, logging, sys
+from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.textgen import load_tokenizer
+from swarmnet.membership import SwarmAccess
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+model_dir, swarm_file, key, sessions, tokens, *peers = sys.argv[1:]
+batch = load_tokenizer(model_dir)(json.loads(sys.stdin.read()), return_tensors="pt", padding=True)
+with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers,
+                                                 access=SwarmAccess.load(swarm_file, key)) as model:
+    for _ in range(int(sessions)):
+        out = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=int(tokens))
+        print(json.dumps(out[:, batch.input_ids.shape[1]:].tolist()), flush=True)
+    print(json.dumps(sorted(model.swarm.relayed)), flush=True)
+"""
+
+
+def test_sessions_beyond_what_one_relayed_connection_carries_reconnect_with_the_same_tokens(
+        tiny_model: Path, nat_swarm: NatSwarm) -> None:
+    from generation_checks import reference_tokens
+
+    from swarmclient.textgen import load_tokenizer
+
+    # Given one client process running 6 sessions in turn, each about 40 KiB each way over the relay (4 rows x 44
+    # positions x hidden 64 x 4 bytes): together past the 128 KiB the relay lets one connection carry
+    swarm_file, key = nat_swarm.member_args[1], nat_swarm.member_args[3]
+    done = nat_swarm.lab.exec(nat_swarm.lab.nodes[2], [sys.executable, "-c", SESSIONS, str(tiny_model), swarm_file,
+                                                       key, "6", "32", *nat_swarm.peers],
+                              timeout=300, env={"PYTHONPATH": REPO}, input=json.dumps(PROMPTS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    *outputs, relayed = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    # Then the client knew the server was behind the relay, reconnected when the relay reset the connection (not
+    # banning the only server), and every session generated local greedy's tokens
+    assert relayed == [nat_swarm.server_peer_id]
+    assert "resets a connection after 128 KiB each way or 2 minutes; reconnecting" in done.stderr
+    expected = reference_tokens(tiny_model, load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True),
+                                32).tolist()
+    assert outputs == [expected] * 6
 
 
 def test_a_client_without_membership_is_refused_by_the_server_behind_the_relay(tiny_model: Path,

@@ -248,11 +248,12 @@ class NetLab:
         self.processes.append(process)
         return process
 
-    def exec(self, node: Node, args: Sequence[str], *, timeout: float = 600, env: Mapping[str, str] | None = None
-             ) -> subprocess.CompletedProcess[str]:
-        """Run a command inside a node to its end; its output is captured (a failure is the caller's to check)."""
+    def exec(self, node: Node, args: Sequence[str], *, timeout: float = 600, env: Mapping[str, str] | None = None,
+             input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a command inside a node to its end (`input` on its stdin); its output is captured (a failure is the
+        caller's to check)."""
         return subprocess.run(["ip", "netns", "exec", node.namespace, *args], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, **(env or {})})
+                              timeout=timeout, env={**os.environ, **(env or {})}, input=input)
 
     def rtt_ms(self, source: Node, target: Node, *, count: int = 5) -> float:
         """The median round trip from source to target, by `ping -U` (user-to-user: it sees the input delay)."""
