@@ -39,14 +39,16 @@ class NatSwarm:
     stranger_key: Path
 
 
-def start_nat_swarm(model_dir: Path, tmp: Path, *, private: bool = True) -> NatSwarm:
-    """Build the lab and start the DHT node (--relay) and the server (--use-relay, port 4100); raises LabError."""
-    keys = {name: Identity.create(tmp / f"{name}.key") for name in ("dht", "server", "client", "stranger")}
+def start_nat_swarm(model_dir: Path, tmp: Path, *, private: bool = True, nodes: int = 3, blocks: str = "0:6"
+                    ) -> NatSwarm:
+    """Build the lab and start the DHT node (--relay) and the server (--use-relay, port 4100, `blocks`); raises
+    LabError. Nodes past the third are left for the test."""
+    keys = {name: Identity.create(tmp / f"{name}.key") for name in ("dht", "server", "public", "client", "stranger")}
     swarm = SwarmFile.create(tmp / "swarm.json")
-    for name in ("dht", "server", "client"):
+    for name in ("dht", "server", "public", "client"):
         swarm.add(keys[name].peer_id, name)
     swarm.save()
-    lab = NetLab(3, subnet=PUBLIC_SUBNET, log_dir=tmp / "lab")
+    lab = NetLab(nodes, subnet=PUBLIC_SUBNET, log_dir=tmp / "lab")
     try:
         lab.build()
         inside = lab.behind_nat(lab.nodes[1])
@@ -55,7 +57,7 @@ def start_nat_swarm(model_dir: Path, tmp: Path, *, private: bool = True) -> NatS
         dht = lab.run(lab.nodes[0], cli_command("dht", "--host", lab.nodes[0].ip, "--port", "4001", "--relay",
                                                 *membership("dht")), name="dht-relay")
         peers = [dht.wait_for_line("/", timeout=60)]
-        server = lab.run(inside, cli_command("serve", str(model_dir), "--blocks", "0:6", "--host", inside.ip,
+        server = lab.run(inside, cli_command("serve", str(model_dir), "--blocks", blocks, "--host", inside.ip,
                                              "--port", "4100", "--use-relay", "--num-threads", "1",
                                              *membership("server"), "--initial-peers", *peers),
                          name="server-behind-nat", env={"OMP_NUM_THREADS": "1"})
@@ -197,3 +199,28 @@ def test_an_open_swarms_relay_relays_for_anyone(tiny_model: Path, tmp_path: Path
     finally:
         swarm.lab.close()
     assert report["answered"] >= 1, report
+
+
+@pytest.mark.swarm
+def test_a_swarm_mixing_a_public_server_and_one_behind_nat_generates_local_greedy_tokens(tiny_model: Path,
+                                                                                         tmp_path: Path) -> None:
+    # Given blocks 0:3 on a server anyone can dial (node 3) and 3:6 on the server behind NAT
+    from netlab.lab import start_servers, unavailable
+
+    if unavailable():
+        pytest.skip(f"no network namespaces here: {unavailable()}")
+    try:
+        swarm = start_nat_swarm(tiny_model, tmp_path, nodes=4, blocks="3:6")
+    except LabError as e:
+        pytest.skip(f"cannot build network namespaces here: {e}")
+    try:
+        start_servers(swarm.lab, tiny_model, swarm.peers, [(swarm.lab.nodes[3], 0, 3, tuple(swarm.member_args[:2]) + (
+            "--identity", str(tmp_path / "public.key")))])
+        # When a member client generates, with push and without (the public server runs no relay transport, so it
+        # cannot push to the other; the client then sends that step itself)
+        for push in ("--push", "--no-push"):
+            tokens = generate_in(swarm.lab, 2, tiny_model, swarm.peers, PROMPTS, 12, push, *swarm.member_args)
+            # Then the tokens are local greedy generation's
+            assert tokens == expected_ids(tiny_model, PROMPTS, 12)
+    finally:
+        swarm.lab.close()
