@@ -18,6 +18,15 @@ PortOption = Annotated[int, typer.Option("--port", envvar="SWARMBATCH_PORT", min
 AnnounceHostOption = Annotated[str | None, typer.Option(
     "--announce-host", envvar="SWARMBATCH_ANNOUNCE_HOST",
     help="The address other machines dial, announced instead of --host's: an IPv4 or IPv6 address or a DNS name.")]
+RelayOption = Annotated[bool, typer.Option(
+    "--relay", envvar="SWARMBATCH_RELAY",
+    help="Relay for the swarm's members (libp2p circuit relay v2): servers behind NAT that run --use-relay are "
+         "reached through this node; a non-member that takes a relay slot is disconnected. Run it where others can "
+         "dial this node.")]
+UseRelayOption = Annotated[bool, typer.Option(
+    "--use-relay", envvar="SWARMBATCH_USE_RELAY",
+    help="This server cannot be dialed (behind NAT, no open port): reserve a slot on the --initial-peers (DHT nodes "
+         "running --relay) and be reached through them.")]
 SwarmFileOption = Annotated[Path | None, typer.Option(
     "--swarm-file", envvar="SWARMBATCH_SWARM_FILE",
     help="A private swarm's member list ('swarmbatch swarm init'); without it the swarm is open to anyone who can "

@@ -12,7 +12,17 @@ from typing import Annotated, Any
 import typer
 
 from commands.config_options import config_values, with_config_options
-from commands.options import AnnounceHostOption, HostOption, JsonOption, MemberKeyOption, PeersOption, PortOption, SwarmFileOption
+from commands.options import (
+    AnnounceHostOption,
+    HostOption,
+    JsonOption,
+    MemberKeyOption,
+    PeersOption,
+    PortOption,
+    RelayOption,
+    SwarmFileOption,
+    UseRelayOption,
+)
 from launch.ready import serving_line
 from servers.config import ServerConfig  # light: no torch, no hivemind (its options are built at import)
 
@@ -29,12 +39,18 @@ def resolve_model(name_or_path: str) -> Path:
     return prepare_model(name_or_path, cache_dir=get_settings().models_dir)
 
 
-def network_options(host: str, port: int, identity: Path | None, announce_host: str | None = None) -> Any:
-    """The P2P listen options of a DHT node or block server."""
+def network_options(host: str, port: int, identity: Path | None, announce_host: str | None = None, *,
+                    relay: bool = False, use_relay: bool = False) -> Any:
+    """The P2P listen options of a DHT node or block server (--relay: relays for members; --use-relay: behind NAT)."""
     from swarmnet.addresses import NetworkOptions
+    from swarmnet.relays import RelayRole
 
+    if relay and use_relay:
+        raise typer.BadParameter("a node behind NAT cannot relay for others: give --relay or --use-relay, not both",
+                                 param_hint="--use-relay")
+    role = RelayRole.relay if relay else RelayRole.behind_nat if use_relay else RelayRole.none
     return NetworkOptions(host=host, port=port, identity_path=str(identity) if identity else None,
-                          announce_host=announce_host or None)
+                          announce_host=announce_host or None, relay_role=role)
 
 
 def client_access(swarm_file: Path | None, identity: Path | None, *, strict: bool = True) -> Any:
@@ -93,11 +109,11 @@ def dht(host: HostOption = "127.0.0.1", port: PortOption = 0,
         identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id across restarts.")] = None,
         announce_host: AnnounceHostOption = None,
         initial_peers: PeersOption = [],  # noqa: B006 - typer reads the default; nothing mutates it
-        swarm_file: SwarmFileOption = None) -> None:
+        swarm_file: SwarmFileOption = None, relay: RelayOption = False) -> None:
     """Run a DHT bootstrap node; prints its full multiaddr on one stdout line when ready."""
     from servers.bootstrap import run_bootstrap_node
 
-    network = network_options(host, port, identity, announce_host)  # a bad address fails first, in one line
+    network = network_options(host, port, identity, announce_host, relay=relay)  # a bad address fails first, in one line
     membership = server_membership("DHT node", host, swarm_file, identity)
 
     def on_ready(maddrs: list[str]) -> None:
@@ -127,14 +143,16 @@ def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model 
           blocks: Annotated[str | None, typer.Option(help="Serve blocks START:END.")] = None,
           host: HostOption = "127.0.0.1", port: PortOption = 0, announce_host: AnnounceHostOption = None,
           identity: Annotated[Path | None, typer.Option(help="Key file; keeps the peer id.")] = None,
-          swarm_file: SwarmFileOption = None, **tuning: Any) -> None:
+          swarm_file: SwarmFileOption = None, relay: RelayOption = False, use_relay: UseRelayOption = False,
+          **tuning: Any) -> None:
     """Run a block server for a span of the model's blocks (each further option: servers/config.py)."""
     from servers.server import run_server
 
     if not initial_peers:
         raise typer.BadParameter("a block server needs at least one DHT multiaddr (run 'swarmbatch dht')",
                                  param_hint="--initial-peers")
-    network = network_options(host, port, identity, announce_host)  # a bad address fails before the model loads
+    # a bad address fails before the model loads
+    network = network_options(host, port, identity, announce_host, relay=relay, use_relay=use_relay)
     server_membership("server", host, swarm_file, identity)  # the warning, and one-line errors before loading
     config = ServerConfig(model_dir=str(resolve_model(model)), initial_peers=initial_peers, blocks=parse_blocks(blocks),
                           network=network, swarm_file=str(swarm_file) if swarm_file else None,

@@ -63,6 +63,7 @@ class ServerSession:
                 timeout=self.swarm.config.connect_timeout)
         except Exception as e:
             raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
+        await self.swarm.note_path(self.hop.peer_id)
         if self.push:
             await self._open_for_push()
         return self

@@ -23,6 +23,7 @@ from swarmnet.discovery import BlockServers, get_remote_module_infos, online_spa
 from swarmnet.membership import ADD_MEMBER, NotAMember, SwarmAccess
 from swarmnet.network import LoopThread, start_dht_node
 from swarmnet.protocol import ErrorCode
+from swarmnet.relays import RELAY_CONNECTION_CAP, RelayRole
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ class Swarm:
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
         self.refusals: dict[str, str] = {}  # servers that refused us as no member -> why (explains a failed route)
         self.full_until: dict[str, float] = {}  # servers that refused a session for lack of room -> until when to skip
+        self.relayed: set[str] = set()  # servers reached through a circuit relay (their connections are capped)
+        self._paths_checked: set[str] = set()
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
 
@@ -56,7 +59,9 @@ class Swarm:
         """
         loop = LoopThread()
         try:
-            p2p, node = loop.run(start_dht_node(initial_peers, network or NetworkOptions(), client_mode=True))
+            # a client dials servers behind NAT through their relays (swarmnet/relays.py)
+            network = network or NetworkOptions(relay_role=RelayRole.dial)
+            p2p, node = loop.run(start_dht_node(initial_peers, network, client_mode=True))
         except BaseException:
             loop.stop()
             raise
@@ -100,7 +105,23 @@ class Swarm:
             return self.config.full_timeout
         if isinstance(failure, Unauthorized):
             self.refusals[failure.peer_id] = failure.reason
+        if failure.peer_id in self.relayed and type(failure) is PeerFailed:
+            # not its fault: the relay reset the connection at its cap (swarmnet/relays.py); the retry dials a new
+            # circuit and replays, and the retry limit still bounds a server that keeps failing
+            logger.info("Server %s is reached through a relay, which resets a connection after %s; reconnecting",
+                        failure.peer_id[-8:], RELAY_CONNECTION_CAP)
+            return 0.0
         return self.bans.ban(failure.peer_id)
+
+    async def note_path(self, peer_id: str) -> None:
+        """Once per server, after a stream to it opened: remember whether we reach it through a relay."""
+        if peer_id in self._paths_checked:
+            return
+        self._paths_checked.add(peer_id)
+        for info in await self.p2p.list_peers():
+            if info.peer_id.to_base58() == peer_id and any("p2p-circuit" in str(addr) for addr in info.addrs):
+                self.relayed.add(peer_id)
+                logger.info("Server %s is reached through a relay", peer_id[-8:])
 
     def _usable(self, span: RemoteSpanInfo) -> bool:
         """Neither banned nor just found full."""

@@ -16,7 +16,10 @@ Modules:
                      for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
     records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
     membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
-    network          in-process hivemind P2P + DHT node, uvloop loops, LoopThread (sync facade)
+    relays           circuit relays for servers behind NAT: RelayRole (relay / behind_nat / dial), p2pd's options for
+                     each, RelayGuard (a private swarm's relay cuts off non-members' reservations)
+    network          in-process hivemind P2P (RelayP2P: extra p2pd flags, relay events) + DHT node, uvloop loops,
+                     LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
     devices          --device auto|cpu|cuda|cuda:N resolved against what torch sees; the default dtype there
 

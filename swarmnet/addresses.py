@@ -19,10 +19,12 @@ import ipaddress
 import logging
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from swarmnet.errors import NetworkConfigError
+from swarmnet.relays import RelayRole, relay_kwargs
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
@@ -141,6 +143,7 @@ class NetworkOptions:
     port: int = 0                    # 0 = any free port
     identity_path: str | None = None  # a private key file: keeps the peer id across restarts (created if missing)
     announce_host: str | None = None  # the address (IPv4, IPv6 or DNS name) other machines dial, if not `host`
+    relay_role: RelayRole = RelayRole.none  # circuit relays: relay for members, be reached through one, dial them
 
     def __post_init__(self) -> None:
         """Refuse addresses that cannot work before anything starts (NetworkConfigError)."""
@@ -154,13 +157,14 @@ class NetworkOptions:
         """The listen and announce multiaddrs; reads the interfaces, and picks a free port if an announcement needs one."""
         return AddressPlan.make(self.host, self.port, self.announce_host or None)
 
-    def p2p_kwargs(self, plan: AddressPlan | None = None) -> dict[str, Any]:
-        """Keyword arguments for `P2P.create`. NAT port mapping, AutoNAT and relays stay off: no LAN probing."""
+    def p2p_kwargs(self, plan: AddressPlan | None = None, relays: Sequence[str] = ()) -> dict[str, Any]:
+        """Keyword arguments for `P2P.create` (`RelayP2P.create` when they hold `extra_flags`). NAT port mapping and
+        AutoNAT stay off (no LAN probing); relays as `relay_role` says (`relays`: the relays a node behind NAT
+        reserves on, its initial peers)."""
         plan = plan or self.plan()
         kwargs: dict[str, Any] = dict(
-            host_maddrs=plan.listen,
-            nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False,
-            identity_path=self.identity_path,
+            host_maddrs=plan.listen, nat_port_map=False, auto_nat=False, identity_path=self.identity_path,
+            **relay_kwargs(self.relay_role, relays),
         )
         if plan.announce is not None:
             kwargs["announce_maddrs"] = plan.announce

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -19,11 +20,13 @@ from typing import Any, TypeVar
 import uvloop
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.utils.logging import loglevel, python_level_to_golog
 
 from swarmnet.addresses import NetworkOptions
 from swarmnet.errors import DHTUnreachable
 from swarmnet.identity import Identity
 from swarmnet.records import GuardedDHTNode, SignedRecordValidator, reader_validator
+from swarmnet.relays import RELAY_LOGGER, RelayGuard, RelayRole
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -45,19 +48,27 @@ async def start_dht_node(
     plan = options.plan()
     for level, note in plan.notes(options.host):
         logger.log(level, "%s", note)
+    guarded = options.relay_role is RelayRole.relay and writers is not None
     if client_mode:
-        p2p = await _start_p2p(initial_peers, options.p2p_kwargs(plan))
+        p2p = await _start_p2p(initial_peers, options.p2p_kwargs(plan, initial_peers))
         validator = reader_validator()
     else:
         with node_key(options.identity_path) as (identity, existed):
             # a key created just now cannot be in use: skip hivemind's check, which dials the swarm first
-            p2p = await _start_p2p(initial_peers, {**options.p2p_kwargs(plan), "identity_path": str(identity.path),
-                                                   "check_if_identity_free": existed})
+            p2p = await _start_p2p(initial_peers, {**options.p2p_kwargs(plan, initial_peers),
+                                                   "identity_path": str(identity.path),
+                                                   "check_if_identity_free": existed, "relay_events": guarded})
         validator = SignedRecordValidator(identity)
         if p2p.peer_id.to_base58() != identity.peer_id:
             await p2p.shutdown()
             raise RuntimeError(f"p2pd runs as {p2p.peer_id} but records would be signed as {identity.peer_id}")
         logger.info("Listening on %s; announcing %s", " ".join(plan.listen), " ".join(await visible_maddrs(p2p)))
+    if guarded:
+        assert writers is not None and isinstance(p2p, RelayP2P)  # for mypy: `guarded` says both
+        RelayGuard(p2p, writers)
+        logger.info("Relaying for this swarm's members (circuit relay v2; others are disconnected)")
+    elif options.relay_role is RelayRole.relay:
+        logger.info("Relaying for anyone: this swarm is open (no --swarm-file)")
     try:
         node = await GuardedDHTNode.create(
             p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
@@ -75,10 +86,64 @@ async def start_dht_node(
 async def _start_p2p(initial_peers: Sequence[str], p2p_kwargs: dict[str, Any]) -> P2P:
     try:
         with _children_ignore_sigint():
-            return await P2P.create(initial_peers=list(initial_peers), **p2p_kwargs)
+            return await RelayP2P.create(initial_peers=list(initial_peers), **p2p_kwargs)
     except P2PDaemonError as e:
         raise DHTUnreachable(f"cannot start P2P or reach {list(initial_peers)}: {e}. "
                              "Check that 'swarmbatch dht' runs and the multiaddr is right") from e
+
+
+class RelayP2P(P2P):
+    """hivemind's P2P with two additions: p2pd flags that `P2P.create` has no argument for, and a callback that sees
+    every log record of p2pd's relay service (`on_relay_event(message)`)."""
+
+    _extra_flags: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_relay_event: Callable[[str], None] | None = None
+
+    @classmethod
+    async def create(cls, *args: Any, extra_flags: dict[str, Any] | None = None,  # type: ignore[override]
+                     relay_events: bool = False, **kwargs: Any) -> RelayP2P:
+        """`P2P.create` plus `extra_flags` (-name=value for p2pd) and, with `relay_events`, p2pd's relay logger at
+        debug level (what `on_relay_event` receives)."""
+        flags = dict(extra_flags or {})
+
+        class Configured(cls):  # type: ignore[valid-type,misc]
+            _extra_flags = flags
+
+        with _relay_log_level(relay_events):
+            p2p = await P2P.create.__func__(Configured, *args, **kwargs)  # type: ignore[attr-defined]
+        return p2p  # type: ignore[no-any-return]
+
+    @classmethod
+    def _make_process_args(cls, *args: Any, **kwargs: Any) -> list[str]:  # type: ignore[override]
+        return P2P._make_process_args(*args, **{**kwargs, **cls._extra_flags})
+
+    def _log_p2pd_message(self, line: str) -> None:  # type: ignore[override]
+        P2P._log_p2pd_message(line)
+        if self.on_relay_event is not None and f'"logger":"{RELAY_LOGGER}"' in line:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                self.on_relay_event(str(json.loads(line)["msg"]))
+
+
+@contextlib.contextmanager
+def _relay_log_level(enabled: bool) -> Iterator[None]:
+    """GOLOG_LOG_LEVEL for the p2pd started inside the block: the relay logger at debug level, others as hivemind
+    sets them. p2pd copies the environment when it starts, so the change lasts only as long as the block."""
+    if not enabled:
+        yield
+        return
+    previous = os.environ.get("GOLOG_LOG_LEVEL")
+    base = previous or python_level_to_golog(loglevel)
+    os.environ["GOLOG_LOG_LEVEL"] = f"{base},{RELAY_LOGGER}=debug"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("GOLOG_LOG_LEVEL", None)
+        else:
+            os.environ["GOLOG_LOG_LEVEL"] = previous
 
 
 @contextlib.contextmanager

@@ -31,6 +31,11 @@ from launch.errors import ProcessNotReady
 from launch.processes import ManagedProcess
 
 SUBNET = "10.250.0"  # inside the lab's own namespaces only: it collides with nothing outside them
+# A range libp2p counts as public (not RFC 1918, CGNAT, documentation or benchmarking space), for labs where a
+# relay's address must look public: a node behind NAT announces circuit addresses only through public relay
+# addresses. Only the lab's namespaces, which have no route out, ever hold it.
+PUBLIC_SUBNET = "11.250.0"
+NAT_SUBNET = "192.168.{}"  # the private network behind router node i (NetLab.behind_nat)
 QUEUE = 1  # a node's own NFQUEUE (per namespace); QUEUE + 1 + i: the queue of a delayed link from node i
 DELAY_PROGRAM = Path(__file__).with_name("delay.py")
 _labs = itertools.count()
@@ -84,13 +89,15 @@ class NetLab:
     """
 
     def __init__(self, nodes: int, *, delay_ms: float | Sequence[float] = 0.0,
-                 link_delay_ms: Mapping[tuple[int, int], float] | None = None, log_dir: Path) -> None:
+                 link_delay_ms: Mapping[tuple[int, int], float] | None = None, log_dir: Path,
+                 subnet: str = SUBNET) -> None:
         delays = [float(delay_ms)] * nodes if isinstance(delay_ms, int | float) else [float(d) for d in delay_ms]
         if len(delays) != nodes or not 1 <= nodes <= 200:
             raise ValueError(f"give 1..200 nodes and one delay per node, got {nodes} and {delays}")
         self.prefix = f"sbw{os.getpid()}{chr(ord('a') + next(_labs) % 26)}"
         self.hub = f"{self.prefix}-hub"
-        self.nodes = [Node(i, f"{self.prefix}-n{i}", f"{SUBNET}.{i + 1}", d) for i, d in enumerate(delays)]
+        self.subnet = subnet  # the nodes' /24 (PUBLIC_SUBNET: libp2p treats the addresses as public ones)
+        self.nodes = [Node(i, f"{self.prefix}-n{i}", f"{subnet}.{i + 1}", d) for i, d in enumerate(delays)]
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.processes: list[ManagedProcess] = []
@@ -189,7 +196,7 @@ class NetLab:
             listing = self.exec(node, ["iptables", "-L", "INPUT", "-v", "-x", "-n"], timeout=30).stdout
             for line in listing.splitlines():
                 fields = line.split()  # pkts bytes [target] prot opt in out source destination
-                sources = [f for f in fields[2:] if f.startswith(SUBNET + ".")]
+                sources = [f for f in fields[2:] if f.startswith(self.subnet + ".")]
                 if fields and fields[0].isdigit() and len(sources) == 1 and "NFQUEUE" not in fields:
                     counts[(int(sources[0].rsplit(".", 1)[1]) - 1, node.index)] = int(fields[1])
         return counts
@@ -204,6 +211,34 @@ class NetLab:
             raise LabError(f"the delay program did not start: {program.log_path.read_text()[-300:].strip()}") from e
         return program
 
+    def behind_nat(self, router: Node, *, delay_ms: float | None = None) -> Node:
+        """A machine behind NAT: a namespace on a private network behind `router` (192.168.(100+i).0/24), whose
+        packets leave masqueraded as the router's address (iptables MASQUERADE) and whose router forwards nothing
+        inbound that it did not open (no port forwarding): no other node can dial it. Its input is delayed like
+        the router's (or `delay_ms`); the router adds no delay to what it forwards (INPUT only sees its own)."""
+        inside = Node(100 + router.index, f"{self.prefix}-nat{router.index}", NAT_SUBNET.format(100 + router.index) + ".2",
+                      router.delay_ms if delay_ms is None else delay_ms)
+        gateway, lan = NAT_SUBNET.format(100 + router.index) + ".1", NAT_SUBNET.format(100 + router.index) + ".0/24"
+        self._add_namespace(inside.namespace)
+        _run("ip", "-n", router.namespace, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns",
+             inside.namespace)
+        _run("ip", "-n", router.namespace, "addr", "add", f"{gateway}/24", "dev", "lan0")
+        _run("ip", "-n", router.namespace, "link", "set", "lan0", "up")
+        _run("ip", "-n", inside.namespace, "addr", "add", f"{inside.ip}/24", "dev", "eth0")
+        _run("ip", "-n", inside.namespace, "link", "set", "eth0", "up")
+        _run("ip", "-n", inside.namespace, "route", "add", "default", "via", gateway)
+        in_router = ("ip", "netns", "exec", router.namespace)
+        _run(*in_router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        _run(*in_router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-s", lan, "-o", "eth0", "-j", "MASQUERADE")
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate",
+             "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _run(*in_router, "iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-j", "DROP")
+        if inside.delay_ms > 0:
+            _run("ip", "netns", "exec", inside.namespace, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
+                 "--queue-num", str(QUEUE), "--queue-bypass")
+            self._delay(inside, inside.delay_ms, QUEUE)
+        return inside
+
     # ---- using ----------------------------------------------------------------------------------------------
     def run(self, node: Node, args: Sequence[str], *, name: str, env: Mapping[str, str] | None = None
             ) -> ManagedProcess:
@@ -213,11 +248,12 @@ class NetLab:
         self.processes.append(process)
         return process
 
-    def exec(self, node: Node, args: Sequence[str], *, timeout: float = 600, env: Mapping[str, str] | None = None
-             ) -> subprocess.CompletedProcess[str]:
-        """Run a command inside a node to its end; its output is captured (a failure is the caller's to check)."""
+    def exec(self, node: Node, args: Sequence[str], *, timeout: float = 600, env: Mapping[str, str] | None = None,
+             input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a command inside a node to its end (`input` on its stdin); its output is captured (a failure is the
+        caller's to check)."""
         return subprocess.run(["ip", "netns", "exec", node.namespace, *args], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, **(env or {})})
+                              timeout=timeout, env={**os.environ, **(env or {})}, input=input)
 
     def rtt_ms(self, source: Node, target: Node, *, count: int = 5) -> float:
         """The median round trip from source to target, by `ping -U` (user-to-user: it sees the input delay)."""
