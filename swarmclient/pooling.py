@@ -16,10 +16,12 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from swarmnet.errors import ModelDirError
+
+if TYPE_CHECKING:  # torch loads where vectors are pooled: the API reads a Pooling without it
+    import torch
 
 POOLING_TYPE = "sentence_transformers.models.Pooling"
 NORMALIZE_TYPE = "sentence_transformers.models.Normalize"
@@ -109,6 +111,8 @@ def _json(path: Path) -> object:
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
     """Final hidden states [B, T, H] (final norm applied) and their mask [B, T] (either padding side) -> the pooled
     [B, H] float32 vectors, before truncation and normalization (`finish`)."""
+    import torch
+
     states, mask = hidden.float(), attention_mask.to(hidden.device).long()
     if mode == PoolingMode.mean:
         weights = mask.unsqueeze(-1).float()
@@ -124,6 +128,8 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, mode: PoolingMode) 
 def finish(vector: torch.Tensor, pooling: Pooling, dimensions: int | None = None) -> torch.Tensor:
     """A pooled vector [..., H] as the model's embedding: its first `dimensions` values (all when None), normalized
     to unit length if the model normalizes."""
+    import torch
+
     if dimensions is not None:
         vector = vector[..., :dimensions]
     return torch.nn.functional.normalize(vector, p=2, dim=-1) if pooling.normalize else vector
