@@ -88,7 +88,8 @@ def responses_body(job: Job, request: Request) -> dict[str, Any]:
             "store": False, "temperature": request.temperature, "top_p": request.top_p,
             "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
             "truncation": "disabled", "user": body.get("user"), "metadata": body.get("metadata") or {},
-            "usage": {"input_tokens": request.prompt_count, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": request.prompt_count,
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": request.prompt_count + output_tokens}}
 
