@@ -4,7 +4,8 @@ Each non-empty line is `{"custom_id", "method": "POST", "url", "body"}`. A bad l
 with a stable code and the parameter at fault (`param`, like OpenAI's batch errors); good lines go on. Codes:
 invalid_json, missing_custom_id, invalid_custom_id, duplicate_custom_id, invalid_method, invalid_url,
 invalid_body, model_mismatch, missing_prompt, missing_messages, invalid_messages, unsupported_content,
-chat_template_missing, invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_exceeded.
+chat_template_missing, invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_exceeded,
+missing_input, invalid_input (responses and embeddings lines: jobs.line_responses, jobs.line_embeddings).
 
 A line's `body.model` may be the batch's model or any alias of it (SWARMBATCH_MODEL_ALIASES, resolved by the caller).
 Messages (jobs.line_checks): roles system, developer (as system), user, assistant; content a string or text parts.
