@@ -114,14 +114,15 @@ class DistributedModelForCausalLM:
         """How this model makes an embedding (swarmclient.pooling: its sentence-transformers modules, or the default)."""
         return read_pooling(self.spec.path, self.spec.config)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, mode: PoolingMode | None = None
-               ) -> torch.Tensor:
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, mode: PoolingMode | None = None,
+               verification: VerificationTally | None = None) -> torch.Tensor:
         """Pooled final hidden states [B, H] (float32) of a padded batch, by one stateless forward through the swarm
-        (no KV cache): embeddings, final norm and pooling here. Truncate and normalize with `pooling.finish`."""
+        (no KV cache): embeddings, final norm and pooling (`mode`, default the model's) here. Truncate and normalize
+        with `swarmclient.pooling.finish`. verification: counts the checked hops (see inference_session)."""
         if input_ids.shape[1] > self.spec.max_length:
             raise InvalidRequest(f"an input of {input_ids.shape[1]} tokens exceeds the model's context of "
                                  f"{self.spec.max_length} tokens")
-        hidden = forward_chain(self.swarm, self.head.embed(input_ids), attention_mask)
+        hidden = forward_chain(self.swarm, self.head.embed(input_ids), attention_mask, verification)
         return pool(self.head.final_states(hidden), attention_mask, mode or self.pooling.mode)
 
     @staticmethod

@@ -18,6 +18,7 @@ from jobs.models import Request
 from jobs.worker.runner import RowResult, RowState, left_pad
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.pooling import finish
+from swarmclient.verification_policy import VerificationTally
 
 logger = logging.getLogger(__name__)
 MAX_TOKENS_PER_FORWARD = 8192  # padded tokens of one micro-batch: its hidden states travel each hop at once
@@ -33,8 +34,10 @@ class EmbeddingRunner:
     `rows` is what the batch runner's caller needs for a cancel: the requests not stored yet (nothing to keep)."""
 
     def __init__(self, model: DistributedModelForCausalLM, requests: list[Request], *, finish: Finish,
-                 rows: int, tokens: int = MAX_TOKENS_PER_FORWARD) -> None:
+                 rows: int, tokens: int = MAX_TOKENS_PER_FORWARD, verification: VerificationTally | None = None
+                 ) -> None:
         self.model, self.requests, self.finish = model, requests, finish
+        self.verification = verification or VerificationTally()  # checked hops (docs/security.md "Checked outputs")
         self.max_rows, self.max_tokens = max(1, rows), max(1, tokens)
         self.rows = [RowState(r.id, [], []) for r in requests]
 
@@ -48,7 +51,7 @@ class EmbeddingRunner:
 
     def _embed(self, group: list[Request]) -> set[int]:
         ids, mask = left_pad([list(r.prompt_ids) for r in group], self.model.pad_token_id)
-        pooled = self.model.encode(ids, mask)
+        pooled = self.model.encode(ids, mask, verification=self.verification)
         pooling = self.model.pooling
         vectors = {r.id: embedding_bytes(finish(pooled[row], pooling, r.body.get("dimensions")))
                    for row, r in enumerate(group)}

@@ -246,7 +246,7 @@ class JobWorker:
         job, token, claimed = claim.job, claim.token, claim.requests
         if job.endpoint == EMBEDDINGS_URL:
             return EmbeddingRunner(model, claimed, finish=self._embedded(job.id, token),
-                                   rows=plan.rows_per_session or plan.claim)
+                                   rows=plan.rows_per_session or plan.claim, verification=checks.tally)
         return BatchRunner(model, self.runtime.tokenizer(job.model), claimed, checkpoint_every=job.checkpoint_every,
                            checkpoint=self._checkpoint(job.id, token, checks), verification=checks.tally,
                            plan=plan, continuous=self.settings.continuous_batching,
