@@ -55,7 +55,7 @@ class Pooling:
         if self.matryoshka is None:
             return (f"this model was not trained for shorter embeddings (its config declares no Matryoshka "
                     f"dimensions); omit dimensions to get all {hidden_size}")
-        allowed = self.matryoshka or tuple(range(1, hidden_size + 1))
+        allowed = (*(self.matryoshka or range(1, hidden_size + 1)), hidden_size)  # the full size is always allowed
         if dimensions not in allowed or dimensions > hidden_size:
             sizes = ", ".join(map(str, self.matryoshka)) if self.matryoshka else f"1 to {hidden_size}"
             return f"this model's embeddings may be shortened to {sizes} dimensions"

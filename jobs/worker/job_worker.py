@@ -358,6 +358,8 @@ class JobWorker:
                 stored = set(session.scalars(select(Request.id).where(
                     Request.id.in_(list(vectors)), Request.status == RequestStatus.completed,
                     Request.embedding.is_not(None))))
+                # the inputs still waiting for their micro-batch keep their leases (a batch has no checkpoints)
+                store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
                 session.commit()
                 return stored, session.scalar(select(Job.status).where(Job.id == job_id))
 

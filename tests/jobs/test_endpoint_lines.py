@@ -176,5 +176,7 @@ def test_matryoshka_sizes_come_from_the_config(tmp_path: Path) -> None:
     assert read_pooling(tmp_path, Config()).matryoshka == (16, 32, 64)
     assert Pooling(matryoshka=()).dimensions_problem(10, 64) is None
     assert Pooling(matryoshka=()).dimensions_problem(65, 64) is not None
+    assert Pooling(matryoshka=(16, 32)).dimensions_problem(64, 64) is None  # the full size, always
+    assert Pooling(matryoshka=(16, 32)).dimensions_problem(24, 64) is not None
 
 
