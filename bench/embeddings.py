@@ -2,8 +2,8 @@
 
 The same texts, cut into the same micro-batches (jobs.worker.embedder.micro_batches), are embedded by transformers'
 base model in this process (one thread) and by DistributedModelForCausalLM.encode through two servers holding halves
-of the blocks (one pinned core each), timed interleaved; prints texts/s of each and their ratio, and the largest
-cosine distance between the two.
+of the blocks (one pinned core each) with 1 and 2 micro-batches in flight, timed interleaved; prints texts/s of each
+and their ratio to local, and the largest cosine distance between the two.
 
 usage: python bench/embeddings.py [--model smollm2|PATH] [--texts 64] [--rows 16] [--reps 5]
 """
@@ -13,6 +13,7 @@ import argparse
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -51,13 +52,13 @@ def local_embed(model: torch.nn.Module, groups: list[list[Request]], pad: int) -
     return out
 
 
-def swarm_embed(model: DistributedModelForCausalLM, groups: list[list[Request]]) -> dict[int, torch.Tensor]:
-    out = {}
-    for group in groups:
+def swarm_embed(model: DistributedModelForCausalLM, groups: list[list[Request]], lanes: int
+                ) -> dict[int, torch.Tensor]:
+    def encode(group: list[Request]) -> list[tuple[int, torch.Tensor]]:
         ids, mask = left_pad([list(r.prompt_ids) for r in group], model.pad_token_id)
-        for row, vector in zip(group, model.encode(ids, mask, mode=PoolingMode.lasttoken), strict=True):
-            out[row.id] = vector
-    return out
+        return list(zip([r.id for r in group], model.encode(ids, mask, mode=PoolingMode.lasttoken), strict=True))
+    with ThreadPoolExecutor(lanes) as pool:  # as EmbeddingRunner runs them: `lanes` micro-batches in flight
+        return dict(pair for pairs in pool.map(encode, groups) for pair in pairs)
 
 
 def main() -> None:
@@ -74,15 +75,17 @@ def main() -> None:
     tokens = sum(len(r.prompt_ids) for r in requests)
     local = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     blocks = ModelSpec.open(model_dir).num_blocks
-    times: dict[str, list[float]] = {"local": [], "swarm": []}
+    configs = ["local", *(f"swarm, {lanes} in flight" for lanes in (1, 2))]
+    times: dict[str, list[float]] = {name: [] for name in configs}
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=True) as swarm, \
             DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
         pad = model.pad_token_id
-        swarm_embed(model, groups[:1])  # warm-up: routes, first forwards
+        swarm_embed(model, groups[:1], 1)  # warm-up: routes, first forwards
         for rep in range(args.reps):
-            for name in (("local", "swarm") if rep % 2 == 0 else ("swarm", "local")):
+            for name in configs[rep % 3:] + configs[:rep % 3]:  # the order rotates from rep to rep
                 began = time.perf_counter()
-                got = local_embed(local, groups, pad) if name == "local" else swarm_embed(model, groups)
+                got = local_embed(local, groups, pad) if name == "local" else \
+                    swarm_embed(model, groups, int(name.split(", ")[1][0]))
                 times[name].append(time.perf_counter() - began)
                 if name == "local":
                     expected = got
@@ -91,13 +94,14 @@ def main() -> None:
         worst = max(1 - float(torch.nn.functional.cosine_similarity(finish(vectors[i], model.pooling),
                                                                     finish(expected[i], model.pooling), dim=0))
                     for i in vectors)
-    local_s, swarm_s = statistics.median(times["local"]), statistics.median(times["swarm"])
+    local_s = statistics.median(times["local"])
     print(f"\n{args.texts} texts ({tokens} tokens), micro-batches of {args.rows} ({len(groups)} forwards), "
-          f"{blocks} blocks, median of {args.reps}")
+          f"{blocks} blocks, 2 servers, median of {args.reps}")
     print("| config | seconds | texts/s | vs local |")
     print("|---|---|---|---|")
-    print(f"| local transformers, 1 thread | {local_s:.2f} | {args.texts / local_s:.1f} | 1.00 |")
-    print(f"| swarm, 2 servers | {swarm_s:.2f} | {args.texts / swarm_s:.1f} | {local_s / swarm_s:.2f} |")
+    for name in configs:
+        seconds = statistics.median(times[name])
+        print(f"| {name} | {seconds:.2f} | {args.texts / seconds:.1f} | {local_s / seconds:.2f} |")
     print(f"largest cosine distance swarm vs local: {worst:.2e}")
 
 
