@@ -17,7 +17,7 @@ from swarmclient.config import ClientConfig
 from swarmclient.pooling import Pooling, PoolingMode, finish, read_pooling
 from swarmclient.verification_policy import VerificationTally
 
-# noise on every output, and a throughput that makes a new client route through it first
+# noise on every output, and a claimed throughput that draws routes to it
 LIAR = {FAULT_INJECTION_ENV: "noise:0.1", TEST_OVERSTATE_ENV: "10000"}
 TEXTS = ["The city council voted", "Once upon a time there was a library in an old train station",
          "Rain", "Markets rose on Monday after the central bank said it would keep rates unchanged"]
@@ -76,30 +76,36 @@ def test_the_models_own_pooling_comes_from_its_sentence_transformers_files(embed
 
 def test_a_lying_server_corrupts_unchecked_embeddings_and_checked_hops_catch_it(
         embedding_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
-    # Given a swarm where a lying server (noise on every output, a claimed speed that draws routes) is the only
-    # holder of blocks 0:3
+    # Given a swarm where a lying server (noise on every output) is the only holder of blocks 0:3
     swarm = local_swarm(embedding_model, [])
     liar = swarm.start_server(0, 3, env=LIAR)
     swarm.start_server(3, 6)
     expected = torch.stack([reference(embedding_model, text, PoolingMode.mean) for text in TEXTS])
 
-    def encode(fraction: float) -> tuple[torch.Tensor, VerificationTally, bool]:
-        tally = VerificationTally()
-        with DistributedModelForCausalLM.from_pretrained(embedding_model, initial_peers=swarm.initial_peers,
-                                                         config=ClientConfig(verify_fraction=fraction)) as model:
-            ids, mask = padded(embedding_model, TEXTS, model.pad_token_id, left=True)
-            vectors = finish(model.encode(ids, mask, verification=tally), model.pooling)
-            return vectors, tally, model.swarm.bans.banned_for_good(liar.peer_id)
+    def client(fraction: float) -> DistributedModelForCausalLM:
+        return DistributedModelForCausalLM.from_pretrained(embedding_model, initial_peers=swarm.initial_peers,
+                                                           config=ClientConfig(verify_fraction=fraction))
+
+    def encode(model: DistributedModelForCausalLM, tally: VerificationTally) -> torch.Tensor:
+        ids, mask = padded(embedding_model, TEXTS, model.pad_token_id, left=True)
+        return finish(model.encode(ids, mask, verification=tally), model.pooling)
 
     # When embedding without checks, the vectors are wrong
-    unchecked, tally, _ = encode(0.0)
-    assert not torch.allclose(unchecked, expected, atol=1e-3) and not tally.snapshot()
+    with client(0.0) as model:
+        tally = VerificationTally()
+        assert not torch.allclose(encode(model, tally), expected, atol=1e-3) and not tally.snapshot()
     # When two honest holders of 0:3 join and every hop is checked
     swarm.start_servers([(0, 3, ()), (0, 3, ())])
-    checked, tally, banned = encode(1.0)
-    # Then the liar, routed through first, is caught and banned for good, its hop run again through honest servers,
-    # and the vectors are transformers' own
-    assert banned
+    tally = VerificationTally()
+    with client(1.0) as model:
+        # the liar is caught as the hop's server if routing picks it, or as the checker a check picks (each forward
+        # draws which holder checks: the liar, a coin's toss); every batch's vectors are transformers' own
+        for _ in range(12):
+            assert torch.allclose(encode(model, tally), expected, atol=1e-4)
+            if model.swarm.bans.banned_for_good(liar.peer_id):
+                break
+        # Then it is banned for good, after one mismatch, with the 0:3 hops checked and the 3:6 ones uncheckable
+        assert model.swarm.bans.banned_for_good(liar.peer_id)
+        assert not any(model.swarm.bans.banned_for_good(s.peer_id) for s in swarm.servers if s is not liar)
     counts = tally.snapshot()
-    assert counts.mismatches == 1 and counts.verified >= 2 and counts.unverified >= 1  # 3:6 has a single holder
-    assert torch.allclose(checked, expected, atol=1e-4)
+    assert counts.mismatches == 1 and counts.verified >= 1 and counts.unverified >= 1
