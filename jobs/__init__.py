@@ -9,6 +9,8 @@ The batch core (this package):
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors (naming the parameter at fault)
     line_checks  LineProblem and what line checks share; chat messages (developer role, text parts)
     line_sampling  a line's sampling parameters: OpenAI's defaults, drawn seeds, penalties, vLLM's extensions
+    line_embeddings  a /v1/embeddings line: inputs as token ids (one request each), encoding_format, dimensions
+    line_responses   a /v1/responses line, translated into the chat line it amounts to and checked by the chat path
     files        the Files API's store: uploads as SQL chunks; a job's output/error files, rendered from its requests
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
@@ -20,7 +22,8 @@ The batch core (this package):
     durations    '24h', '90m', '3600s' -> seconds (completion windows, schedules' grace)
     submission   submit_batch: validate against the model (and the user's metadata), store, enqueue (idempotency
                  keys; a failed enqueue is left to the sweep)
-    outputs      results / errors JSONL and the batch object, in the OpenAI shapes
+    outputs      results / errors JSONL and the batch object, in the OpenAI shapes (chat, completions, Responses
+                 objects, embeddings lists)
     runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients),
                  given each job kind's hooks and the Celery app to build
     backends     StoreBackend / ApiBackend: how the CLI reaches jobs (straight through the store, or over REST)

@@ -4,7 +4,8 @@ Each non-empty line is `{"custom_id", "method": "POST", "url", "body"}`. A bad l
 with a stable code and the parameter at fault (`param`, like OpenAI's batch errors); good lines go on. Codes:
 invalid_json, missing_custom_id, invalid_custom_id, duplicate_custom_id, invalid_method, invalid_url,
 invalid_body, model_mismatch, missing_prompt, missing_messages, invalid_messages, unsupported_content,
-chat_template_missing, invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_exceeded.
+chat_template_missing, invalid_parameter, unsupported_parameter, max_tokens_too_large, context_length_exceeded,
+missing_input, invalid_input (responses and embeddings lines: jobs.line_responses, jobs.line_embeddings).
 
 A line's `body.model` may be the batch's model or any alias of it (SWARMBATCH_MODEL_ALIASES, resolved by the caller).
 Messages (jobs.line_checks): roles system, developer (as system), user, assistant; content a string or text parts.
@@ -30,14 +31,27 @@ import json
 import weakref
 from collections import Counter
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jobs import line_sampling
-from jobs.line_checks import CHAT_URL, COMPLETIONS_URL, LineProblem, invalid, is_int, json_type, messages, one_line, show
+from jobs import line_embeddings, line_responses, line_sampling
+from jobs.line_checks import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    EMBEDDINGS_URL,
+    RESPONSES_URL,
+    LineProblem,
+    invalid,
+    is_int,
+    json_type,
+    messages,
+    one_line,
+    show,
+)
+from jobs.line_embeddings import EmbeddingModel
 from jobs.line_sampling import EXTRAS
 
-URLS = (COMPLETIONS_URL, CHAT_URL)
+URLS = (COMPLETIONS_URL, CHAT_URL, EMBEDDINGS_URL, RESPONSES_URL)
 DEFAULT_MAX_TOKENS = 256
 MAX_CUSTOM_ID_CHARS = 500  # jobs.models.Request.custom_id is String(500)
 SUMMARIZED_ERRORS = 3
@@ -51,6 +65,7 @@ class InputLimits:
     max_lines: int
     max_tokens_cap: int
     context_length: int
+    embedding: EmbeddingModel = field(default_factory=EmbeddingModel)  # what `/v1/embeddings` lines may ask
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class ParsedRequest:
     stop: list[str]
     n: int = 1  # choices: the line becomes n requests (jobs.store.request_rows), its response has n choices
     top_logprobs: int | None = None  # logprobs asked: None for none, else how many likely tokens with each one
+    inputs: list[list[int]] | None = None  # an embeddings line: each input's token ids (n of them, one request each)
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,9 @@ def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: In
             errors.append(outcome)
     if not requests:
         raise BatchFileRejected(_no_valid_request(errors))
-    return ParsedBatch(requests, errors, endpoint or _main_endpoint(requests))
+    main = endpoint or _main_endpoint(requests)
+    requests, errors = _one_kind(requests, errors, main)
+    return ParsedBatch(requests, errors, main)
 
 
 def batch_model(data: bytes) -> str | None:
@@ -227,7 +245,23 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
     url = _url(line, context.endpoint)
     body = _body(line, context)
     _refuse_unsupported(body, url)
-    prompt = messages(body) if url == CHAT_URL else _prompt(body)
+    if url == EMBEDDINGS_URL:
+        return _parse_embedding(number, custom_id, body, context)
+    if url == RESPONSES_URL:
+        return line_responses.as_responses(body, lambda chat: _parse_chat(number, custom_id, chat, context))
+    return _parse_generation(number, custom_id, url, body, context)
+
+
+def _parse_chat(number: int, custom_id: str, body: dict[str, Any], context: _Context) -> ParsedRequest:
+    """A chat body made from another endpoint's line (jobs.line_responses), checked as a chat line is."""
+    _refuse_unsupported(body, CHAT_URL)
+    return _parse_generation(number, custom_id, CHAT_URL, body, context)
+
+
+def _parse_generation(number: int, custom_id: str, url: str, body: dict[str, Any], context: _Context
+                      ) -> ParsedRequest:
+    """A completions or chat line (a responses line, as chat): its prompt ids, token budget and sampling."""
+    prompt = _prompt(body) if url == COMPLETIONS_URL else messages(body)
     requested = _requested_max_tokens(body, context.limits.max_tokens_cap)
     sampling = (line_sampling.temperature(body), line_sampling.top_p(body), line_sampling.seed(body),
                 line_sampling.stop(body))
@@ -240,6 +274,29 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
                          top_logprobs=line_sampling.top_logprobs(body, url))
 
 
+def _parse_embedding(number: int, custom_id: str, body: dict[str, Any], context: _Context) -> ParsedRequest:
+    """An embeddings line: one request per input, nothing to generate."""
+    inputs = line_embeddings.input_ids(body, context.tokenizer, context.limits.context_length, context.chars_per_token)
+    line_embeddings.check_options(body, context.limits.embedding)
+    return ParsedRequest(number, custom_id, EMBEDDINGS_URL, body, inputs[0], 0, 0.0, 1.0, 0, [], n=len(inputs),
+                         inputs=inputs)
+
+
+def _one_kind(requests: list[ParsedRequest], errors: list[LineError], main: str
+              ) -> tuple[list[ParsedRequest], list[LineError]]:
+    """Embeddings and generations do not share a batch (a worker runs one or the other): the lines of the kind the
+    batch's endpoint is not become line errors."""
+    embeddings = main == EMBEDDINGS_URL
+    odd = [r for r in requests if (r.url == EMBEDDINGS_URL) != embeddings]
+    if not odd:
+        return requests, errors
+    kind = "an embeddings batch" if embeddings else "a batch of generations"
+    moved = [LineError(r.line_number, r.custom_id, "invalid_url", f"url is {r.url} but this is {kind} (most lines "
+                       f"are {main}); send {EMBEDDINGS_URL} lines in a batch of their own", "url") for r in odd]
+    kept = [r for r in requests if (r.url == EMBEDDINGS_URL) == embeddings]
+    return kept, sorted(errors + moved, key=lambda e: e.line_number)
+
+
 def _url(line: dict[str, Any], endpoint: str | None) -> str:
     """The line's endpoint (the batch's, when it has one), after checking the method is POST."""
     method = line.get("method")
@@ -247,7 +304,7 @@ def _url(line: dict[str, Any], endpoint: str | None) -> str:
         raise LineProblem("invalid_method", f'method must be "POST" (got {show(method)})', "method")
     url = line.get("url")
     if url not in URLS:
-        raise LineProblem("invalid_url", f"url must be {COMPLETIONS_URL} or {CHAT_URL} (got {show(url)})",
+        raise LineProblem("invalid_url", f"url must be {', '.join(URLS[:-1])} or {URLS[-1]} (got {show(url)})",
                           "url")
     if endpoint is not None and url != endpoint:
         raise LineProblem("invalid_url", f"url is {url} but the batch's endpoint is {endpoint}; every line of a "
@@ -273,12 +330,14 @@ def _body(line: dict[str, Any], context: _Context) -> dict[str, Any]:
 COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
                "logit_bias", *EXTRAS}
 BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages", "logprobs", "top_logprobs"},
-             COMPLETIONS_URL: COMMON_KEYS | {"prompt", "logprobs"}}
+             COMPLETIONS_URL: COMMON_KEYS | {"prompt", "logprobs"},
+             EMBEDDINGS_URL: line_embeddings.BODY_KEYS, RESPONSES_URL: line_responses.BODY_KEYS}
 # parameters we do not honour, accepted only with the value that asks for nothing (null is accepted for any key)
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
     "function_call": ("none",), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
-    "suffix": ("",), "parallel_tool_calls": (False, True),
+    "suffix": ("",), "parallel_tool_calls": (False, True), "store": (False, True), "truncation": ("disabled",),
+    "background": (False,), "include": ([],),
 }
 
 

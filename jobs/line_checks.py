@@ -11,6 +11,8 @@ from typing import Any
 
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+RESPONSES_URL = "/v1/responses"
 ROLES = ("system", "developer", "user", "assistant")
 TEMPLATE_ROLES = {"developer": "system"}  # roles chat templates do not know, as the role they render as
 MEDIA_PARTS = ("image_url", "input_audio", "file", "image", "audio")  # parts of models that see or hear

@@ -231,6 +231,8 @@ class Request(Base):
     # len(generated_ids), written with it by the store: totals sum this instead of parsing every row's JSON
     generated_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     finish_reason: Mapped[str | None] = mapped_column(String(20))
+    # a /v1/embeddings request's vector once computed: float32 values, little-endian (what OpenAI's base64 encodes)
+    embedding: Mapped[bytes | None] = mapped_column(LargeBinary)
     output_text: Mapped[str | None] = mapped_column(ExactText)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(ExactText)

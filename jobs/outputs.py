@@ -2,7 +2,9 @@
 batch object. The output and error files of the Files API (jobs.files) are these very lines."""
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from jobs import liveness
-from jobs.batch_input import CHAT_URL
+from jobs.batch_input import CHAT_URL, EMBEDDINGS_URL, RESPONSES_URL
 from jobs.db import SessionScope
 from jobs.models import Job, JobKind, Request, RequestStatus
 from jobs.store import JobCounts, job_counts, job_usage
@@ -24,9 +26,14 @@ ROWS_PER_READ = 200  # requests read per page while streaming a file: memory sta
 
 
 def response_body(job: Job, line: list[Request]) -> dict[str, Any]:
-    """A chat.completion or text_completion object for a line's requests, one choice each (partial when
-    cancelled/expired)."""
+    """A line's response body: a chat.completion or text_completion object for a line's requests, one choice each
+    (partial when cancelled/expired); a list of embeddings, one per input; or a Responses object."""
     first = line[0]
+    url = first.body.get("url")
+    if url == EMBEDDINGS_URL:
+        return embeddings_body(job, line)
+    if url == RESPONSES_URL:
+        return responses_body(job, first)
     created = int(max((r.completed_at or r.created_at) for r in line).timestamp())
     completion_tokens = sum(len(r.generated_ids) for r in line)
     usage = {"prompt_tokens": len(first.prompt_ids), "completion_tokens": completion_tokens,
@@ -38,6 +45,53 @@ def response_body(job: Job, line: list[Request]) -> dict[str, Any]:
                 "choices": choices, "usage": usage}
     return {"id": f"cmpl-{first.id}", "object": "text_completion", "created": created, "model": job.model,
             "choices": choices, "usage": usage}
+
+
+def embeddings_body(job: Job, line: list[Request]) -> dict[str, Any]:
+    """OpenAI's embeddings list: each input's vector as floats, or as base64 of its float32 little-endian bytes."""
+    as_base64 = line[0].body.get("encoding_format") == "base64"
+    data = [{"object": "embedding", "index": request.choice,
+             "embedding": _vector(request.embedding or b"", as_base64=as_base64)} for request in line]
+    tokens = sum(request.prompt_count for request in line)
+    return {"object": "list", "data": data, "model": job.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def _vector(stored: bytes, *, as_base64: bool) -> list[float] | str:
+    if as_base64:
+        return base64.b64encode(stored).decode()
+    return list(struct.unpack(f"<{len(stored) // 4}f", stored))
+
+
+# a Responses object's status and incomplete_details, by how its request ended (cut by a cancel: cancelled)
+RESPONSE_ENDS: dict[str | None, tuple[str, dict[str, Any] | None]] = {
+    "stop": ("completed", None), "length": ("incomplete", {"reason": "max_output_tokens"}),
+    "cancelled": ("cancelled", None)}
+
+
+def responses_body(job: Job, request: Request) -> dict[str, Any]:
+    """The Responses API's response object of a /v1/responses line: one assistant message of output_text, its usage,
+    and the request's parameters echoed (the line's body, as jobs.line_responses stored it)."""
+    body = request.body
+    status, incomplete = RESPONSE_ENDS.get(request.finish_reason, ("incomplete", {"reason": None}))
+    created = int(request.created_at.timestamp())
+    output_tokens = len(request.generated_ids)
+    message = {"type": "message", "id": f"msg_{request.id}", "status": "completed" if status == "completed"
+               else "incomplete", "role": "assistant",
+               "content": [{"type": "output_text", "text": request.output_text or "", "annotations": [],
+                            "logprobs": []}]}
+    return {"id": f"resp_{request.id}", "object": "response", "created_at": created,
+            "completed_at": unix(request.completed_at), "status": status, "error": None,
+            "incomplete_details": incomplete, "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"), "model": job.model, "output": [message],
+            "parallel_tool_calls": True, "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+            "store": False, "temperature": request.temperature, "top_p": request.top_p,
+            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
+            "truncation": "disabled", "user": body.get("user"), "metadata": body.get("metadata") or {},
+            "usage": {"input_tokens": request.prompt_count,
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": request.prompt_count + output_tokens}}
 
 
 def _choice(request: Request, *, chat: bool) -> dict[str, Any]:

@@ -61,16 +61,18 @@ def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id:
 
 def request_rows(parsed: ParsedBatch, *, first_index: int = 0,
                  annotations: Mapping[str, dict[str, Any]] | None = None) -> list[Request]:
-    """Pending Request rows for parsed lines, numbered from `first_index`: one per choice of each line (its `n`)."""
+    """Pending Request rows for parsed lines, numbered from `first_index`: one per choice of each line (its `n`), or
+    per input of an embeddings line (`choice` is the input's index, `prompt_ids` its tokens)."""
     annotations = annotations or {}
-    choices = [(r, choice) for r in parsed.requests for choice in range(r.n)]
+    choices = [(r, choice, r.inputs[choice] if r.inputs is not None else r.prompt_ids)
+               for r in parsed.requests for choice in range(r.n)]
     return [Request(index=i, line_number=r.line_number, custom_id=r.custom_id, choice=choice,
-                    body={"url": r.url, **r.body}, prompt_ids=list(r.prompt_ids), prompt_count=len(r.prompt_ids),
+                    body={"url": r.url, **r.body}, prompt_ids=list(prompt), prompt_count=len(prompt),
                     max_tokens=r.max_tokens,
                     temperature=r.temperature, top_p=r.top_p, seed=choice_seed(r.seed, choice), stop=list(r.stop),
                     top_logprobs=r.top_logprobs, generated_logprobs=None if r.top_logprobs is None else [],
                     **annotations.get(r.custom_id, {}))
-            for i, (r, choice) in enumerate(choices, first_index)]
+            for i, (r, choice, prompt) in enumerate(choices, first_index)]
 
 
 SEED_MASK = 2**63 - 1
@@ -177,8 +179,9 @@ def _lines_where(session: Session, job_id: str, condition: Any) -> int:
 
 def job_usage(*, session: Session, job_id: str) -> dict[str, Any]:
     """OpenAI's batch `usage`: the prompt tokens of every line that has output (counted once per line, as its
-    response's usage counts them: its first choice's), the tokens generated, their total; no JSON parsed."""
-    started = (Request.choice == 0) & (Request.generated_count > 0)
+    response's usage counts them: its first choice's; every embedded input's), the tokens generated, their total; no
+    JSON parsed."""
+    started = ((Request.choice == 0) & (Request.generated_count > 0)) | Request.embedding.is_not(None)
     prompt, output = session.execute(
         select(func.coalesce(func.sum(case((started, Request.prompt_count), else_=0)), 0),
                func.coalesce(func.sum(Request.generated_count), 0)).where(Request.job_id == job_id)).one()
@@ -329,10 +332,13 @@ def renew_leases(*, session: Session, token: str, lease_seconds: float) -> int:
 
 def finish_request(*, session: Session, request_id: int, token: str, status: RequestStatus,
                    generated: list[int] | None = None, finish_reason: str | None = None,
-                   output_text: str | None = None, error: str | None = None) -> bool:
-    """Record a request's end, if the lease is still ours; returns whether it was written."""
+                   output_text: str | None = None, error: str | None = None, embedding: bytes | None = None) -> bool:
+    """Record a request's end (with its embedding's bytes, for an embeddings request), if the lease is still ours;
+    returns whether it was written."""
     values: dict[str, Any] = dict(status=status, finish_reason=finish_reason, output_text=output_text,
                                   completed_at=utcnow(), lease_token=None, lease_owner=None, lease_expires_at=None)
+    if embedding is not None:
+        values["embedding"] = embedding
     if generated is not None:
         values.update(generated_ids=list(generated), generated_count=len(generated))
     if error is not None:

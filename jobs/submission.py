@@ -22,6 +22,7 @@ from jobs import files, store
 from jobs.batch_input import BatchFileRejected, InputLimits, ParsedBatch, parse_batch_file
 from jobs.durations import parse_window
 from jobs.errors import IdempotencyConflict, InvalidJob
+from jobs.line_embeddings import EmbeddingModel
 from jobs.models import Job, StoredFile
 from jobs.queue import ENQUEUE_ERRORS, enqueue_job
 from jobs.quotas import Quota
@@ -158,10 +159,11 @@ def _parse(runtime: Runtime, data: bytes, model: str, endpoint: str | None = Non
     try:
         tokenizer = runtime.tokenizer(model)
         context = runtime_context_length(runtime, model)
+        embedding = embedding_model(runtime, model)
     except (ModelPrepError, ModelDirError) as e:
         raise InvalidJob(str(e)) from e
     limits = InputLimits(max_file_bytes=runtime.settings.max_file_bytes, max_lines=runtime.settings.max_lines,
-                         max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context)
+                         max_tokens_cap=runtime.settings.max_tokens_cap, context_length=context, embedding=embedding)
     try:
         return parse_batch_file(data, tokenizer=tokenizer, model_name=model, limits=limits, endpoint=endpoint,
                                 model_aliases=runtime.settings.aliases_of(model))
@@ -207,3 +209,12 @@ def runtime_context_length(runtime: Runtime, model: str) -> int:
 
     return ModelSpec.open(runtime.model_dir(model)).max_length
 
+
+
+def embedding_model(runtime: Runtime, model: str) -> EmbeddingModel:
+    """What the model's embeddings can be: its hidden size and its pooling (swarmclient.pooling)."""
+    from swarmclient.pooling import read_pooling
+    from swarmnet.model_spec import ModelSpec
+
+    spec = ModelSpec.open(runtime.model_dir(model))
+    return EmbeddingModel(spec.config.hidden_size, read_pooling(spec.path, spec.config))

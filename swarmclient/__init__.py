@@ -17,6 +17,10 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
     penalties        logit_bias, repetition / frequency / presence penalties over a sequence's token History
     sampling         greedy / temperature, top-k, top-p, min-p, seeded by (seed, position), after the penalties
     generation       the decode loop shared by every caller
+    forward          whole sequences through every block by the stateless forward RPC (no KV cache), failing over hop
+                     by hop: embeddings
+    pooling          a model's embedding recipe: sentence-transformers pooling (mean / cls / lasttoken), Normalize,
+                     Matryoshka sizes; pool and finish vectors
     model            DistributedModelForCausalLM, the Petals-style entry point
     textgen          prompts in, texts out (tokenizer, chat template)
     coverage         the `swarm status` coverage map

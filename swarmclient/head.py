@@ -67,6 +67,12 @@ class ClientHead(nn.Module):
         return embeddings.cpu()
 
     @torch.inference_mode()
+    def final_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, T, H] of any float dtype -> after the final norm (float32, on the CPU): what
+        transformers' base model returns as last_hidden_state, the input of an embedding's pooling."""
+        return self.norm(hidden.to(self.device, self.head_dtype)).float().cpu()
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [B, T, H] of any float dtype -> logits [B, T, V] (float32, on the CPU)."""
         logits = self.lm_head(self.norm(hidden.to(self.device, self.head_dtype))).float()

@@ -1,6 +1,7 @@
 """`DistributedModelForCausalLM`: the Petals-style entry point — a local head over remote blocks."""
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -9,8 +10,10 @@ import torch
 
 from swarmclient.config import ClientConfig
 from swarmclient.errors import InvalidRequest
+from swarmclient.forward import forward_chain
 from swarmclient.generation import TokenHook, generate_tokens
 from swarmclient.head import ClientHead
+from swarmclient.pooling import Pooling, PoolingMode, pool, read_pooling
 from swarmclient.sampling import SamplingParams
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
@@ -105,6 +108,22 @@ class DistributedModelForCausalLM:
                                    max_new_tokens=max_new_tokens, params=params,
                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
                                    on_token=on_token, shrink=shrink)
+
+    @functools.cached_property
+    def pooling(self) -> Pooling:
+        """How this model makes an embedding (swarmclient.pooling: its sentence-transformers modules, or the default)."""
+        return read_pooling(self.spec.path, self.spec.config)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, mode: PoolingMode | None = None,
+               verification: VerificationTally | None = None) -> torch.Tensor:
+        """Pooled final hidden states [B, H] (float32) of a padded batch, by one stateless forward through the swarm
+        (no KV cache): embeddings, final norm and pooling (`mode`, default the model's) here. Truncate and normalize
+        with `swarmclient.pooling.finish`. verification: counts the checked hops (see inference_session)."""
+        if input_ids.shape[1] > self.spec.max_length:
+            raise InvalidRequest(f"an input of {input_ids.shape[1]} tokens exceeds the model's context of "
+                                 f"{self.spec.max_length} tokens")
+        hidden = forward_chain(self.swarm, self.head.embed(input_ids), attention_mask, verification)
+        return pool(self.head.final_states(hidden), attention_mask, mode or self.pooling.mode)
 
     @staticmethod
     def sampling_params(batch_size: int, do_sample: bool, temperature: float, top_p: float,

@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from launch.local_swarm import LocalSwarm
-from modelprep import prepare_model, write_tiny_model
+from modelprep import prepare_model, write_tiny_embedding_model, write_tiny_model
 from swarmnet.identity import Identity
 
 pytest_plugins = ["tiers", "pytester"]  # tiers: the swarm marker and its guard; pytester: tiers' own test
@@ -84,6 +84,21 @@ def local_swarm(tmp_path: Path) -> Iterator[SwarmFactory]:
 def session_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
     """The swarm behind shared_swarm, started by the first test that uses it and stopped at the session's end."""
     with LocalSwarm(tiny_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("shared-swarm")) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="session")
+def embedding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 6-layer Llama laid out as a sentence-transformers model: mean pooling, normalized, and Matryoshka
+    sizes 16 and 32 declared in its config."""
+    return write_tiny_embedding_model(tmp_path_factory.mktemp("models") / "tiny-embedding", layers=TINY_LAYERS,
+                                      seed=3, pooling="mean", matryoshka_dimensions=[16, 32])
+
+
+@process_fixture(scope="session")
+def embedding_swarm(embedding_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
+    """A DHT node and two servers splitting the embedding model's 6 blocks at 3, for the whole session."""
+    with LocalSwarm(embedding_model, [(0, 3), (3, 6)], log_dir=tmp_path_factory.mktemp("embedding-swarm")) as swarm:
         yield swarm
 
 

@@ -20,13 +20,16 @@ from sqlalchemy.orm import Session
 from jobs import liveness, store
 from jobs.db import retry_store
 from jobs.errors import JobCancelled, LeaseLost, StoreUnavailable
+from jobs.line_checks import EMBEDDINGS_URL
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
+from jobs.worker.embedder import EmbeddingRunner, Finish
 from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
 from jobs.worker.swarm_view import publish_if_due, publish_in_background
 from modelprep import ModelPrepError
 from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy
+from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.verification_policy import VerificationCounts, VerificationTally
 from swarmnet.errors import ModelDirError, SwarmError
 
@@ -86,7 +89,7 @@ class JobWorker:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime, self.settings, self.lifecycle = runtime, runtime.settings, runtime.lifecycle
-        self.runner: BatchRunner | None = None  # the batch being generated, once built
+        self.runner: BatchRunner | EmbeddingRunner | None = None  # the batch being run, once built
 
     def process(self, job_id: str, *, give_back: dict[str, Any] | None = None) -> Outcome:
         """Claim a batch of the job's requests (sized by `_plan`) and generate them."""
@@ -217,13 +220,7 @@ class JobWorker:
             model = self.runtime.swarm_model(job.model)
             # joining the swarm may take a while on a new worker: the lease must not lapse before the first checkpoint
             self._store(f"Job {job.id}: renew leases", lambda: self._renew(token))
-            runner = BatchRunner(model, self.runtime.tokenizer(job.model), claimed,
-                                 checkpoint_every=job.checkpoint_every,
-                                 checkpoint=self._checkpoint(job.id, token, checks), verification=checks.tally,
-                                 plan=plan, continuous=self.settings.continuous_batching,
-                                 refill=self._refill(job.id, token, claimed) if self.settings.continuous_batching
-                                 else None, renew=lambda: self._renew_leases(job, token),
-                                 renew_every=self.settings.lease_seconds / 3)
+            runner = self._runner(model, claim, plan, checks)
             self.runner = runner
             results = runner.run()
         except JobCancelled:
@@ -239,9 +236,23 @@ class JobWorker:
             return self._blocked(job, token, e)
         # the completions are committed first, on their own: nothing that follows (the next map-reduce stage,
         # the pages) can undo them
-        self._store(f"Job {job.id}: finish", lambda: self._complete(job.id, token, runner.requests, results))
+        self._store(f"Job {job.id}: finish", lambda: self._complete(job.id, token, results))
         logger.info("Job %s: finished %d requests", job.id, len(runner.requests))
         return Outcome(more=self._settle(job.id) > 0)
+
+    def _runner(self, model: DistributedModelForCausalLM, claim: Claim, plan: PipelinePlan, checks: CheckedOutputs
+                ) -> BatchRunner | EmbeddingRunner:
+        """What runs the batch: an EmbeddingRunner for an embeddings job, else a BatchRunner that generates."""
+        job, token, claimed = claim.job, claim.token, claim.requests
+        if job.endpoint == EMBEDDINGS_URL:
+            return EmbeddingRunner(model, claimed, finish=self._embedded(job.id, token),
+                                   rows=plan.rows_per_session or plan.claim, verification=checks.tally)
+        return BatchRunner(model, self.runtime.tokenizer(job.model), claimed, checkpoint_every=job.checkpoint_every,
+                           checkpoint=self._checkpoint(job.id, token, checks), verification=checks.tally,
+                           plan=plan, continuous=self.settings.continuous_batching,
+                           refill=self._refill(job.id, token, claimed) if self.settings.continuous_batching
+                           else None, renew=lambda: self._renew_leases(job, token),
+                           renew_every=self.settings.lease_seconds / 3)
 
     def _renew_leases(self, job: Job, token: str) -> None:
         """A long batch's periodic duty: renew its leases, and publish the swarm snapshot when due."""
@@ -253,15 +264,14 @@ class JobWorker:
             store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
             session.commit()
 
-    def _complete(self, job_id: str, token: str, requests: list[Request], results: dict[int, RowResult]) -> None:
+    def _complete(self, job_id: str, token: str, results: dict[int, RowResult]) -> None:
         with self.runtime.session() as session:
-            for request in requests:
-                result = results[request.id]
+            for request_id, result in results.items():  # every request of a generation (an embedder stored its own)
                 if result.error is not None:
-                    store.finish_request(session=session, request_id=request.id, token=token,
+                    store.finish_request(session=session, request_id=request_id, token=token,
                                          status=RequestStatus.failed, error=result.error)
                     continue
-                store.finish_request(session=session, request_id=request.id, token=token,
+                store.finish_request(session=session, request_id=request_id, token=token,
                                      status=RequestStatus.completed, generated=result.generated,
                                      finish_reason=result.finish_reason, output_text=result.text)
             job = session.get(Job, job_id)
@@ -341,7 +351,30 @@ class JobWorker:
             return owned
         return checkpoint
 
-    def _finish_cancelled(self, job: Job, token: str, runner: BatchRunner | None) -> None:
+    def _embedded(self, job_id: str, token: str) -> Finish:
+        """An EmbeddingRunner's store step: its vectors as completed requests, then whether the job is cancelling."""
+        def unit(vectors: dict[int, bytes]) -> tuple[set[int], JobStatus | None]:
+            with self.runtime.session() as session:
+                for request_id, data in vectors.items():
+                    store.finish_request(session=session, request_id=request_id, token=token, generated=[],
+                                         status=RequestStatus.completed, finish_reason="stop", embedding=data)
+                # ours, or stored already (a retry after a commit whose answer was lost finds them so)
+                stored = set(session.scalars(select(Request.id).where(
+                    Request.id.in_(list(vectors)), Request.status == RequestStatus.completed,
+                    Request.embedding.is_not(None))))
+                # the inputs still waiting for their micro-batch keep their leases (a batch has no checkpoints)
+                store.renew_leases(session=session, token=token, lease_seconds=self.settings.lease_seconds)
+                session.commit()
+                return stored, session.scalar(select(Job.status).where(Job.id == job_id))
+
+        def finish(vectors: dict[int, bytes]) -> set[int]:
+            stored, status = self._store(f"Job {job_id}: embeddings", lambda: unit(vectors))
+            if status == JobStatus.cancelling:
+                raise JobCancelled(job_id)
+            return stored
+        return finish
+
+    def _finish_cancelled(self, job: Job, token: str, runner: BatchRunner | EmbeddingRunner | None) -> None:
         """Keep the committed partial output of each claimed request and settle the job to cancelled."""
         tokenizer = self.runtime.tokenizer(job.model)
 

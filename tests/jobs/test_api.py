@@ -202,7 +202,7 @@ def test_a_file_without_a_good_line_is_refused_and_creates_no_job(runtime: Runti
                                                                   tiny_model: Path) -> None:
     api = client(runtime, new_key(runtime))
 
-    response = upload(api, tiny_model, ["{not json", {**request_line("x"), "url": "/v1/embeddings"}])
+    response = upload(api, tiny_model, ["{not json", {**request_line("x"), "url": "/v1/audio/speech"}])
 
     assert response.status_code == 400
     error = response.json()["error"]

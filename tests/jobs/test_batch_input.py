@@ -132,7 +132,7 @@ BAD_LINES = [
     ("duplicate_custom_id", completion("good")),
     ("invalid_method", {**completion(), "method": "GET"}),
     ("invalid_method", {k: v for k, v in completion().items() if k != "method"}),
-    ("invalid_url", {**completion(), "url": "/v1/embeddings"}),
+    ("invalid_url", {**completion(), "url": "/v1/audio/speech"}),
     ("invalid_body", {**completion(), "body": "prompt"}),
     ("model_mismatch", completion(model="gpt-4o")),
     ("missing_prompt", {**completion(), "body": {"model": MODEL}}),
@@ -401,7 +401,7 @@ def test_parameters_with_the_value_that_changes_nothing_are_accepted(tokenizer: 
 def test_a_bad_parameter_names_itself_in_the_line_error(tokenizer: Any) -> None:
     assert only_error(tokenizer, completion("t", temperature=3)).param == "body.temperature"
     assert only_error(tokenizer, completion("m", model="other")).param == "body.model"
-    assert only_error(tokenizer, {**completion("u"), "url": "/v1/embeddings"}).param == "url"
+    assert only_error(tokenizer, {**completion("u"), "url": "/v1/audio/speech"}).param == "url"
 
 
 def test_with_an_endpoint_a_line_of_the_other_url_is_an_error(tokenizer: Any) -> None:

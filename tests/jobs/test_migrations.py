@@ -286,6 +286,26 @@ def test_0014_adds_the_expiry_columns_keeping_the_files_and_takes_them_away_agai
     assert "outputs_expired_at" not in {c["name"] for c in inspect(engine).get_columns("jobs")}
 
 
+# ---- 0015: embeddings -----------------------------------------------------------------------------------------------
+def test_0015_adds_the_embedding_column_keeping_the_requests_and_takes_it_away_again(database_url: str,
+                                                                                    engine: Engine) -> None:
+    # Given a database at 0014 holding a job's requests (written at head, the column then dropped)
+    upgrade(database_url)
+    job_id = job_with_two_requests(engine)
+    downgrade(database_url, "0014_retention")
+    # When it is upgraded, Then the requests are kept without an embedding, and the schema matches the models
+    upgrade(database_url)
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT embedding FROM requests WHERE job_id = :j"), {"j": job_id}
+                                  ).scalars().all() == [None, None]
+    assert schema_diffs(engine) == []
+    # And downgraded again, the column goes and the requests stay
+    downgrade(database_url, "0014_retention")
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT count(*) FROM requests WHERE job_id = :j"), {"j": job_id}).scalar() == 2
+    assert "embedding" not in {c["name"] for c in inspect(engine).get_columns("requests")}
+
+
 @pytest.mark.swarm  # starts processes
 def test_processes_starting_together_on_a_new_embedded_store_each_migrate_it_without_error(tmp_path: Path) -> None:
     # Given three processes (the demo, its worker, an api) opening the same new SQLite store at once

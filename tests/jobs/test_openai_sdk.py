@@ -163,14 +163,14 @@ def test_the_sdks_exceptions_carry_our_message_and_the_parameter(runtime: Runtim
     with pytest.raises(openai.BadRequestError) as purpose:
         client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
     with pytest.raises(openai.BadRequestError) as endpoint:
-        client.batches.create(input_file_id=good.id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=good.id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.APIStatusError) as too_large:
         client.files.create(file=("big.jsonl", b"x" * 20_001), purpose="batch")
     with pytest.raises(openai.BadRequestError) as unserved:
         create_batch(client, upload_batch(client, [line("a", PROMPTS[0], "gpt-4o")]).id)
 
     assert purpose.value.param == "purpose" and "purpose must be 'batch'" in purpose.value.message
-    assert endpoint.value.param == "endpoint" and "/v1/embeddings" in endpoint.value.message
+    assert endpoint.value.param == "endpoint" and "/v1/moderations" in endpoint.value.message
     assert too_large.value.status_code == 413 and "SWARMBATCH_MAX_FILE_BYTES" in too_large.value.message
     assert "'gpt-4o' is not served here" in unserved.value.message
     assert [f.filename for f in client.files.list()] == ["batch.jsonl", "batch.jsonl"]  # nothing else was stored
