@@ -157,7 +157,7 @@ class Membership:
         self._recheck, self._clock = recheck, clock
         self._checked_at = clock()
         self._signature = _file_signature(path)
-        self.generation = 0  # counts reloads that changed the members (a server drops the credentials it cached)
+        self._generation = 0  # reloads that changed the members
 
     @classmethod
     def open(cls) -> Membership:
@@ -170,6 +170,13 @@ class Membership:
         """The members of a swarm file (raises SwarmFileError), re-read when the file changes."""
         swarm = SwarmFile.load(path)
         return cls(swarm.path, swarm.members, recheck=recheck, clock=clock)
+
+    @property
+    def generation(self) -> int:
+        """How many reloads changed the members, as of now (the file is looked at, at most every `recheck` s): a
+        server drops the credentials it cached, and re-checks its open streams' owners, when it changes."""
+        self._refresh()
+        return self._generation
 
     @property
     def is_open(self) -> bool:
@@ -215,7 +222,7 @@ class Membership:
         if members != self._members:
             logger.info("Swarm file %s changed: %d members", self.path, len(members))
             self._members = members
-            self.generation += 1
+            self._generation += 1
 
 
 def _file_signature(path: Path | None) -> tuple[int, int, int] | None:
