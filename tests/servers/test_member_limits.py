@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from in_process import Streams, Wires, nothing_within, peer, read, send
+from in_process import Caller, Streams, Wires, nothing_within, peer, read, send
 
 import servers.handler
 from servers.access import MemberGate
@@ -291,4 +291,46 @@ def test_a_removed_members_open_session_is_refused_and_ended_at_its_next_step(
         # while bob's session steps on
         await send(bobs, inputs(span, 4, 1), {"session_id": bob["session_id"]})
         assert (await read(bobs) or ([], {}))[1].get("cache_len") == 5
+    run(test)
+
+
+def test_a_removed_members_push_session_is_ended_at_the_next_step_pushed_into_it(
+        span: BlockSpan, swarm_file: Path, keys: dict[str, Identity]) -> None:
+    async def test(wires: Wires) -> None:
+        # Given a member server "up" (the outsider key, listed here) pushing into the private server's sessions
+        members = SwarmFile.load(swarm_file)
+        up_id = keys["outsider"].peer_id
+        members.add(up_id, "up")
+        members.save()
+        down = private_server(wires, span, swarm_file)
+        up = BlockHandler(span, Limits(0, 6, span.spec.hidden_size, 8, 256), CacheBudget(CACHE_TOKENS, 6),
+                          status=lambda: None)  # type: ignore[arg-type,return-value]
+        up.pusher.p2p = Caller(wires, up_id)  # type: ignore[assignment]
+        wires.handlers[up_id] = up
+        # and alice's push sessions: blocks 0:3 on up, 3:6 on the private server, whose first step is pushed
+        downstream = await wires.open(peer("alice"), peer(SERVER), protocol.RPC_INFERENCE)
+        await send(downstream, [], {"open": True, "push": True, "session_id": "d" * 32, "start": 3, "end": 6,
+                                    "batch_size": 1, "max_length": 16, **credential(keys["member"], "alice")})
+        assert (await read(downstream) or ([], {}))[1].get("opened") is True
+        upstream = await wires.open(peer("alice"), up_id, protocol.RPC_INFERENCE)
+        await send(upstream, [], {"open": True, "push": True, "session_id": "u" * 32, "start": 0, "end": 3,
+                                  "batch_size": 1, "max_length": 16})
+        assert (await read(upstream) or ([], {}))[1].get("opened") is True
+        route = [[peer(SERVER), "d" * 32]]
+        await send(upstream, inputs(span, 0, 4), {"session_id": "u" * 32, "step_id": 0, "route": route})
+        assert (await read(upstream) or ([], {}))[1].get("step_id") == 0
+        assert (await read(downstream) or ([], {}))[1].get("cache_len") == 4  # pushed, computed, answered
+        # When alice is removed from the swarm file, and her next step is pushed into her session
+        members.remove("alice")
+        members.save()
+        await send(upstream, inputs(span, 4, 1), {"session_id": "u" * 32, "step_id": 1, "route": route})
+        # Then the private server ends her session's stream as unauthorized and refuses the push
+        answer = await read(downstream)
+        assert answer is not None and code_of(answer[1]) is ErrorCode.UNAUTHORIZED, answer
+        assert await read(downstream) is None
+        assert down.sessions == {} and down.stats.steps == 1
+        # and up tells alice that the push failed (her client would send the step there itself, and be refused)
+        answers = [await read(upstream), await read(upstream)]
+        failed = [a[1]["push_failed"] for a in answers if a is not None and "push_failed" in a[1]]
+        assert failed and failed[0]["peer"] == peer(SERVER) and "closed" in failed[0]["reason"]
     run(test)
