@@ -88,9 +88,10 @@ class StreamService(ABC):
     async def _serve(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      serve: StreamServer) -> None:
         stream = Stream(peer=str(info.peer_id), timeout=self.session_timeout, writer=writer)
-        if self.streams_by_peer[stream.peer] >= self.max_streams_per_peer:
-            self._end_stream(stream, ErrorCode.BUSY, f"this caller already has {self.max_streams_per_peer} streams "
-                                                     "open here, the most one caller may have; close one")
+        if self.streams_by_peer[stream.peer] >= self.max_streams_per_peer:  # answered, then let go: nothing is read
+            protocol.write_frame(writer, self._error(ErrorCode.BUSY, f"this caller already has "
+                                                     f"{self.max_streams_per_peer} streams open here, the most one "
+                                                     "caller may have; close one")[0])
             logger.debug("Refused a stream of %s: %d open", stream.peer[-8:], self.max_streams_per_peer)
             await let_go(reader, writer)
             return
