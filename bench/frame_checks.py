@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transport import read_raw  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+
 from servers.handler import BlockHandler  # noqa: E402
 from servers.sessions import Stream  # noqa: E402
 from swarmnet import protocol  # noqa: E402
