@@ -23,6 +23,13 @@ ECHO_RPC = "swarmbatch.bench-echo"
 PREFILL = 64
 
 
+async def read_raw(reader: asyncio.StreamReader) -> bytes:
+    """One message: an 8-byte length, then raw bytes (not a frame: `protocol.read_frame` would take the first 4 bytes
+    of the floats for a header's length)."""
+    length = int.from_bytes(await reader.readexactly(8), "big")
+    return await reader.readexactly(length)
+
+
 def _echo_server(model_dir: str, start: int, end: int, cpu: int | None, ready: Any) -> None:
     """Child process: serve blocks [start, end) as an echo on a bare stream until SIGTERM."""
     if cpu is not None:
@@ -45,7 +52,7 @@ def _echo_server(model_dir: str, start: int, end: int, cpu: int | None, ready: A
     async def echo(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             try:
-                frame = await protocol.read_frame(reader, 1 << 20)
+                frame = await read_raw(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 break
             hidden = torch.frombuffer(bytearray(frame), dtype=torch.float32).view(1, 1, -1)
@@ -89,7 +96,7 @@ async def _time_steps(maddrs: list[str], hidden_size: int, steps: int) -> list[f
             began = time.perf_counter()
             protocol.write_frame(writer, payload)
             await writer.drain()
-            answer = await protocol.read_frame(reader, 1 << 20)
+            answer = await read_raw(reader)
             round_trip = time.perf_counter() - began
             if step > 0:  # the first step opens the connection
                 costs.append(round_trip - struct.unpack("<d", answer[:8])[0])

@@ -8,17 +8,19 @@ Modules:
     block_selection  pure: which span a `--num-blocks` server should take (least covered)
     throughput       measure_throughput: block-steps per second, announced for routing (and a test-only overstatement)
     memory           CacheBudget: KV-cache tokens reserved per session within --attn-cache-tokens, a share per caller
-                     (a caller alone may borrow the rest until another is refused room)
+                     (a member; a caller alone may borrow the rest until another is refused room, then gives it back)
     admission        Slots: forwards admitted and not yet answered, per caller and per server (over: busy)
     validation       checks on every request before compute
-    access           MemberGate: the membership check (swarm file, member credentials) before a request is served
+    access           MemberGate: the membership check (swarm file, member credentials) before a request is served;
+                     names the member a caller acts for (per-caller limits count per member)
     status           ServerStatus: one reading of a server, from which info, /metrics and the DHT record are made
     batching         DecodeBatcher: concurrent sessions' decode steps on the same blocks merged into one forward
     push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push)
     neighbours       NextServerPings: round trips to the servers that may follow this one, for push routing
     sessions         Stream and Session: what the server keeps per stream and per inference session
-    streams          StreamService: bounded frame reads, the authorize hook on a stream's first message, one answer per
-                     message, and the one place where exceptions become error answers
+    streams          StreamService: bounded frame reads, streams per peer, the authorize hook on a stream's first
+                     message (and its re-check when the members change), one answer per message, and the one place
+                     where exceptions become error answers
     push_receiver    PushReceiver: another server's push stream into one of our sessions; pushing our outputs on
     handler          BlockHandler: the info / forward / inference streams, their frame limits, sessions' cache
                      reservations and per-caller limits

@@ -4,6 +4,10 @@ An open server (no swarm file) lets everyone in. A private one admits a caller w
 a member (another server), or who sends a member credential made for that peer id (`swarmnet.membership`). A
 credential that verified is cached per (caller, credential) until it expires, so a client process costs the server
 one signature check; the cache is dropped whenever the swarm file's member list changes.
+
+`check` returns the caller's *owner*: the member it acts for (the credential's member key, whatever ephemeral peer
+id its process has), or the caller itself (a server of the swarm, or anyone in an open swarm). Per-caller limits
+count per owner, so a member minting credentials for more peer ids gets no more than one share.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ class MemberGate:
     def __init__(self, membership: Membership, *, clock: Callable[[], float] = time.time,
                  max_cached: int = MAX_CACHED) -> None:
         self.membership, self._clock, self._max_cached = membership, clock, max_cached
-        self._verified: dict[tuple[str, bytes], int] = {}  # (caller, sha256 of its credential) -> its expiry
+        # (caller, sha256 of its credential) -> (its expiry, the member it proves)
+        self._verified: dict[tuple[str, bytes], tuple[int, str]] = {}
         self._generation = membership.generation
         self.checked = 0  # credentials checked in full (not found in the cache)
 
@@ -34,22 +39,22 @@ class MemberGate:
         """A gate that admits everyone."""
         return cls(Membership.open())
 
-    def check(self, caller: str, meta: dict[str, Any]) -> None:
-        """Return if `caller` (its authenticated peer id) may use this server; else raise RequestRejected(UNAUTHORIZED)
-        with the reason and the fix, in one line."""
+    def check(self, caller: str, meta: dict[str, Any]) -> str:
+        """The owner `caller` (its authenticated peer id) acts for, if it may use this server (itself, or the member
+        whose credential it sent); else raise RequestRejected(UNAUTHORIZED) with the reason and the fix, in one line."""
         if self.membership.serves(caller):  # everyone in an open swarm; a server of the swarm in a private one
-            return
+            return caller
         blob = meta.get("credential")
         if blob is None:
             raise RequestRejected(ErrorCode.UNAUTHORIZED, f"this server serves the members of its swarm only, and "
                                   f"{caller} sent no member credential: run the client with --swarm-file and "
                                   "--identity KEYFILE (a member key)")
         try:
-            self._check_credential(caller, blob)
+            return self._check_credential(caller, blob)
         except CredentialError as e:
             raise RequestRejected(ErrorCode.UNAUTHORIZED, str(e)) from None
 
-    def _check_credential(self, caller: str, blob: object) -> None:
+    def _check_credential(self, caller: str, blob: object) -> str:
         if self.membership.generation != self._generation:  # members changed: a removed one's credentials must fail
             self._verified.clear()
             self._generation = self.membership.generation
@@ -57,12 +62,14 @@ class MemberGate:
         assert isinstance(blob, bytes)  # from_bytes takes nothing else
         now = self._clock()
         key = (caller, hashlib.sha256(blob).digest())
-        if self._verified.get(key, 0) > now:
-            return
+        expires, member = self._verified.get(key, (0, ""))
+        if expires > now:
+            return member
         self.checked += 1
-        credential.verify(caller, self.membership, now)
+        member = credential.verify(caller, self.membership, now)
         if len(self._verified) >= self._max_cached:
-            self._verified = {k: until for k, until in self._verified.items() if until > now}
+            self._verified = {k: v for k, v in self._verified.items() if v[0] > now}
             if len(self._verified) >= self._max_cached:
                 self._verified.clear()
-        self._verified[key] = credential.expires
+        self._verified[key] = credential.expires, member
+        return member

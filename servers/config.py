@@ -80,15 +80,27 @@ class ServerConfig:
                                        "forward (at most --max-batch-size rows); 0 = no merging.", min=0)
     max_merge_tokens: int = option(2048, "Sessions caching more tokens (rows x length) than this run alone: merging "
                                          "copies their caches.", min=0)
-    max_sessions_per_peer: int = option(16, "Sessions one caller (peer id) may have open here at once; more are "
-                                            "refused as busy.", min=1)
-    max_cache_share_per_peer: float = option(0.5, "Share of the KV-cache budget one caller may reserve; more is "
-                                                  "refused as busy.", min=0.0, max=1.0)
+    max_sessions_per_peer: int = option(16, "Sessions one caller may have open here at once (a caller: a member of "
+                                            "a private swarm, all its client processes together; a peer id in an "
+                                            "open one); more are refused as busy.", min=1)
+    max_cache_share_per_peer: float = option(0.5, "Share of the KV-cache budget one caller (member) may reserve; "
+                                                  "more is refused as busy.", min=0.0, max=1.0)
     lend_idle_cache: bool = option(True, "Let a caller alone on this server borrow past its share, until another "
-                                         "caller is refused room (then each is held to its share for 2 minutes).")
+                                         "caller is refused room (then each is held to its share for 2 minutes, "
+                                         "and the borrower's sessions over its share are ended after "
+                                         "--lent-cache-grace).")
+    lent_cache_grace: float = option(10.0, "Seconds a borrower's sessions over its share may go on once another "
+                                           "caller is refused room; then the newest are ended as busy (their "
+                                           "clients replay them elsewhere).", min=0)
     max_queued_forwards: int = option(4, "Stateless forwards admitted and not yet answered, all callers together.",
                                       min=1)
-    max_forwards_per_peer: int = option(2, "Stateless forwards admitted and not yet answered, per caller.", min=1)
+    max_forwards_per_peer: int = option(2, "Stateless forwards admitted and not yet answered, per caller (member).",
+                                        min=1)
+    max_forward_tokens: int = option(16384, "Tokens (rows x length) one stateless forward may carry; a bigger "
+                                            "header is refused as invalid_request before any tensor is read.", min=1)
+    max_streams_per_peer: int = option(128, "Streams one peer id may hold open here at once, every RPC together "
+                                            "(a server pushing into this one's sessions counts too); more are "
+                                            "refused as busy.", min=1)
     rebalance_period: float = option(30.0, "Seconds between coverage checks of a server started with --num-blocks "
                                            "(each jittered by up to a quarter): it moves its span to close a hole "
                                            "or to raise the swarm's weakest block (docs/healing.md); 0 = never "
@@ -127,10 +139,13 @@ class ServerConfig:
         if self.swarm_file and not self.network.identity_path:
             raise ServerConfigError("a server of a private swarm (--swarm-file) needs --identity KEYFILE: a key whose "
                                     "peer id is in the swarm file ('swarmbatch swarm new-key', then add-member)")
-        if min(self.max_sessions_per_peer, self.max_queued_forwards, self.max_forwards_per_peer) < 1 \
-                or not 0 < self.max_cache_share_per_peer <= 1:
-            raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards and --max-forwards-per-peer must be "
-                                    "positive, and --max-cache-share-per-peer in (0, 1]")
+        if min(self.max_sessions_per_peer, self.max_queued_forwards, self.max_forwards_per_peer,
+               self.max_forward_tokens, self.max_streams_per_peer) < 1 or not 0 < self.max_cache_share_per_peer <= 1:
+            raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards, --max-forwards-per-peer, "
+                                    "--max-forward-tokens and --max-streams-per-peer must be positive, and "
+                                    "--max-cache-share-per-peer in (0, 1]")
+        if self.lent_cache_grace < 0:
+            raise ServerConfigError(f"--lent-cache-grace {self.lent_cache_grace:g} is negative; pass 0 or more seconds")
 
     @property
     def rebalances(self) -> bool:

@@ -8,9 +8,15 @@ servers/push_receiver.py. What a caller can make the server take is bounded befo
   and forward headers), then what the session's (or the forward header's) shape allows;
 - a forward's header is answered {"admitted": true} before its tensors are sent, so that a refusal never leaves
   a client's bytes unread: p2pd resets a stream ended with unread bytes, and the client then loses the answer;
+- a caller is its owner: the member it acts for (servers/access.py), so that the per-caller limits below hold per
+  member, however many peer ids its credentials are made for;
 - a session reserves its KV cache only once its open message is valid, within the caller's share of sessions
   and cache; a refused open takes nothing;
-- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer;
+- cache lent to a caller alone is taken back once another caller waits: when a caller is refused room while
+  another holds more than its share, the borrower's newest sessions over its share are ended (`busy`)
+  `lent_cache_grace` seconds later, unless they ended by then (its client replays them elsewhere);
+- a forward holds a slot (`Slots`: per caller and per server) from its header to its answer, declares at most
+  `max_forward_tokens` tokens (rows x length), and its tensors must come at FORWARD_MIN_RATE;
 - a step applied before (a duplicate) is answered again uncomputed, keeps no stream alive, is pushed on only where
   its push failed (push_receiver.py), and its MAX_DUPLICATES_PER_STEP + 1st copy ends the stream.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,12 +58,17 @@ from servers.validation import (
     validate_step_id,
 )
 from swarmnet import protocol
+from swarmnet.membership import Membership
 from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 # copies of one step a session takes (from its client or pushed) before its stream is ended: a client sends a step
 # at most once per attempt (ClientConfig.max_retries = 8), and the server before may push it once more each time
 MAX_DUPLICATES_PER_STEP = 16
+# an admitted forward's tensors must arrive within FORWARD_GRACE s plus their declared bytes at this rate (bytes/s):
+# a caller cannot hold a forward slot by sending its header and then nothing (or a trickle)
+FORWARD_MIN_RATE = 256 * 1024
+FORWARD_GRACE = 10.0
 # each RPC and the handler method that serves it
 RPCS = {protocol.RPC_PUSH: "rpc_push", protocol.RPC_INFO: "rpc_info", protocol.RPC_FORWARD: "rpc_forward",
         protocol.RPC_INFERENCE: "rpc_inference"}
@@ -76,9 +88,16 @@ class BlockHandler(PushReceiver):
     max_sessions_per_peer: int = 16
     max_queued_forwards: int = 4    # forwards admitted and not yet answered (uploading, waiting or computing)
     max_forwards_per_peer: int = 2
-    # who may use the server: called with the caller's peer id and its stream's first message's meta; raises
-    # RequestRejected(UNAUTHORIZED) to refuse (an in-band error; nothing is reserved or computed)
+    max_forward_tokens: int = 16384  # rows x length of one forward; more is refused as invalid_request
+    max_streams_per_peer: int = 128  # streams one peer id may hold open at once (all RPCs); more are refused busy
+    lent_cache_grace: float = 10.0  # seconds a borrower's over-share sessions live on once another caller waits
+    # who may use the server: called with the caller's peer id and its stream's first message's meta, returns the
+    # owner it acts for (the member); raises RequestRejected(UNAUTHORIZED) to refuse (an in-band error; nothing is
+    # reserved or computed)
     authorize: Authorize = allow_everyone
+    # the members `authorize` checks by: when they change, open streams re-check their owners (streams.py)
+    membership: Membership = field(default_factory=Membership.open)
+    streams_by_peer: Counter[str] = field(default_factory=Counter)
     stats: ServerCounters = field(default_factory=ServerCounters)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
     sessions: dict[str, Session] = field(default_factory=dict)
@@ -99,6 +118,7 @@ class BlockHandler(PushReceiver):
                                      stats=self.stats, max_merge_tokens=self.max_merge_tokens)
         self.forwards = Slots("forwards in flight", per_caller=self.max_forwards_per_peer,
                               total=self.max_queued_forwards)
+        self._reclaim: asyncio.TimerHandle | None = None  # the lent cache's reclaim, once scheduled
 
     async def settle(self, seconds: float) -> None:
         """Wait up to `seconds` for the open sessions and the forwards in flight to end (new ones are refused
@@ -115,6 +135,27 @@ class BlockHandler(PushReceiver):
             assert session.stream is not None and session.stream.writer is not None
             session.stream.writer.close()  # its read fails at once: the session is freed as on a client's hang-up
         return len(ended)
+
+    def _reclaim_lent_cache_later(self) -> None:
+        """A caller was refused room: if some caller holds more than its share (it was lent cache), end its newest
+        sessions over its share `lent_cache_grace` s from now, unless they have ended by then."""
+        if self._reclaim is None and self.budget.borrowers():
+            self._reclaim = asyncio.get_running_loop().call_later(self.lent_cache_grace, self._reclaim_lent_cache)
+
+    def _reclaim_lent_cache(self) -> None:
+        """End each borrower's newest sessions until it holds no more than its share (its clients fail over)."""
+        self._reclaim = None
+        for owner, excess in self.budget.borrowers().items():
+            for session in sorted((s for s in self.sessions.values() if s.owner == owner),
+                                  key=lambda s: s.opened, reverse=True):
+                if excess <= 0:
+                    break
+                excess -= self.budget.held(session.session_id)
+                if session.stream is not None:
+                    logger.info("Ending session %s of %s: its cache was lent, and another caller waits for it",
+                                session.session_id[:8], session.peer[-6:])
+                    self._end_stream(session.stream, ErrorCode.BUSY, "this server lent your session cache beyond "
+                                     "your share, and another caller now waits for it: session ended; route around")
 
     def _refuse_while_moving(self) -> None:
         if self.moving_to is not None:
@@ -147,7 +188,7 @@ class BlockHandler(PushReceiver):
     async def _info(self, frame: bytes, stream: Stream) -> bytes:
         self._read(frame, stream)
         return protocol.encode([], {**self.status().info_answer(), "next_rtts": self.next_rtts(),
-                                    "cache_tokens_for_caller": self.budget.tokens_for(stream.peer)})
+                                    "cache_tokens_for_caller": self.budget.tokens_for(stream.owner)})
 
     async def _serve_forward(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                              ) -> None:
@@ -161,15 +202,15 @@ class BlockHandler(PushReceiver):
         if tensors:
             raise reject("a forward header carries no tensors: send them in the next message")
         self._refuse_while_moving()
-        shape = validate_forward_header(meta, self.limits)
-        with self.forwards.hold(stream.peer):
+        shape = validate_forward_header(meta, self.limits, max_tokens=self.max_forward_tokens)
+        with self.forwards.hold(stream.owner):
             # admitted: the client sends the tensors only now, so a refused header leaves nothing unread (a stream
             # ended with unread bytes is reset by p2pd, and the client would lose the answer saying why)
             protocol.write_frame(writer, protocol.encode([], {"admitted": True}))
             await writer.drain()
-            stream.accepted()  # its tensors have `session_timeout` to arrive
             limit = protocol.step_frame_limit(batch=shape.batch_size, tokens=shape.length, mask_length=shape.length,
                                               hidden_size=self.limits.hidden_size, itemsize=shape.dtype.itemsize)
+            stream.accepted(within=FORWARD_GRACE + limit / FORWARD_MIN_RATE)  # its tensors' time to arrive
             tensors, _ = protocol.decode(await self._receive(stream, reader, writer, limit))
             hidden, mask, positions = validate_forward(tensors, shape, self.limits)
             output = await self._compute(hidden, mask, positions, None, shape.start, shape.end)
@@ -219,16 +260,20 @@ class BlockHandler(PushReceiver):
         start, end = validate_span(meta, self.limits)
         if session_id in self.sessions:
             raise reject(f"session {session_id!r} is already open on another stream")
-        held = sum(s.peer == stream.peer for s in self.sessions.values())
+        held = sum(s.owner == stream.owner for s in self.sessions.values())
         if held >= self.max_sessions_per_peer:
             raise RequestRejected(ErrorCode.BUSY, f"this caller already has {held} sessions open here, the most one "
                                                   f"caller may have; close one or use another server")
         caches = self.span.new_caches(start, end)
-        self.budget.reserve(session_id, owner=stream.peer, batch_size=batch_size, max_length=max_length,
-                            num_blocks=end - start)
+        try:
+            self.budget.reserve(session_id, owner=stream.owner, batch_size=batch_size, max_length=max_length,
+                                num_blocks=end - start)
+        except RequestRejected:
+            self._reclaim_lent_cache_later()
+            raise
         session = stream.session = self.sessions[session_id] = Session(
-            session_id, stream.peer, start, end, batch_size, max_length, caches, pushable=meta.get("push") is True,
-            stream=stream)
+            session_id, stream.peer, stream.owner, start, end, batch_size, max_length, caches,
+            pushable=meta.get("push") is True, stream=stream)
         logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
         return protocol.encode([], {"opened": True, "session_id": session.session_id})
 

@@ -1,6 +1,7 @@
 """KV-cache budget: sessions reserve their worst case up front, so an admitted session never runs out; one caller
 may reserve at most a share of it, except that a caller alone on the server may borrow more (all but a reserve)
-while nobody else wants it (lending: CacheBudget)."""
+while nobody else wants it, and gives it back once another caller is refused room (lending: CacheBudget). An owner
+is a member of the swarm (servers/access.py), not a peer id."""
 from __future__ import annotations
 
 import logging
@@ -66,8 +67,8 @@ class CacheBudget:
     all but LENDING_RESERVE of the limit: one batch job's worker uses 3/4 of the cache instead of half, and a
     newcomer's first sessions still find room at once. When another owner is then refused for lack of room while
     someone holds more than a share, lending stops for `CONTENTION_SECONDS`: the borrower's new sessions are held to
-    its share (running ones go on; nothing is taken back mid-session), so room comes back as its sessions end, and
-    the refused owner gets in on a retry."""
+    its share, and what it holds beyond it (`borrowers`) is taken back (the handler ends its newest sessions after a
+    grace period, unless they ended by then), so the refused owner gets in on a retry."""
 
     def __init__(self, tokens_per_block: int, num_blocks: int, *, owner_share: float = 1.0, lend: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -132,6 +133,19 @@ class CacheBudget:
             self.contended_until = self.clock() + CONTENTION_SECONDS
             logger.info("Cache lent to one caller is wanted by another: each caller is held to its share for %.0f s",
                         CONTENTION_SECONDS)
+
+    def borrowers(self) -> dict[str, int]:
+        """While lending is stopped (another caller was refused room): each owner holding more than its share, and
+        by how many block-tokens; they give it back (servers/handler.py ends their newest sessions)."""
+        if self._lending():
+            return {}
+        over = {owner: self.used_by(owner) - self.owner_limit for owner in self.owners()}
+        return {owner: excess for owner, excess in over.items() if excess > 0}
+
+    def held(self, session_id: str) -> int:
+        """Block-tokens one session reserves now (0 once released)."""
+        reservation = self._reserved.get(session_id)
+        return 0 if reservation is None else reservation.tokens
 
     def shrink(self, session_id: str, *, batch_size: int, max_length: int, num_blocks: int) -> None:
         """Lower a session's reservation to a smaller batch (after it dropped rows); never raises it."""

@@ -73,6 +73,10 @@ class PushReceiver(StreamService):
         session = stream.push_target
         assert session is not None
         tensors, meta = self._read(frame, stream)
+        if session.stream is not None and not self._still_member(session.stream):  # its client was removed
+            self._end_stream(session.stream, ErrorCode.UNAUTHORIZED, f"{session.stream.owner} is no longer a member "
+                             "of this server's swarm (removed from its swarm file): its streams are ended")
+            self.sessions.pop(session.session_id, None)  # no step more, though its stream ends a moment later
         if self.sessions.get(session.session_id) is not session:
             stream.push_target = None
             raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"session {session.session_id[:8]} is closed")

@@ -224,8 +224,12 @@ class BlockServer:
                                batch_wait_ms=config.batch_wait_ms, max_merge_tokens=config.max_merge_tokens,
                                max_sessions_per_peer=config.max_sessions_per_peer,
                                max_queued_forwards=config.max_queued_forwards,
-                               max_forwards_per_peer=config.max_forwards_per_peer, stats=self.stats,
-                               authorize=MemberGate(self.membership).check, may_push_to=self.membership.serves,
+                               max_forwards_per_peer=config.max_forwards_per_peer,
+                               max_forward_tokens=config.max_forward_tokens,
+                               max_streams_per_peer=config.max_streams_per_peer,
+                               lent_cache_grace=config.lent_cache_grace, stats=self.stats,
+                               authorize=MemberGate(self.membership).check, membership=self.membership,
+                               may_push_to=self.membership.serves,
                                may_push_here=self.membership.serves)
         if self.p2p is not None:
             handler.pusher.p2p = self.p2p

@@ -6,6 +6,7 @@ to); a session lives from its open message until its client closes it or its str
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ class Session:
 
     session_id: str
     peer: str  # the caller that opened it
+    owner: str  # the member it acts for (its caller's owner: what its cache and its count go to)
     start: int
     end: int
     batch_size: int
@@ -50,6 +52,7 @@ class Session:
     applied: int = 0  # steps applied; a step id below it is a duplicate
     last_step: AppliedStep | None = None  # the last step applied: what a duplicate of it gets again
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time (a push and a direct step race)
+    opened: float = field(default_factory=time.monotonic)  # when: lent cache is taken back from the newest first
 
     def step_frame_limit(self, hidden_size: int) -> int:
         """The largest step message this session may still be sent: its rows, its remaining tokens."""
@@ -74,6 +77,8 @@ class Stream:
 
     peer: str  # the caller's peer id, authenticated by libp2p
     timeout: float
+    owner: str = ""  # whom the caller acts for, once its first message passed (a member; until then its peer id)
+    generation: int = 0  # the membership's generation when the owner was last found a member
     deadline: float = 0.0  # event-loop time after which the stream is closed, unless a message is accepted before
     authorized: bool = False
     session: Session | None = None
@@ -85,9 +90,10 @@ class Stream:
     push_target: Session | None = None  # a push stream: the session it was attached to
 
     def __post_init__(self) -> None:
+        self.owner = self.owner or self.peer
         self.accepted()
 
-    def accepted(self) -> None:
-        """A message was accepted: the stream lives `timeout` more seconds from now."""
-        self.deadline = asyncio.get_running_loop().time() + self.timeout
+    def accepted(self, within: float | None = None) -> None:
+        """A message was accepted: the stream lives `timeout` more seconds from now (or `within`, if shorter)."""
+        self.deadline = asyncio.get_running_loop().time() + min(self.timeout, within or self.timeout)
         self.refused = 0

@@ -3,9 +3,13 @@
 `StreamService` serves raw streams of length-prefixed frames (swarmnet/protocol.py):
 - a message's length is checked before it is read (`_receive`, with the limit its caller gives); an oversized one
   gets an `invalid_request` answer and ends the stream;
+- a caller (peer id) has at most `max_streams_per_peer` streams open at once: one more is answered `busy` at once
+  and ended, unread;
 - a stream's first message is authorized (`authorize`, in `_read`, the one place) before anything else is done,
   and a refused one ends the stream; a stranger's refusals are logged once per peer (MAX_LOGGED_STRANGERS), with
-  what the caller sent escaped (%r);
+  what the caller sent escaped (%r). `authorize` names the stream's owner (the member it acts for), which
+  per-caller limits count by; when the swarm file's members change, each message re-checks that its owner is still
+  one (`_recheck`), and a removed member's stream is refused and ended at its next message;
 - a stream is closed `session_timeout` after its last accepted message (refused ones and repeated steps do not keep
   it alive), after MAX_REFUSED_BEFORE_OPEN refused messages in a row before a session exists, and after a refusal
   that ends it (`RequestRejected.ends_stream`: a step repeated too often);
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +32,7 @@ from servers.counters import ServerCounters
 from servers.errors import RequestRejected
 from servers.sessions import Session, Stream, StreamOver
 from swarmnet import protocol
+from swarmnet.membership import Membership
 from swarmnet.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
@@ -35,12 +41,14 @@ LINGER_SECONDS = 3.0  # how long a stream the server ends waits for the caller t
 LINGER_BYTES = 1 << 16  # the most it reads (and drops) meanwhile
 MAX_LOGGED_STRANGERS = 1000  # refused callers logged by peer id (one line each); later ones are logged at DEBUG
 
-Authorize = Callable[[str, dict[str, Any]], None]
+# (caller's peer id, its first message's meta) -> the owner it acts for; raises RequestRejected(UNAUTHORIZED)
+Authorize = Callable[[str, dict[str, Any]], str]
 StreamServer = Callable[[Stream, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def allow_everyone(caller: str, meta: dict[str, Any]) -> None:
-    """The default `authorize`: every caller may use the server."""
+def allow_everyone(caller: str, meta: dict[str, Any]) -> str:
+    """The default `authorize`: every caller may use the server, on its own account."""
+    return caller
 
 
 async def let_go(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,6 +75,9 @@ class StreamService(ABC):
 
     session_timeout: float
     authorize: Authorize
+    membership: Membership  # whose changes make open streams re-check their owner (the one `authorize` checks by)
+    max_streams_per_peer: int
+    streams_by_peer: Counter[str]  # streams open now, per caller
     stats: ServerCounters
     refused_strangers: set[str]  # callers refused as no member, already logged once
 
@@ -77,14 +88,34 @@ class StreamService(ABC):
     async def _serve(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      serve: StreamServer) -> None:
         stream = Stream(peer=str(info.peer_id), timeout=self.session_timeout, writer=writer)
+        if self.streams_by_peer[stream.peer] >= self.max_streams_per_peer:  # answered, then let go: nothing is read
+            protocol.write_frame(writer, self._error(ErrorCode.BUSY, f"this caller already has "
+                                                     f"{self.max_streams_per_peer} streams open here, the most one "
+                                                     "caller may have; close one")[0])
+            logger.debug("Refused a stream of %s: %d open", stream.peer[-8:], self.max_streams_per_peer)
+            await let_go(reader, writer)
+            return
+        self.streams_by_peer[stream.peer] += 1
         try:
             await serve(stream, reader, writer)
         except (StreamOver, ConnectionError):  # over, or the caller went away while we computed
             pass
         finally:
+            self.streams_by_peer[stream.peer] -= 1
+            if not self.streams_by_peer[stream.peer]:
+                del self.streams_by_peer[stream.peer]
             if stream.session is not None:
                 self._close(stream.session)
             await let_go(reader, writer)
+
+    def _end_stream(self, stream: Stream, code: ErrorCode, message: str) -> None:
+        """End a stream from the server's side now, with an error answer saying why: its read fails at once, and its
+        session (if any) is freed as on a client's hang-up. The client routes around this server."""
+        if stream.writer is None or stream.writer.is_closing():
+            return
+        self.stats.record_error(code.value)
+        protocol.write_frame(stream.writer, protocol.encode_error(code, message))
+        stream.writer.close()
 
     async def _receive(self, stream: Stream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                        limit: int) -> bytes:
@@ -126,11 +157,29 @@ class StreamService(ABC):
     def _read(self, frame: bytes, stream: Stream) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Decode a message. A stream's first message is authorized here, the one place, before anything is done
         with it; until one passes, each message is taken for the first (and refused like it)."""
+        if stream.authorized:
+            self._recheck(stream)
         tensors, meta = protocol.decode(frame)
         if not stream.authorized:
-            self.authorize(stream.peer, meta)
-            stream.authorized = True
+            stream.owner = self.authorize(stream.peer, meta)
+            stream.authorized, stream.generation = True, self.membership.generation
         return tensors, meta
+
+    def _recheck(self, stream: Stream) -> None:
+        """Refuse, and end, an authorized stream whose owner the swarm file no longer lists (checked only when the
+        members changed since the stream's last check: an integer comparison per message otherwise)."""
+        if not self._still_member(stream):
+            raise RequestRejected(ErrorCode.UNAUTHORIZED, f"{stream.owner} is no longer a member of this server's "
+                                  "swarm (removed from its swarm file): its streams are ended", ends_stream=True)
+
+    def _still_member(self, stream: Stream) -> bool:
+        generation = self.membership.generation
+        if generation == stream.generation:
+            return True
+        if not self.membership.allows(stream.owner):
+            return False
+        stream.generation = generation
+        return True
 
     async def _answer(self, handle: Callable[[], Awaitable[bytes]], stream: Stream) -> tuple[bytes, ErrorCode | None]:
         """The one place where exceptions become error responses: (the answer, the error code if refused)."""

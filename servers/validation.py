@@ -66,11 +66,15 @@ class ForwardShape:
     dtype: torch.dtype
 
 
-def validate_forward_header(meta: dict[str, Any], limits: Limits) -> ForwardShape:
-    """The shape a forward's tensors must have; checked before any of them is read."""
+def validate_forward_header(meta: dict[str, Any], limits: Limits, *, max_tokens: int) -> ForwardShape:
+    """The shape a forward's tensors must have, at most `max_tokens` tokens (rows x length) in all; checked before
+    any of them is read."""
     start, end = validate_span(meta, limits)
     batch_size = _int_field(meta, "batch_size", 1, limits.max_batch_size)
     length = _int_field(meta, "length", 1, limits.max_length)
+    if batch_size * length > max_tokens:
+        raise reject(f"a forward of {batch_size} x {length} tokens is over this server's {max_tokens} "
+                     "(--max-forward-tokens): send fewer rows per forward")
     names = {str(dtype).removeprefix("torch."): dtype for dtype in HIDDEN_DTYPES}
     if meta.get("dtype") not in names:
         raise reject(f"'dtype' must be one of {', '.join(names)}, got {str(meta.get('dtype'))[:32]!r}")

@@ -189,7 +189,7 @@ class Membership:
         self._recheck, self._clock = recheck, clock
         self._checked_at = clock()
         self._signature = _file_signature(path)
-        self.generation = 0  # counts reloads that changed the members (a server drops the credentials it cached)
+        self._generation = 0  # reloads that changed the members
 
     @classmethod
     def open(cls) -> Membership:
@@ -202,6 +202,13 @@ class Membership:
         """The members of a swarm file (raises SwarmFileError), re-read when the file changes."""
         swarm = SwarmFile.load(path)
         return cls(swarm.path, swarm.members, recheck=recheck, clock=clock, roles=swarm.roles)
+
+    @property
+    def generation(self) -> int:
+        """How many reloads changed the members, as of now (the file is looked at, at most every `recheck` s): a
+        server drops the credentials it cached, and re-checks its open streams' owners, when it changes."""
+        self._refresh()
+        return self._generation
 
     @property
     def is_open(self) -> bool:
@@ -255,7 +262,7 @@ class Membership:
         if swarm.members != self._members or swarm.roles != self._roles:
             logger.info("Swarm file %s changed: %d members", self.path, len(swarm.members))
             self._members, self._roles = swarm.members, swarm.roles
-            self.generation += 1
+            self._generation += 1
 
 
 def _file_signature(path: Path | None) -> tuple[int, int, int] | None:

@@ -6,7 +6,8 @@ is a bounds check and `torch.frombuffer`, no per-element work: a decode step's h
 compute that has flushed the CPU caches, and every line of Python on that path is slow then.
 
 Every RPC is a raw hivemind stream of messages, each an 8-byte length and a frame, written with one write. A
-reader refuses a length over its limit having read only those 8 bytes. Before a session exists (and in `info` and
+reader refuses a length over its limit having read only those 8 bytes, and a header over MAX_HEADER_BYTES having
+read only the 4 bytes more that give its length. Before a session exists (and in `info` and
 `forward` requests) a message may be at most OPEN_FRAME_LIMIT; a session's steps at most what its shape allows
 (`step_frame_limit`).
 
@@ -66,6 +67,7 @@ DTYPES = {str(dtype).removeprefix("torch."): dtype
           for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)}
 _ALIGN = 16
 _LENGTH_BYTES = 8
+_HEADER_LENGTH_BYTES = 4  # a frame's first bytes: its msgpack header's length
 
 
 class ErrorCode(str, Enum):
@@ -116,7 +118,7 @@ def _header(frame: bytes | bytearray) -> tuple[dict[str, Any], int]:
     """A frame's msgpack header and where it ends; raises ValueError."""
     if len(frame) < 4:
         raise ValueError("truncated frame")
-    header_end = 4 + int.from_bytes(frame[:4], "big")
+    header_end = _HEADER_LENGTH_BYTES + int.from_bytes(frame[:_HEADER_LENGTH_BYTES], "big")
     if header_end - 4 > MAX_HEADER_BYTES:  # before unpacking: a header may hold millions of tiny objects
         raise ValueError(f"frame header of {header_end - 4} bytes (at most {MAX_HEADER_BYTES})")
     if header_end > len(frame):
@@ -202,11 +204,17 @@ def step_frame_limit(*, batch: int, tokens: int, mask_length: int, hidden_size: 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
     """The next message; IncompleteReadError at the end of the stream, FrameTooLarge over `max_bytes` (having read
-    only the 8-byte length)."""
+    only the 8-byte length) or with a header over MAX_HEADER_BYTES (having read only the 4 bytes more that say so)."""
     length = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "big")
     if length > max_bytes:
         raise FrameTooLarge(f"message of {length} bytes exceeds the limit of {max_bytes}")
-    return await reader.readexactly(length)
+    if length < _HEADER_LENGTH_BYTES:
+        return await reader.readexactly(length)  # too short for a frame: decode() says so
+    head = await reader.readexactly(_HEADER_LENGTH_BYTES)
+    header_bytes = int.from_bytes(head, "big")
+    if header_bytes > MAX_HEADER_BYTES:  # before reading the rest: a step's frame may be megabytes
+        raise FrameTooLarge(f"frame header of {header_bytes} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    return head + await reader.readexactly(length - _HEADER_LENGTH_BYTES)
 
 
 # ---- answers -------------------------------------------------------------------------------------------

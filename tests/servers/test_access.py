@@ -31,8 +31,16 @@ def refusal(gate: MemberGate, caller: str, meta: dict) -> str:
     return str(caught.value)
 
 
-def test_an_open_gate_admits_everyone() -> None:
-    MemberGate.open().check(CLIENT, {})
+def test_an_open_gate_admits_everyone_each_on_its_own_account() -> None:
+    assert MemberGate.open().check(CLIENT, {}) == CLIENT
+
+
+def test_the_gate_names_the_member_a_caller_acts_for(swarm_file: Path, keys: dict[str, Identity]) -> None:
+    gate = MemberGate(Membership.from_file(swarm_file), clock=lambda: NOW)
+    assert gate.check(keys["server"].peer_id, {}) == keys["server"].peer_id  # a server: itself
+    meta = {"credential": MemberCredential.issue(keys["member"], CLIENT, int(NOW) + 100).to_bytes()}
+    assert gate.check(CLIENT, meta) == keys["member"].peer_id  # a client process: the member key it acts for
+    assert gate.check(CLIENT, meta) == keys["member"].peer_id and gate.checked == 1  # from the cache too
 
 
 def test_a_member_peer_needs_no_credential_and_others_need_one(swarm_file: Path, keys: dict[str, Identity]) -> None:

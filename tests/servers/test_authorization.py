@@ -31,10 +31,11 @@ def test_a_refused_caller_gets_unauthorized_on_every_rpc_and_takes_nothing(tiny_
                                       attn_cache_tokens=64))
     calls: list[tuple[str, dict[str, Any]]] = []
 
-    def members_only(caller: str, meta: dict[str, Any]) -> None:
+    def members_only(caller: str, meta: dict[str, Any]) -> str:
         calls.append((caller, meta))
         if meta.get("credential") != "member":
             raise RequestRejected(protocol.ErrorCode.UNAUTHORIZED, "not a member of this swarm")
+        return caller
 
     async def scenario() -> None:
         maddrs = await server.start()

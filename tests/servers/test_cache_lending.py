@@ -2,7 +2,10 @@
 room in the reserve at once; once another caller is refused room, each is held to its share again, nothing already
 running is taken back, and the refused caller gets its share as sessions end.
 
-The budget's rules with a fake clock, then a real server and two real clients (two peers).
+What was lent is given back once another caller waits: the borrower's sessions over its share are ended
+(`busy`) after `--lent-cache-grace`, and its client replays them on another server.
+
+The budget's rules with a fake clock, then real servers and two real clients (two peers).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from launch.local_swarm import LocalSwarm
 from servers.errors import RequestRejected
 from servers.memory import CONTENTION_SECONDS, LENDING_RESERVE, CacheBudget
 from swarmclient.errors import PeerFailed
+from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
 from swarmnet.protocol import ErrorCode
 
@@ -104,6 +108,17 @@ def test_a_caller_refused_for_what_was_lent_stops_the_lending_until_the_server_i
     assert budget.used_by("a") == 55 and budget.use().tokens_per_caller == 75
 
 
+def test_a_borrower_is_named_with_what_it_holds_over_its_share_only_while_lending_is_stopped() -> None:
+    budget = lending_budget(Clock())
+    reserve(budget, "a1", "a", 40)
+    reserve(budget, "a2", "a", 35)
+    assert budget.borrowers() == {}  # lending: nobody waits
+    assert refused(budget, "b", 50) == ErrorCode.CACHE_FULL
+    assert budget.borrowers() == {"a": 25} and budget.held("a2") == 35
+    budget.release("a2")
+    assert budget.borrowers() == {} and budget.held("a2") == 0
+
+
 def test_a_refusal_that_lending_did_not_cause_keeps_the_lending_on() -> None:
     budget = lending_budget(Clock())
     reserve(budget, "a1", "a", 50)
@@ -155,3 +170,40 @@ def test_a_real_server_lends_a_lone_caller_its_cache_and_takes_it_back_as_sessio
     for opened, client in [(held[1], borrower), (first, newcomer), (served, newcomer)]:
         client.loop.run(opened.close())
     assert eventually(lambda: info(borrower, peer)["sessions"] == 0)
+
+
+@pytest.mark.swarm
+def test_a_borrowers_lent_session_is_ended_once_another_caller_waits_and_its_client_replays_it_elsewhere(
+        tiny_model: Path, tmp_path: Path) -> None:
+    with LocalSwarm(tiny_model, [], log_dir=tmp_path) as swarm:
+        swarm.start_servers([(0, 6, ["--attn-cache-tokens", str(CACHE_TOKENS), "--lent-cache-grace", "1"])])
+        lender = swarm.servers[0].peer_id
+        with two_clients(swarm, tiny_model) as (borrower, newcomer):
+            # Given a caller alone on the lender with two sessions of 24 tokens (48: it borrowed 16)
+            older, newer = (InferenceSession(borrower, batch_size=1, max_length=24) for _ in range(2))
+            for chain in (older, newer):
+                chain.swarm.loop.run(chain.open())
+                assert chain.route[0].peer_id == lender
+            prompt = inputs(4)
+            assert torch.equal(older.step(*prompt), newer.step(*prompt))
+            # and a second server the borrower knows of
+            swarm.start_servers([(0, 6, [])])
+            other = swarm.servers[1].peer_id
+            assert eventually(lambda: len(borrower.loop.run(borrower.member_spans(refresh=True))) == 2)
+            # When another caller asks for its share (32) and finds 16 free
+            with pytest.raises(PeerFailed, match="cache_full"):
+                session(newcomer, lender, max_length=32)
+            # Then within the grace the borrower's newest session is ended by the lender
+            assert eventually(lambda: info(newcomer, lender)["sessions"] == 1, timeout=5)
+            # and its client replays it on the other server: the next step's output is the one the older session,
+            # still on the lender, computes from the same inputs
+            hidden = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(7))
+            step = (hidden, torch.ones(1, 5, dtype=torch.long), torch.tensor([[4]]))
+            kept, replayed = older.step(*step), newer.step(*step)
+            assert [hop.peer_id for hop in older.route] == [lender] and [hop.peer_id for hop in newer.route] == [other]
+            assert newer.failovers == 1 and torch.allclose(kept, replayed, atol=1e-4)
+            # and the waiting caller gets its share on the lender
+            served = session(newcomer, lender, max_length=32)
+            newcomer.loop.run(served.close())
+            for chain in (older, newer):
+                chain.swarm.loop.run(chain.close())
