@@ -137,6 +137,12 @@ report_failure() {
   compose ps
   compose logs --no-color > "$WORK/logs" 2>&1
   compose logs --no-color --tail 30
+  echo "---- health checks that do not pass (their last outputs)"
+  local service id
+  for service in $LONG_RUNNING; do
+    id=$(compose ps -q "$service") && [ -n "$id" ] || continue
+    docker inspect -f '{{if .State.Health}}{{if ne .State.Health.Status "healthy"}}{{.Name}} {{.State.Health.Status}}:{{range .State.Health.Log}} [{{.ExitCode}}] {{.Output}}{{end}}{{end}}{{end}}' "$id"
+  done
   echo "---- warnings and errors of the worker and the API (all of them: $WORK/logs)"
   grep -E "^(worker|api)_1 .*(WARNING|ERROR|Error|Traceback)" "$WORK/logs" | tail -25
 }

@@ -5,6 +5,7 @@ through this module, so both agree on the model id that names the weights on the
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -170,4 +171,5 @@ class ModelSpec:
             tmp.write_text(json.dumps({"stamp": stamp, "revision": revision}))
             tmp.replace(self.path / REVISION_FILE)
         except OSError:  # a read-only model dir: hash again next time
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # nothing was written there (EROFS), or it is gone
+                tmp.unlink(missing_ok=True)
