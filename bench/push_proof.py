@@ -3,7 +3,7 @@
 In process, no network. For SmolLM2's hidden size (576) and decode batches of 1, 8 and 64 rows (and one prefill of
 8 x 128 tokens), float32 and bfloat16, it times as medians over `--reps` loops:
   * the baseline: `protocol.encode` of the pushed frame (output, mask, positions, meta), which every push does;
-  * `input_digest` of the step's input (BLAKE2b-128), which the pushing server, the receiving server and the client
+  * `input_digest` of the step's input (SHA-256, 128 bits), which the pushing server, the receiving server and the client
     each compute once per pushed step;
   * the pushing server's RSA-2048 signature of the statement, and the receiving server's check of it.
     python bench/push_proof.py [--reps 15] [--loops 200]
