@@ -13,7 +13,10 @@ of the process and its hop replayed through others, like a failed one.
 
 With push (ClientConfig.push) a step goes to the first hop only, naming the rest of the route, and each server pushes
 its outputs on; every hop's outputs still come back as its answer, so the history and replays are the same. A failed
-step resumes at the first hop whose outputs are missing, after replacing the broken hops (`_push_attempt`).
+step resumes at the first hop whose outputs are missing, after replacing the broken hops (`_push_attempt`). Each hop's
+answer names the digest of the input it computed on, checked against the record before anything else (push_audit.py):
+a server that pushed other than it answered, or a hop that cannot prove its input, is banned for good and the hops
+from there on are replayed.
 """
 from __future__ import annotations
 
@@ -258,8 +261,10 @@ class InferenceSession:
             raise
         try:
             arrivals = await self._collect(step_id, pending, boundaries, shape)
-        finally:  # also the answers that came before a failure: a later attempt keeps them
+        except Exception:  # the answers that came before the failure stay for the next attempt: check them too
             self._audit_inputs(step_id, pending, boundaries, attention_mask, position_ids, keep_rows)
+            raise
+        self._audit_inputs(step_id, pending, boundaries, attention_mask, position_ids, keep_rows)
         if shape[1] == 1:  # a decode step: each hop's time, from its input's arrival to its answer (network included)
             for hop, began, ended in zip(pending, [sent, *arrivals], arrivals, strict=False):
                 if ended > began:  # answers travel separately: one may overtake the one before it
