@@ -15,7 +15,8 @@ Modules:
                      names the member a caller acts for (per-caller limits count per member)
     status           ServerStatus: one reading of a server, from which info, /metrics and the DHT record are made
     batching         DecodeBatcher: concurrent sessions' decode steps on the same blocks merged into one forward
-    push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push)
+    push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push),
+                     each with this server's signed push proof (swarmnet/push_proof.py)
     neighbours       NextServerPings: round trips to the servers that may follow this one, for push routing
     sessions         Stream and Session: what the server keeps per stream and per inference session
     streams          StreamService: bounded frame reads, streams per peer, the authorize hook on a stream's first
@@ -27,7 +28,8 @@ Modules:
     announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown
     server           ServerConfig + BlockServer: composition, start-up, status() and ordered shutdown
     bootstrap        the `swarmbatch dht` bootstrap node
-    faults           TEST-ONLY: SWARMBATCH_FAULT_INJECTION=noise:STD makes the span's outputs wrong (checked outputs)
+    faults           TEST-ONLY: SWARMBATCH_FAULT_INJECTION=noise:STD makes the span's outputs wrong, push-noise:STD
+                     only the outputs it pushes (checked outputs, push proofs)
     metrics          the Prometheus endpoint (--metrics-port): the status as steps, tokens, errors, KV-cache use,
                      sessions, state
     counters         ServerCounters: steps, tokens, merges and errors counted since start

@@ -60,6 +60,7 @@ from servers.validation import (
 from swarmnet import protocol
 from swarmnet.membership import Membership
 from swarmnet.protocol import ErrorCode
+from swarmnet.push_proof import input_digest, proof_signer
 
 logger = logging.getLogger(__name__)
 # copies of one step a session takes (from its client or pushed) before its stream is ended: a client sends a step
@@ -300,7 +301,8 @@ class BlockHandler(PushReceiver):
             if step_id is not None and step_id != session.applied:
                 applied, stream.repeated = self._repeated(session, step_id), True
             else:
-                answer, output, mask, positions = await self._compute_step(session, tensors, meta)
+                pusher = stream.peer if stream.push_target is not None else None
+                answer, output, mask, positions = await self._compute_step(session, tensors, meta, pusher)
                 session.applied += 1
                 applied = AppliedStep(-1 if step_id is None else step_id, answer, (output, mask, positions),
                                       meta.get("keep_rows"))
@@ -323,13 +325,14 @@ class BlockHandler(PushReceiver):
                                                      f"{last.duplicates} times; ending the stream", ends_stream=True)
         return last
 
-    async def _compute_step(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any]
-                            ) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(answer, output, mask, positions) of one validated step."""
+    async def _compute_step(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any],
+                            pusher: str | None) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(answer, output, mask, positions) of one validated step (pushed by `pusher`, or the client's: None)."""
         keep_rows = validate_keep_rows(meta.get("keep_rows"), session.batch_size)
         hidden, mask, positions = validate_step(
             tensors, batch_size=session.batch_size if keep_rows is None else len(keep_rows), past=session.length,
             max_length=session.max_length, hidden_size=self.limits.hidden_size)
+        bound = self._bind_input(session, meta, hidden, mask, positions, keep_rows, pusher)
         if keep_rows is not None:  # only after the whole step is valid, so a refused step changes nothing
             self._keep_rows(session, keep_rows)
         began = time.perf_counter()
@@ -340,8 +343,28 @@ class BlockHandler(PushReceiver):
         session.length += hidden.shape[1]
         # the compute time lets clients (and bench/swarm.py) tell network overhead from compute
         answer = protocol.encode([output], {"cache_len": session.length, "merged": merged, "step_id": meta.get("step_id"),
-                                            "compute_ms": (time.perf_counter() - began) * 1000})
+                                            "compute_ms": (time.perf_counter() - began) * 1000, **bound})
         return answer, output, mask, positions
+
+    @staticmethod
+    def _bind_input(session: Session, meta: dict[str, Any], hidden: torch.Tensor, mask: torch.Tensor,
+                    positions: torch.Tensor, keep_rows: list[int] | None, pusher: str | None) -> dict[str, Any]:
+        """What a push session's answer says of the input it was computed on (swarmnet/push_proof.py): its digest,
+        and for a pushed step the pusher's proof, checked here first (an unproven push is refused, before it changes
+        anything: its client then sends the step itself)."""
+        if not session.pushable:
+            return {}
+        step_id = meta.get("step_id")
+        digest = input_digest(hidden, mask, positions, keep_rows, step_id)
+        if pusher is None:
+            return {"input_digest": digest}
+        signer = None if not isinstance(step_id, int) else proof_signer(
+            meta.get("push_proof"), owner=session.peer, target_session=session.session_id, step_id=step_id,
+            digest=digest)
+        if signer is None or signer.peer_id != pusher:
+            raise reject("a pushed step needs a push proof: the pushing server's signature of this input for this "
+                         "session's client")
+        return {"input_digest": digest, "push_proof": meta["push_proof"]}
 
     def _keep_rows(self, session: Session, rows: list[int]) -> None:
         """Drop the other rows of the session's caches; the freed cache goes back to the budget."""

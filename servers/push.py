@@ -5,6 +5,9 @@ of them as a step of that session (its outputs, the step's attention mask and po
 rest of the route), so a token costs about (hops + 1) / 2 round trips instead of one per hop. `Pusher` keeps one
 `PushLink` per (upstream session, downstream peer, downstream session): a `push` stream whose first message attaches
 it to the downstream session; pushes go out in order and are answered in order ({"accepted": step id} or an error).
+Each push carries a `push_proof` (swarmnet/push_proof.py): this server's signature, with its peer key, of the digest
+of what it pushed, for which session; the downstream server checks it and hands it to the client, which can then tell
+which of the two lied when what the downstream computed on differs from this server's answer.
 A push that fails (no stream, a broken one, an error answer) is reported to the client on the upstream session's own
 stream as {"session_id", "step_id", "push_failed": {"peer", "reason"}}; the client then sends that step to the
 downstream server itself (a step id makes the one that arrives second a duplicate, applied once: handler.py).
@@ -28,6 +31,7 @@ from typing import Any
 from hivemind.p2p import P2P, PeerID
 
 from swarmnet import protocol
+from swarmnet.identity import Identity
 
 logger = logging.getLogger(__name__)
 PUSH_CONNECT_TIMEOUT = 10.0  # seconds to open a push stream and attach it to the downstream session
@@ -137,6 +141,8 @@ class Pusher:
     def __init__(self, *, max_in_flight: int = MAX_PUSHES_IN_FLIGHT, timeout: float = PUSH_TIMEOUT,
                  timeout_per_token: float = PUSH_TIMEOUT_PER_TOKEN) -> None:
         self.p2p: P2P | None = None  # set when the handler registers with a P2P node
+        self.identity: Identity | None = None  # the server's peer key: signs each push's proof (push_proof.py)
+        self.noise: float | None = None  # TEST-ONLY (servers/faults.py, push-noise:STD): pushed outputs get noise
         self.max_in_flight, self.timeout, self.timeout_per_token = max_in_flight, timeout, timeout_per_token
         self._sessions: dict[str, SessionPushes] = {}  # upstream session id -> its pushes
         self.pushed = 0

@@ -2,8 +2,9 @@
 push.py), and pushing our own outputs on along a step's route.
 
 A push stream starts with an attach message naming a session its client opened with "push": true; each pushed step
-is applied like the client's own (once per step id), its answer goes to the client on the session's own stream, and
-the pusher gets {"accepted": step_id}.
+is applied like the client's own (once per step id) once its push proof checks out (swarmnet/push_proof.py: signed by
+the pushing server for this session's client and this input), its answer goes to the client on the session's own
+stream with that proof, and the pusher gets {"accepted": step_id}. Our own pushes carry our proof.
 
 A duplicate (a step id applied before, from the client or pushed) is never computed again, and is pushed on only
 where that step's push failed, or to a replacement hop while the step has fewer than MAX_PUSH_TARGETS targets; after
@@ -19,12 +20,14 @@ from typing import Any
 import torch
 
 from servers.errors import RequestRejected
+from servers.faults import noisy
 from servers.push import Pusher
 from servers.sessions import AppliedStep, Session, Stream, check_session_id
 from servers.streams import StreamService
 from servers.validation import Limits, reject, validate_step_id
 from swarmnet import protocol
 from swarmnet.protocol import ErrorCode
+from swarmnet.push_proof import input_digest, sign_push
 
 MAX_PUSH_TARGETS = 3  # hops one step may be pushed to: its route's first, then replacements the client names
 
@@ -97,9 +100,15 @@ class PushReceiver(StreamService):
             return
         applied.targets[(peer, target)] = False
         output, mask, positions = applied.pushed
+        output = noisy(output, self.pusher.noise)  # TEST-ONLY (servers/faults.py): None leaves it alone
         meta: dict[str, Any] = {"session_id": target, "step_id": applied.step_id, "route": [list(hop) for hop in rest]}
         if applied.keep_rows is not None:
             meta["keep_rows"] = applied.keep_rows
+        if self.pusher.identity is not None:  # (a server always has one; a handler built in a test may not)
+            digest = input_digest(output, mask, positions, applied.keep_rows, applied.step_id)
+            meta["push_proof"] = sign_push(self.pusher.identity, owner=session.peer,
+                                           upstream_session=session.session_id, target_session=target,
+                                           step_id=applied.step_id, digest=digest)
         frame = protocol.encode([output, mask, positions], meta)
 
         async def report(downstream: str, reason: str) -> None:

@@ -25,7 +25,7 @@ from servers.block_sizing import auto_num_blocks
 from servers.config import ServerConfig
 from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
-from servers.faults import fault_noise, inject_faults
+from servers.faults import fault_noise, inject_faults, push_fault_noise
 from servers.handler import RPCS, BlockHandler
 from servers.memory import CacheBudget
 from servers.metrics import start_metrics
@@ -38,6 +38,7 @@ from servers.throughput import measure_throughput
 from servers.validation import Limits
 from swarmnet.data_structures import MAX_MOVE_REASON_CHARS, MAX_MOVES_ANNOUNCED, PROTOCOL_VERSION, ServerState, SpanMove
 from swarmnet.discovery import get_remote_module_infos
+from swarmnet.identity import Identity
 from swarmnet.membership import Membership
 from swarmnet.model_spec import ModelSpec
 from swarmnet.network import run_async, start_dht_node, stop_dht_node, visible_maddrs
@@ -69,6 +70,7 @@ class BlockServer:
         self.spec = ModelSpec.open(config.model_dir)
         self.membership = Membership.from_file(config.swarm_file) if config.swarm_file else Membership.open()
         self.fault_noise = fault_noise(private=not self.membership.is_open)  # refused in a private swarm, before loading
+        self.push_noise = push_fault_noise(private=not self.membership.is_open)  # the same, on pushed outputs only
         self.max_length = min(config.max_length or self.spec.max_length, self.spec.max_length)
         self.stats = ServerCounters()
         self.state = ServerState.JOINING
@@ -81,6 +83,7 @@ class BlockServer:
         self.target: tuple[int, int] | None = None  # while moving: the span moved to (announced JOINING)
         self.moves: deque[SpanMove] = deque(maxlen=MAX_MOVES_ANNOUNCED)
         self.p2p: P2P | None = None
+        self.identity: Identity | None = None  # the peer key: it signs DHT records and push proofs
         self._running = contextlib.AsyncExitStack()  # how to stop what start() built, last built first
         self._stop = asyncio.Event()
 
@@ -95,7 +98,7 @@ class BlockServer:
         p2p, node = await start_dht_node(self.config.initial_peers, self.config.network, client_mode=False,
                                          writers=writers)
         self._running.push_async_callback(stop_dht_node, p2p, node)
-        self.peer_id, self.p2p = p2p.peer_id.to_base58(), p2p
+        self.peer_id, self.p2p, self.identity = p2p.peer_id.to_base58(), p2p, node.identity
         self.membership.require(self.peer_id, "server", self.config.network.identity_path)
         start, end = await self._choose_span(node)
         self.serving = await self._serve(start, end)
@@ -233,6 +236,7 @@ class BlockServer:
                                may_push_here=self.membership.serves)
         if self.p2p is not None:
             handler.pusher.p2p = self.p2p
+        handler.pusher.identity, handler.pusher.noise = self.identity, self.push_noise
         return Serving(span, budget, handler)
 
     def status(self) -> ServerStatus:

@@ -17,10 +17,12 @@ from hivemind.p2p import PeerID
 
 from swarmclient.answers import AnswerReader, StreamBroken
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, SessionTimeout, Unauthorized
+from swarmclient.push_audit import InputClaim
 from swarmclient.swarm import Swarm
 from swarmnet import protocol
 from swarmnet.data_structures import RouteHop
 
+MAX_CLAIMS = 8  # input claims of older steps than the last answer's kept (the client takes each step's at once)
 # (the session whose server reported it, step id, downstream peer, reason) -> whether the report was one to expect
 PushReport = Callable[["ServerSession", int, str, str], bool]
 
@@ -54,6 +56,7 @@ class ServerSession:
         self.last_compute_seconds = 0.0  # the server's own compute time of the last step
         self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
         self._received_bytes = 0  # answer frames read on this stream outside an AnswerReader
+        self.claims: dict[int, InputClaim] = {}  # push: step id -> what its answer says of its input
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
@@ -198,6 +201,11 @@ class ServerSession:
             raise self._broken(f"an answer of shapes {[tuple(t.shape) for t in tensors]} to a "
                                f"{tuple(shape) if shape is not None else 'open'} message")
         self.steps += 1
+        step_id = meta.get("step_id")
+        if self.push and isinstance(step_id, int):  # what the server says it computed on (push_audit.py)
+            self.claims[step_id] = InputClaim(meta.get("input_digest"), meta.get("push_proof"))
+            for old in [s for s in self.claims if s < step_id - MAX_CLAIMS]:
+                del self.claims[old]
         self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]

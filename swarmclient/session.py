@@ -13,7 +13,10 @@ of the process and its hop replayed through others, like a failed one.
 
 With push (ClientConfig.push) a step goes to the first hop only, naming the rest of the route, and each server pushes
 its outputs on; every hop's outputs still come back as its answer, so the history and replays are the same. A failed
-step resumes at the first hop whose outputs are missing, after replacing the broken hops (`_push_attempt`).
+step resumes at the first hop whose outputs are missing, after replacing the broken hops (`_push_attempt`). Each hop's
+answer names the digest of the input it computed on, checked against the record before anything else (push_audit.py):
+a server that pushed other than it answered, or a hop that cannot prove its input, is banned for good and the hops
+from there on are replayed.
 """
 from __future__ import annotations
 
@@ -29,13 +32,17 @@ import torch
 
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported, WrongOutput
 from swarmclient.hop_verifier import HopCheck, HopVerifier
+from swarmclient.push_audit import Blame, InputClaim, InputRecord, judge_input
 from swarmclient.retry import with_retries
 from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm, wire_hidden
 from swarmclient.verification_policy import Verdict, VerificationTally, sampled, stack_history
 from swarmnet.data_structures import RouteHop
+from swarmnet.push_proof import input_digest
 
 logger = logging.getLogger(__name__)
+# one warning per push lie caught (tests read it): the liar's blocks, its peer id, what it did
+PUSH_LIE_LOG = "Server on blocks %d:%d, %s, %s; banned for the rest of this process"
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +94,8 @@ class InferenceSession:
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
         self._broken: set[int] = set()                   # hop starts whose server failed
         self._history: list[StepRecord] = []             # every completed step, in order: what a replay sends
+        self._opened: dict[str, str] = {}                # push: every session id opened -> its server's peer id
+        self._sent: dict[int, set[bytes]] = {}           # push: hop start -> digests of inputs sent it this step
         self.failovers = 0
 
     @property
@@ -219,6 +228,7 @@ class InferenceSession:
         records each hop's inputs as without push: a failover replays them and a check recomputes them."""
         step_id = len(self._history)
         boundaries: dict[int, torch.Tensor] = {0: hidden}  # block index -> this step's hidden states there
+        self._sent.clear()
         await with_retries(lambda: self._push_attempt(step_id, boundaries, attention_mask, position_ids, keep_rows),
                            config=self.swarm.config, on_failure=self._on_failure)
         self._record({hop.start: boundaries[hop.start] for hop in self.route}, attention_mask, position_ids, keep_rows)
@@ -240,6 +250,8 @@ class InferenceSession:
         for hop in pending:
             self._sessions[hop.start].expect(shape, step_id)
         head = self._sessions[pending[0].start]
+        self._sent.setdefault(head.hop.start, set()).add(
+            input_digest(boundaries[head.hop.start], attention_mask, position_ids, keep_rows, step_id))
         sent = time.perf_counter()
         try:
             await head.send(boundaries[pending[0].start], attention_mask, position_ids, keep_rows, step_id=step_id,
@@ -247,7 +259,12 @@ class InferenceSession:
         except PeerFailed:
             self._broken.add(head.hop.start)
             raise
-        arrivals = await self._collect(step_id, pending, boundaries, shape)
+        try:
+            arrivals = await self._collect(step_id, pending, boundaries, shape)
+        except Exception:  # the answers that came before the failure stay for the next attempt: check them too
+            self._audit_inputs(step_id, pending, boundaries, attention_mask, position_ids, keep_rows)
+            raise
+        self._audit_inputs(step_id, pending, boundaries, attention_mask, position_ids, keep_rows)
         if shape[1] == 1:  # a decode step: each hop's time, from its input's arrival to its answer (network included)
             for hop, began, ended in zip(pending, [sent, *arrivals], arrivals, strict=False):
                 if ended > began:  # answers travel separately: one may overtake the one before it
@@ -280,6 +297,46 @@ class InferenceSession:
             for task in waits:
                 task.cancel()
         return [arrived[hop.start] for hop in hops]
+
+    def _audit_inputs(self, step_id: int, hops: list[RouteHop], boundaries: dict[int, torch.Tensor],
+                      attention_mask: torch.Tensor, position_ids: torch.Tensor, keep_rows: list[int] | None) -> None:
+        """Check that each hop that answered computed on the input recorded for it (push_audit.py), in route order;
+        at the first that did not, drop its outputs and the later hops' (computed from them), ban whoever lied and
+        raise WrongOutput, or PushReported for a stale input (the hop is replayed, nobody is banned)."""
+        owner = self.swarm.p2p.peer_id.to_base58()
+        for hop in hops:
+            session = self._sessions.get(hop.start)
+            if session is None or hop.start not in boundaries or hop.end not in boundaries:
+                continue
+            upstream = next((s for s in self._sessions.values() if s.hop.end == hop.start), None)
+            record = InputRecord(
+                input_digest(boundaries[hop.start], attention_mask, position_ids, keep_rows, step_id), owner,
+                session.session_id, step_id, None if upstream is None else (upstream.hop.peer_id, upstream.session_id),
+                self._sent.get(hop.start, ()), self._opened)
+            blame = judge_input(session.claims.pop(step_id, InputClaim(None, None)), record)
+            if blame is not Blame.NONE:
+                self._redo_from(hop.start if blame is not Blame.UPSTREAM or upstream is None else upstream.hop.start,
+                                boundaries)
+                raise self._input_failure(blame, hop, upstream)
+
+    def _redo_from(self, start: int, boundaries: dict[int, torch.Tensor]) -> None:
+        """The hops from block `start` on computed this step from a wrong input: their sessions are replaced."""
+        for later in self.route:
+            if later.start >= start:
+                self._broken.add(later.start)
+        for block in [b for b in boundaries if b > start]:
+            del boundaries[block]
+
+    def _input_failure(self, blame: Blame, hop: RouteHop, upstream: ServerSession | None) -> PeerFailed:
+        if blame is Blame.STALE:
+            logger.info("Server %s answered a step from an earlier input; replaying the record to it", hop.peer_id[-8:])
+            return PushReported(hop.peer_id, "it applied an earlier input of the step")
+        liar = upstream.hop if blame is Blame.UPSTREAM and upstream is not None else hop
+        self.swarm.bans.ban_for_good(liar.peer_id)
+        what = "pushed to the next server other outputs than it answered" if liar is not hop else \
+            "claims to have computed on an input it cannot prove it was sent"
+        logger.warning(PUSH_LIE_LOG, liar.start, liar.end, liar.peer_id, what)
+        return WrongOutput(liar.peer_id, f"it {what} (banned for good)")
 
     def _push_failed(self, reporter: ServerSession, step_id: int, peer_id: str, reason: str) -> bool:
         """A server reports that it could not push step `step_id` to `peer_id`: stop waiting for that server, if it
@@ -350,6 +407,7 @@ class InferenceSession:
             raise failure
         for session in sessions:
             self._sessions[session.hop.start] = session
+            self._opened[session.session_id] = session.hop.peer_id
         return hops
 
     async def _replay(self, hops: list[RouteHop]) -> None:

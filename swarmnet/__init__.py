@@ -5,6 +5,8 @@ The layers, bottom up: `swarmnet` (this package) ← `servers` and `swarmclient`
 Modules:
     data_structures  the wire contract: ServerState, ServerInfo (DHT announcements), RemoteSpanInfo, RouteHop
     protocol         RPC names, the one frame codec (tensors + msgpack metadata), stream framing, error codes
+    push_proof       push proofs: the digest of a step's input as a server applied it, and the pusher's signed
+                     statement of what it pushed into which session (checked outputs with push)
     errors           SwarmError (the root of every swarm error) and the shared ones: ModelDirError, NetworkConfigError,
                      DHTUnreachable
     families         the model families (FAMILIES): per family, its classes, tensor names, layer call, embedding

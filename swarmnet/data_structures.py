@@ -10,7 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PROTOCOL_VERSION = "swarmbatch/3"  # /3: open messages, bounded frames, info/forward on raw streams (protocol.py)
+# /3: open messages, bounded frames, info/forward on raw streams; /4: push proofs and input digests (protocol.py)
+PROTOCOL_VERSION = "swarmbatch/4"
 
 # How long a DHT record may live, swarm-wide. A server re-announces every period (at most ANNOUNCE_PERIOD_LIMIT)
 # and its records expire after two; every node refuses a record expiring later than MAX_RECORD_TTL from its own

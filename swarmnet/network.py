@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 async def start_dht_node(
     initial_peers: Sequence[str], options: NetworkOptions, *, client_mode: bool,
     writers: Callable[[str], bool] | None = None,
-) -> tuple[P2P, DHTNode]:
+) -> tuple[P2P, GuardedDHTNode]:
     """Start a P2P daemon and a DHT node on it; raises DHTUnreachable if no initial peer answers.
 
     Every node is a GuardedDHTNode checking records with a SignedRecordValidator (swarmnet/records.py). A full

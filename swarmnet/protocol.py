@@ -24,7 +24,11 @@ read only the 4 bytes more that give its length. Before a session exists (and in
   such a step as any other, then pushes its outputs (with the step's mask, positions, keep_rows, step id and the
   rest of the route) to the first hop of the route over a `push` stream: its first message {"attach": true,
   "session_id"} (the downstream session), answered {"attached": true}; then one step per message, each answered
-  {"accepted": step_id} or an error. The downstream server applies a pushed step to that session exactly once (a
+  {"accepted": step_id} or an error. Every pushed step carries "push_proof" (the pusher's signature of the input it
+  pushed, for which session: swarmnet/push_proof.py), which the downstream server checks before applying it (an
+  unproven push is refused), and every answer of a session opened for push carries "input_digest" (the digest of
+  the input it was computed on) and, for a pushed step, the push's "push_proof". The downstream server applies a
+  pushed step to that session exactly once (a
   step id already applied is a duplicate: a direct step gets the same answer again, a push is acknowledged and
   dropped; a duplicate is pushed on only where the step's push failed, and the 17th copy of a step ends the stream)
   and writes its answer, with its "step_id", on its client's own stream, unasked. A push that fails is
@@ -55,10 +59,11 @@ from hivemind.utils import MSGPackSerializer
 TUPLE_EXT_CODE = MSGPackSerializer._TUPLE_EXT_TYPE_CODE  # how MSGPackSerializer.dumps packs a tuple (0x40)
 
 # /3: an open message starts a session; info and forward are raw streams too (before: unary protobuf calls)
+# /4: a push session's answers carry "input_digest", pushed steps a "push_proof" (swarmnet/push_proof.py)
 RPC_INFO = "swarmbatch.info/3"
 RPC_FORWARD = "swarmbatch.forward/3"
-RPC_INFERENCE = "swarmbatch.inference/3"
-RPC_PUSH = "swarmbatch.push/3"  # server to server: a step's outputs straight into the next hop's session
+RPC_INFERENCE = "swarmbatch.inference/4"
+RPC_PUSH = "swarmbatch.push/4"  # server to server: a step's outputs straight into the next hop's session
 
 OPEN_FRAME_LIMIT = 1 << 16  # bytes: any message before a session exists, an info request, a forward header
 MAX_HEADER_BYTES = OPEN_FRAME_LIMIT  # a frame's msgpack header (meta and tensor specs): a step's is under 1 KiB

@@ -254,6 +254,12 @@ class GuardedDHTNode(DHTNode):
         assert isinstance(node, GuardedDHTNode)
         return node
 
+    @property
+    def identity(self) -> Identity | None:
+        """The key this node signs its records with (its peer id's), if it is a full node."""
+        validator = self.protocol.record_validator
+        return validator.identity if isinstance(validator, SignedRecordValidator) else None
+
     async def admit_writers(self, p2p: P2P, allows: Callable[[str], bool]) -> None:
         """Store records only from peers `allows` admits (a private swarm's members); others' stores are refused whole,
         before any record is looked at. Replaces the store handler hivemind registered on `p2p`."""

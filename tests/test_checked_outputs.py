@@ -180,3 +180,56 @@ def test_a_job_through_a_lying_server_completes_identical_and_counts_the_mismatc
     assert metrics["swarmbatch_verification_mismatches_total"] == mismatches
     assert metrics["swarmbatch_steps_verified_total"] == verified
     assert metrics["swarmbatch_steps_unverified_total"] == unverified
+
+
+PUSH_LIAR = {FAULT_INJECTION_ENV: "push-noise:0.1"}  # answers its client honestly, pushes noise to the next server
+
+
+def test_a_server_that_pushes_noise_while_answering_honestly_is_banned_and_the_next_one_never(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm], caplog: pytest.LogCaptureFixture) -> None:
+    # Given a liar holding blocks 0:3 that answers honestly but pushes noise on, and two honest holders of 3:6 (so
+    # that a check of 3:6 could ban the one computing on the noise, as it did before push proofs)
+    swarm = local_swarm(tiny_model, [])
+    liar = swarm.start_server(0, 3, env=PUSH_LIAR, wait=False)
+    following = swarm.start_servers([(3, 6, ()), (3, 6, ())])
+    liar.wait_for_line(SERVING_BLOCKS, timeout=180)
+    assert "pushes (its answers stay honest)" in liar.log_path.read_text()
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    expected = reference_tokens(tiny_model, batch, NEW_TOKENS)
+    config = ClientConfig(verify_fraction=1.0, push=True, discovery_ttl=0.2)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=config) as model:
+        session = model.inference_session(batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + NEW_TOKENS)
+        with session:
+            assert session.route[0].peer_id == liar.peer_id  # the only holder of 0:3 when the session opened
+            # When an honest holder of 0:3 joins and every step goes through the liar first, checked
+            honest = swarm.start_server(0, 3)
+            with caplog.at_level(logging.WARNING, logger="swarmclient"):
+                got = generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                                      max_new_tokens=NEW_TOKENS,
+                                      params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                                      eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id)
+            route = session.route
+        banned = {peer for peer in (s.peer_id for s in swarm.servers) if model.swarm.bans.banned_for_good(peer)}
+    # Then the liar is banned for good at its first lie, nobody else, and the tokens equal transformers' generate
+    assert banned == {liar.peer_id}
+    assert route[0].peer_id == honest.peer_id and route[1].peer_id in {s.peer_id for s in following}
+    assert torch.equal(got, expected)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Server on blocks")]
+    assert len(lines) == 1 and f"0:3, {liar.peer_id}, pushed to the next server other outputs" in lines[0]
+    assert not [r for r in caplog.records if r.getMessage().startswith("Outputs differ")]
+
+
+def test_an_honest_swarm_with_push_and_every_step_checked_bans_nobody(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm], caplog: pytest.LogCaptureFixture) -> None:
+    # Given two honest holders of each half of the model
+    swarm = local_swarm(tiny_model, [(0, 3), (0, 3), (3, 6), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    # When a client generates with push on and every step checked
+    with caplog.at_level(logging.INFO, logger="swarmclient"):
+        got, tally, banned = generate(tiny_model, swarm, batch, 1.0)
+    # Then nobody is banned or replayed, every hop step was checked and agreed, and the tokens are transformers'
+    assert not banned
+    assert tally.snapshot().mismatches == 0 and tally.snapshot().verified >= 2 * NEW_TOKENS
+    assert not [r for r in caplog.records if "earlier input" in r.getMessage() or "banned" in r.getMessage()]
+    assert torch.equal(got, reference_tokens(tiny_model, batch, NEW_TOKENS))

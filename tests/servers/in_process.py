@@ -7,8 +7,11 @@ test's own raw client opens its streams with. Everything it starts is stopped by
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
+import tempfile
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,15 +24,25 @@ from servers.memory import CacheBudget
 from servers.span import BlockSpan
 from servers.validation import Limits
 from swarmnet import protocol
+from swarmnet.identity import Identity
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 RawServer = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 ADDRESS = Multiaddr("/ip4/127.0.0.1/tcp/1")
 
 
+_KEYS = tempfile.TemporaryDirectory(prefix="in-process-keys-")  # (removed when the test process exits)
+
+
+@functools.cache
+def identity(name: str) -> Identity:
+    """A peer key for a name: a handler signs its pushes with it (swarmnet/push_proof.py)."""
+    return Identity.create(Path(_KEYS.name) / name)
+
+
 def peer(name: str) -> str:
-    """A peer id (base58) for a name."""
-    return PeerID(name.encode()).to_base58()
+    """A peer id (base58) for a name: its key's."""
+    return identity(name).peer_id
 
 
 async def stream_pair() -> tuple[Streams, Streams]:
@@ -95,6 +108,7 @@ def serve(wires: Wires, name: str, span: BlockSpan, **options: Any) -> BlockHand
                            CacheBudget(1024, span.end - span.start), status=lambda: None,  # type: ignore[arg-type,return-value]
                            **options)
     handler.pusher.p2p = wires.caller(name)  # type: ignore[assignment]
+    handler.pusher.identity = identity(name)
     wires.handlers[peer(name)] = handler
     return handler
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import cli
 from servers.errors import ServerConfigError
-from servers.faults import FAULT_INJECTION_ENV, fault_noise, inject_faults, noise_std
+from servers.faults import FAULT_INJECTION_ENV, fault_noise, inject_faults, noise_std, noisy, push_fault_noise
 
 runner = CliRunner()
 
@@ -64,3 +64,16 @@ def test_serve_in_a_private_swarm_with_fault_injection_exits_2_before_loading(
     assert result.exit_code == 2
     assert result.stderr.startswith(f"Error: ServerConfigError: {FAULT_INJECTION_ENV} is set")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_push_noise_leaves_the_span_and_answers_alone_and_is_refused_in_a_private_swarm(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(FAULT_INJECTION_ENV, "push-noise:0.5")
+    assert fault_noise(private=False) is None  # the span's outputs (its answers) stay honest
+    with caplog.at_level(logging.WARNING, logger="servers.faults"):
+        assert push_fault_noise(private=False) == 0.5
+    assert "TEST-ONLY FAULT INJECTION IS ON" in caplog.text and "its answers stay honest" in caplog.text
+    x = torch.zeros(4, 16, 64)
+    assert noisy(x, None) is x and 0.45 < float(noisy(x, 0.5).std()) < 0.55
+    with pytest.raises(ServerConfigError, match=rf"^{FAULT_INJECTION_ENV} is set, .* private swarm .*; unset it$"):
+        push_fault_noise(private=True)
