@@ -306,6 +306,7 @@ def test_a_removed_members_push_session_is_ended_at_the_next_step_pushed_into_it
         up = BlockHandler(span, Limits(0, 6, span.spec.hidden_size, 8, 256), CacheBudget(CACHE_TOKENS, 6),
                           status=lambda: None)  # type: ignore[arg-type,return-value]
         up.pusher.p2p = Caller(wires, up_id)  # type: ignore[assignment]
+        up.pusher.identity = keys["outsider"]  # signs its pushes' proofs, as a server does with its peer key
         wires.handlers[up_id] = up
         # and alice's push sessions: blocks 0:3 on up, 3:6 on the private server, whose first step is pushed
         downstream = await wires.open(peer("alice"), peer(SERVER), protocol.RPC_INFERENCE)
