@@ -37,7 +37,8 @@ def test_the_announcement_is_the_wire_record_of_the_snapshot() -> None:
     info = a_status(span=a_span()).announcement()
     assert info == ServerInfo(state=ServerState.ONLINE, start=2, end=6, throughput=50.0, cache_tokens_left=80,
                               dtype="float32", quant="none", version=PROTOCOL_VERSION, revision="abc",
-                              max_batch_size=8, max_length=64, max_sessions_per_peer=3, cache_tokens_per_peer=50)
+                              max_batch_size=8, max_length=64, max_sessions_per_peer=3, cache_tokens_per_peer=50,
+                              cache_tokens_most_per_peer=50)
 
 
 def test_the_info_answer_is_the_announcement_plus_identity_and_load() -> None:
