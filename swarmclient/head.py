@@ -37,9 +37,9 @@ class ClientHead(nn.Module):
         self.eval()
 
     def _load(self, spec: ModelSpec, head_dtype: torch.dtype | None) -> None:
-        embed = spec.load_tensors(spec.family.embed_prefix)
-        norm = spec.load_tensors(spec.family.norm_prefix)
-        head = spec.load_tensors("lm_head.")
+        spec.require(head_prefixes(spec))  # only these files must be on the box, each checked against the manifest
+        embed_prefix, norm_prefix, head_prefix = head_prefixes(spec)
+        embed, norm, head = (spec.load_tensors(p) for p in (embed_prefix, norm_prefix, head_prefix))
         if "weight" not in embed or "weight" not in norm:
             raise ModelDirError(f"{spec.path}: embeddings or final norm missing from the safetensors files")
         model_dtype = embed["weight"].dtype
@@ -73,6 +73,11 @@ class ClientHead(nn.Module):
         if self.softcap is not None:  # Gemma 2's final-logit soft-capping
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.cpu()
+
+
+def head_prefixes(spec: ModelSpec) -> list[str]:
+    """The tensors a client loads: embeddings, final norm, LM head."""
+    return [spec.family.embed_prefix, spec.family.norm_prefix, "lm_head."]
 
 
 def final_norm(spec: ModelSpec) -> nn.Module:
