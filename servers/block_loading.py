@@ -27,7 +27,7 @@ def load_span(spec: ModelSpec, start: int, end: int, *, dtype: DType = DType.flo
     """Build blocks [start, end) on `device` and fill them from the safetensors files (other blocks are never read)."""
     if not 0 <= start < end <= spec.num_blocks:
         raise ServerConfigError(f"blocks {start}:{end} are outside the model's 0:{spec.num_blocks}")
-    spec.require([spec.family.layer_prefix_of(index) for index in range(start, end)])  # the span's shards, checked
+    spec.require(spec.block_prefixes(start, end))  # the span's files: here (or downloaded) and the manifest's
     with torch.device("meta"):
         span = BlockSpan(spec, start, end)
     for offset, index in enumerate(range(start, end)):

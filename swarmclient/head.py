@@ -37,9 +37,8 @@ class ClientHead(nn.Module):
         self.eval()
 
     def _load(self, spec: ModelSpec, head_dtype: torch.dtype | None) -> None:
-        spec.require(head_prefixes(spec))  # only these files must be on the box, each checked against the manifest
-        embed_prefix, norm_prefix, head_prefix = head_prefixes(spec)
-        embed, norm, head = (spec.load_tensors(p) for p in (embed_prefix, norm_prefix, head_prefix))
+        spec.require(spec.head_prefixes)  # only these files must be on the box, each checked against the manifest
+        embed, norm, head = (spec.load_tensors(prefix) for prefix in spec.head_prefixes)
         if "weight" not in embed or "weight" not in norm:
             raise ModelDirError(f"{spec.path}: embeddings or final norm missing from the safetensors files")
         model_dtype = embed["weight"].dtype
@@ -73,11 +72,6 @@ class ClientHead(nn.Module):
         if self.softcap is not None:  # Gemma 2's final-logit soft-capping
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.cpu()
-
-
-def head_prefixes(spec: ModelSpec) -> list[str]:
-    """The tensors a client loads: embeddings, final norm, LM head."""
-    return [spec.family.embed_prefix, spec.family.norm_prefix, "lm_head."]
 
 
 def final_norm(spec: ModelSpec) -> nn.Module:

@@ -129,8 +129,7 @@ def make_manifest(model_dir: Path, digests: FileDigests) -> Manifest:
     missing = [name for name in names if not (model_dir / name).is_file()]
     if not names or missing:
         what = f"lacks {', '.join(missing)}" if missing else "has no *.safetensors weights"
-        raise ModelDirError(f"{model_dir} {what} and has no {MANIFEST_FILE}: a box may hold only some shards once "
-                            f"the manifest is beside them; {REMAKE}")
+        raise ModelDirError(f"{model_dir} {what} and no {MANIFEST_FILE} says what they hold; {REMAKE}")
     files = {}
     for name in names:
         path = model_dir / name

@@ -129,6 +129,22 @@ class ModelSpec:
         """The weight files holding any tensor under `prefixes` (what a process must have to load them)."""
         return self.manifest.files_for(prefixes)
 
+    def block_prefixes(self, start: int, end: int) -> list[str]:
+        """The tensor-name prefixes of blocks [start, end): what a server of that span loads."""
+        return [self.family.layer_prefix_of(index) for index in range(start, end)]
+
+    @property
+    def head_prefixes(self) -> list[str]:
+        """The tensor-name prefixes a client loads: embeddings, final norm, LM head."""
+        return [self.family.embed_prefix, self.family.norm_prefix, "lm_head."]
+
+    def box_files(self, prefixes: list[str]) -> list[str]:
+        """Every file a box loading `prefixes` needs: the small files here (config, tokenizer, index, manifest;
+        no caches) and the weight files holding those tensors."""
+        small = [p.name for p in self.path.iterdir()
+                 if p.is_file() and p.suffix != ".safetensors" and not p.name.startswith(".")]
+        return sorted(small) + self.files_for(prefixes)
+
     def require(self, prefixes: list[str]) -> None:
         """Make sure the files holding the tensors under `prefixes` are here and are the manifest's: a missing one
         is downloaded where this is a hub snapshot and the hub is reachable; else, or if altered, ModelDirError."""
