@@ -57,7 +57,8 @@ def resolve(model_id: str, cache: Path | None = None) -> Path:
     if snapshot is not None:
         return snapshot
     if not downloads_allowed():
-        raise ModelDirError(f"{model_id} is not in the Hugging Face cache {cache} (no snapshot with a config.json); "
+        raise ModelDirError(f"{model_id} is neither a local directory nor in the Hugging Face cache {cache} (no snapshot "
+                            "with a config.json); "
                             "set HF_HUB_OFFLINE=0 where the hub is reachable, or copy the cache there (HF_HUB_CACHE)")
     return _download_small_files(repo_id, revision or None, cache)
 

@@ -159,7 +159,7 @@ def test_a_hub_snapshot_with_only_a_spans_shards_and_the_manifest_serves_it_and_
 def test_a_hub_id_not_in_the_cache_offline_is_one_line_saying_what_to_do(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
-    with pytest.raises(ModelDirError, match=r"acme/absent is not in the Hugging Face cache .*; set HF_HUB_OFFLINE=0 "
-                                            "where the hub is reachable") as err:
+    with pytest.raises(ModelDirError, match=r"acme/absent is neither a local directory nor in the Hugging Face cache "
+                                            r".*; set HF_HUB_OFFLINE=0 where the hub is reachable") as err:
         prepare_model("acme/absent", cache_dir=tmp_path / "models")
     assert "\n" not in str(err.value)
