@@ -92,8 +92,23 @@ def fetch(snapshot: Path, tensor_files: dict[str, str], prefixes: list[str]) -> 
     from huggingface_hub import snapshot_download
 
     repo_id, commit, cache = origin
-    snapshot_download(repo_id, revision=commit, cache_dir=cache, allow_patterns=allow_patterns(tensor_files, prefixes))
+    try:
+        snapshot_download(repo_id, revision=commit, cache_dir=cache, endpoint=_endpoint(),
+                          allow_patterns=allow_patterns(tensor_files, prefixes))
+    except OSError as e:  # huggingface_hub's HTTP, connection and missing-entry errors are all OSErrors
+        raise ModelDirError(f"cannot download the files of {', '.join(p + '*' for p in prefixes)} of {repo_id}@{commit} "
+                            f"from the Hugging Face hub ({type(e).__name__}: {_first_line(e)}); check the network and "
+                            "HF_TOKEN, or copy the files into the snapshot") from e
     return True
+
+
+def _endpoint() -> str | None:
+    """$HF_ENDPOINT read now (huggingface_hub reads it once, at import): a mirror, or None for the hub."""
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else "no detail"
 
 
 def _download_small_files(repo_id: str, revision: str | None, cache: Path) -> Path:
@@ -102,12 +117,13 @@ def _download_small_files(repo_id: str, revision: str | None, cache: Path) -> Pa
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=SMALL_FILES))
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, endpoint=_endpoint(),
+                                          allow_patterns=SMALL_FILES))
         if not (snapshot / MANIFEST_FILE).is_file():
             write_manifest(snapshot, hub_manifest(repo_id, snapshot.name, snapshot))
     except (HfHubHTTPError, OSError) as e:
         raise ModelDirError(f"cannot download {repo_id} from the Hugging Face hub ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}); check the id, HF_TOKEN and the network") from e
+                            f"{_first_line(e)}); check the id, HF_TOKEN and the network") from e
     return snapshot
 
 
@@ -115,7 +131,7 @@ def hub_manifest(repo_id: str, commit: str, snapshot: Path) -> Manifest:
     """The manifest of a hub repo at `commit` from its LFS sha256s and safetensors headers (no weights read)."""
     from huggingface_hub import HfApi
 
-    api = HfApi()
+    api = HfApi(endpoint=_endpoint())
     info = api.model_info(repo_id, revision=commit, files_metadata=True)
     lfs = {s.rfilename: s.lfs for s in info.siblings or [] if s.rfilename.endswith(".safetensors") and s.lfs}
     weight_map = api.get_safetensors_metadata(repo_id, revision=commit).weight_map

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_hub import fake_hub
 from model_boxes import COMMIT, box_copy, hf_cache
 
 from modelprep import ModelPrepError, prepare_model, write_tiny_model
@@ -163,3 +164,42 @@ def test_a_hub_id_not_in_the_cache_offline_is_one_line_saying_what_to_do(tmp_pat
                                             r".*; set HF_HUB_OFFLINE=0 where the hub is reachable") as err:
         prepare_model("acme/absent", cache_dir=tmp_path / "models")
     assert "\n" not in str(err.value)
+
+
+
+def test_a_hub_snapshot_downloads_only_the_shards_a_server_loads_where_the_hub_is_reachable(
+        sharded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a snapshot with the small files and the manifest only, and a hub (a fake on 127.0.0.1) serving the repo
+    import huggingface_hub.constants
+
+    spec = ModelSpec.open(sharded)
+    snapshot = hf_cache(sharded, tmp_path / "hub", REPO, spec.box_files([]))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with fake_hub(sharded, REPO, COMMIT) as (endpoint, downloaded):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        # When a server loads blocks 2:4
+        cached = ModelSpec.open(snapshot)
+        output = span_output(cached, 2, 4)
+    # Then only the shards of those blocks came down, and it computes what the whole checkpoint computes
+    assert sorted(downloaded) == spec.files_for(spec.block_prefixes(2, 4))
+    assert torch.equal(output, span_output(spec, 2, 4))
+
+
+def test_a_hub_id_not_cached_downloads_its_small_files_and_manifest_but_no_weights_where_the_hub_is_reachable(
+        sharded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with fake_hub(sharded, REPO, COMMIT, exclude=(MANIFEST_FILE,)) as (endpoint, downloaded):  # a repo as on the hub
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        snapshot = prepare_model(REPO, cache_dir=tmp_path / "models")
+        spec = ModelSpec.open(snapshot)
+        model_id = spec.model_id
+        # the manifest was made from the hub's metadata (LFS sha256s, safetensors headers read by range), no weights
+        assert (snapshot / MANIFEST_FILE).is_file() and not [n for n in downloaded if n.endswith(".safetensors")]
+        ClientHead(spec, device="cpu")  # a worker: then only the head's shards come down
+    assert snapshot == tmp_path / "hub" / "models--acme--tiny-sharded" / "snapshots" / COMMIT
+    assert model_id == ModelSpec.open(sharded).model_id
+    whole = ModelSpec.open(sharded)
+    assert sorted(n for n in downloaded if n.endswith(".safetensors")) == whole.files_for(whole.head_prefixes)
