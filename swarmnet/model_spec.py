@@ -145,6 +145,11 @@ class ModelSpec:
                  if p.is_file() and p.suffix != ".safetensors" and not p.name.startswith(".")]
         return sorted(small) + self.files_for(prefixes)
 
+    def can_load(self, prefixes: list[str]) -> bool:
+        """Whether the files of `prefixes` are here, or can be downloaded (a hub snapshot, the hub reachable)."""
+        here = all((self.path / name).is_file() for name in self.files_for(prefixes))
+        return here or (hf_cache.snapshot_origin(self.path) is not None and hf_cache.downloads_allowed())
+
     def require(self, prefixes: list[str]) -> None:
         """Make sure the files holding the tensors under `prefixes` are here and are the manifest's: a missing one
         is downloaded where this is a hub snapshot and the hub is reachable; else, or if altered, ModelDirError."""

@@ -50,6 +50,12 @@ def test_a_server_box_with_only_its_shards_has_the_whole_models_id_and_computes_
     assert torch.equal(span_output(spec, 2, 4), span_output(whole, 2, 4))
 
 
+def test_a_box_says_which_spans_it_can_load(sharded: Path, tmp_path: Path) -> None:
+    spec = ModelSpec.open(box_copy(sharded, tmp_path / "box", blocks=(2, 4)))
+    assert spec.can_load(spec.block_prefixes(2, 4)) and spec.can_load(spec.block_prefixes(3, 4))
+    assert not spec.can_load(spec.block_prefixes(0, 2)) and not spec.can_load(spec.block_prefixes(2, 5))
+
+
 def test_a_whole_checkpoint_without_its_manifest_file_has_the_same_model_id(sharded: Path, tmp_path: Path) -> None:
     copy = Path(shutil.copytree(sharded, tmp_path / "copy"))
     (copy / MANIFEST_FILE).unlink()
