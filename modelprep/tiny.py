@@ -54,18 +54,24 @@ so do symbols: ( ) [ ] { } ! ? - : ; " ' / and @.
 
 
 def write_tiny_model(out: Path, *, layers: int = 4, arch: str = "llama", hidden_size: int = 64, seed: int = 0,
-                     context: int = MAX_POSITIONS) -> Path:
+                     context: int = MAX_POSITIONS, shard_size: str | None = None, manifest: bool = False) -> Path:
     """Write a random ``arch`` model (float32, safetensors) plus a ChatML BPE tokenizer into ``out``; return it.
 
-    ``context`` is its max_position_embeddings (a short one makes long-document tests cheap).
+    ``context`` is its max_position_embeddings (a short one makes long-document tests cheap). ``shard_size`` (e.g.
+    "100KB") cuts the weights into shards of at most that size, with a model.safetensors.index.json; ``manifest``
+    writes swarmbatch-manifest.json (swarmnet/manifest.py), so a copy may keep only some shards.
     """
     _check_args(layers, arch, hidden_size)
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     model = _build_model(arch, layers, hidden_size, len(tokenizer), seed, context)
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), **({"max_shard_size": shard_size} if shard_size else {}))
     tokenizer.save_pretrained(str(out))
+    if manifest:
+        from swarmnet.manifest import write_manifest
+
+        write_manifest(out)
     _make_readable(out)
     logger.info("wrote tiny %s model (%d layers, vocab %d) to %s", arch, layers, len(tokenizer), out)
     return out

@@ -1,5 +1,8 @@
 """Loading a server's span: only its blocks' tensors are read, then cast or quantized, then moved to the device.
 
+Only the files holding the span's blocks must be on the box; each is checked against the weights manifest first
+(swarmnet/manifest.py), or downloaded where the model is a Hugging Face id and the hub is reachable.
+
 Tensors are read and cast on the CPU; bitsandbytes quantizes a linear layer when it is moved to its device (int8 /
 nf4 on CUDA, their home, and on the CPU where bitsandbytes has a CPU backend), one layer at a time, so a GPU never
 holds a block's full-precision weights.
@@ -24,6 +27,7 @@ def load_span(spec: ModelSpec, start: int, end: int, *, dtype: DType = DType.flo
     """Build blocks [start, end) on `device` and fill them from the safetensors files (other blocks are never read)."""
     if not 0 <= start < end <= spec.num_blocks:
         raise ServerConfigError(f"blocks {start}:{end} are outside the model's 0:{spec.num_blocks}")
+    spec.require(spec.block_prefixes(start, end))  # the span's files: here (or downloaded) and the manifest's
     with torch.device("meta"):
         span = BlockSpan(spec, start, end)
     for offset, index in enumerate(range(start, end)):

@@ -209,7 +209,8 @@ class BlockServer:
         infos = [{peer: info for peer, info in servers.items() if self.membership.serves(peer)}  # clients use no other
                  for servers in await get_remote_module_infos(node, self.spec.model_id, self.spec.num_blocks)]
         try:
-            return choose_best_blocks(count, infos)
+            return choose_best_blocks(count, infos,
+                                      lambda start, end: self.spec.can_load(self.spec.block_prefixes(start, end)))
         except ValueError as e:
             raise ServerConfigError(str(e)) from e
 

@@ -37,9 +37,8 @@ class ClientHead(nn.Module):
         self.eval()
 
     def _load(self, spec: ModelSpec, head_dtype: torch.dtype | None) -> None:
-        embed = spec.load_tensors(spec.family.embed_prefix)
-        norm = spec.load_tensors(spec.family.norm_prefix)
-        head = spec.load_tensors("lm_head.")
+        spec.require(spec.head_prefixes)  # only these files must be on the box, each checked against the manifest
+        embed, norm, head = (spec.load_tensors(prefix) for prefix in spec.head_prefixes)
         if "weight" not in embed or "weight" not in norm:
             raise ModelDirError(f"{spec.path}: embeddings or final norm missing from the safetensors files")
         model_dtype = embed["weight"].dtype

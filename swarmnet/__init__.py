@@ -12,7 +12,11 @@ Modules:
     families         the model families (FAMILIES): per family, its classes, tensor names, layer call, embedding
                      scale, soft-capping, sliding layers; the one place to add a family
     special_tokens   EOS as transformers reads it: config.json, generation_config.json and the tokenizer, united
-    model_spec       a local model directory: config, family classes, weight files, revision, model id
+    manifest         the weights manifest (swarmbatch-manifest.json): each weight file's sha256 and tensors; its digest is
+                     the revision, so a box holds only the files it opens, each checked; cached file digests
+    hf_cache         Hugging Face ids: a snapshot of the local hub cache; where the hub is reachable, downloads of only
+                     the small files and the shards a process opens (allow_patterns)
+    model_spec       a local model directory: config, family classes, manifest, revision, model id, checked tensor loads
     identity         Identity: an RSA key file, the peer id it proves, signatures others can verify
     addresses        NetworkOptions: what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
                      for a wildcard host, DNS names and IPv6, a free port when an announcement needs one

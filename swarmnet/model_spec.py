@@ -1,12 +1,11 @@
-"""A local Hugging Face model directory: its config, architecture family, weight files and revision.
+"""A local Hugging Face model directory: its config, architecture family, weights manifest and revision.
 
 Both the client (embeddings, LM head) and block servers (decoder layers) read model directories
-through this module, so both agree on the model id that names the weights on the DHT.
+through this module, so both agree on the model id that names the weights on the DHT. The id is the manifest's
+digest (manifest.py): a box may hold only the weight files it opens, each checked against the manifest.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib
 import json
 import os
@@ -19,13 +18,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from swarmnet import hf_cache
 from swarmnet.errors import ModelDirError
 from swarmnet.families import FAMILIES, Family, unsupported_family
+from swarmnet.manifest import MANIFEST_FILE, REMAKE, FileDigests, Manifest, make_manifest, read_manifest
 from swarmnet.special_tokens import eos_token_ids
 
 __all__ = ["FAMILIES", "ModelSpec", "unsupported_family"]
-REVISION_FILE = ".swarmbatch-revision.json"
-_HASH_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -41,8 +40,9 @@ class ModelSpec:
         if not (spec.path / "config.json").is_file():
             raise ModelDirError(f"{spec.path} is not a model directory (no config.json); "
                                 "run 'swarmbatch model prepare smollm2' or pass a Hugging Face model dir")
-        if not spec.weight_files:
-            raise ModelDirError(f"{spec.path} has no *.safetensors weights; convert the model to safetensors")
+        if not (spec.path / MANIFEST_FILE).is_file() and not any(spec.path.glob("*.safetensors")):
+            raise ModelDirError(f"{spec.path} has no *.safetensors weights (and no {MANIFEST_FILE}); convert the "
+                                "model to safetensors")
         model_type = json.loads((spec.path / "config.json").read_text()).get("model_type")
         if model_type not in FAMILIES:
             raise ModelDirError(f"{spec.path}: {unsupported_family(model_type)}")
@@ -108,21 +108,60 @@ class ModelSpec:
         return "full_attention"
 
     @cached_property
-    def weight_files(self) -> list[Path]:
-        """The safetensors files, sorted."""
-        return sorted(self.path.glob("*.safetensors"))
+    def manifest(self) -> Manifest:
+        """The weights manifest: the file beside the config (its config digest checked), else made from the whole
+        checkpoint here (manifest.py)."""
+        manifest = read_manifest(self.path)
+        if manifest is None:
+            return make_manifest(self.path, self._digests)
+        config = self._digests.sha256(self.path / "config.json")
+        if config != manifest.config_sha256:
+            raise ModelDirError(f"{self.path / 'config.json'} has sha256 {config[:16]}…, not the "
+                                f"{manifest.config_sha256[:16]}… of {MANIFEST_FILE}; restore it, or {REMAKE}")
+        return manifest
 
-    @cached_property
+    @property
     def tensor_index(self) -> dict[str, Path]:
-        """Tensor name -> file holding it (reads only the safetensors headers)."""
-        index: dict[str, Path] = {}
-        for file in self.weight_files:
-            with safe_open(file, framework="pt") as f:
-                index.update({name: file for name in f.keys()})
-        return index
+        """Tensor name -> the file holding it (from the manifest: the file may be absent from this box)."""
+        return {name: self.path / file for name, file in self.manifest.tensor_files.items()}
+
+    def files_for(self, prefixes: list[str]) -> list[str]:
+        """The weight files holding any tensor under `prefixes` (what a process must have to load them)."""
+        return self.manifest.files_for(prefixes)
+
+    def block_prefixes(self, start: int, end: int) -> list[str]:
+        """The tensor-name prefixes of blocks [start, end): what a server of that span loads."""
+        return [self.family.layer_prefix_of(index) for index in range(start, end)]
+
+    @property
+    def head_prefixes(self) -> list[str]:
+        """The tensor-name prefixes a client loads: embeddings, final norm, LM head."""
+        return [self.family.embed_prefix, self.family.norm_prefix, "lm_head."]
+
+    def box_files(self, prefixes: list[str]) -> list[str]:
+        """Every file a box loading `prefixes` needs: the small files here (config, tokenizer, index, manifest;
+        no caches) and the weight files holding those tensors."""
+        small = [p.name for p in self.path.iterdir()
+                 if p.is_file() and p.suffix != ".safetensors" and not p.name.startswith(".")]
+        return sorted(small) + self.files_for(prefixes)
+
+    def can_load(self, prefixes: list[str]) -> bool:
+        """Whether the files of `prefixes` are here, or can be downloaded (a hub snapshot, the hub reachable)."""
+        here = all((self.path / name).is_file() for name in self.files_for(prefixes))
+        return here or (hf_cache.snapshot_origin(self.path) is not None and hf_cache.downloads_allowed())
+
+    def require(self, prefixes: list[str]) -> None:
+        """Make sure the files holding the tensors under `prefixes` are here and are the manifest's: a missing one
+        is downloaded where this is a hub snapshot and the hub is reachable; else, or if altered, ModelDirError."""
+        names = [n for n in self.files_for(prefixes) if n not in self._checked]
+        if any(not (self.path / name).is_file() for name in names):
+            hf_cache.fetch(self.path, self.manifest.tensor_files, prefixes)
+        for name in names:
+            self._check(name, prefixes)
 
     def load_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Every tensor whose name starts with `prefix`, keyed by the rest of its name; nothing else is read."""
+        self.require([prefix])
         wanted: dict[Path, list[str]] = {}
         for name, file in self.tensor_index.items():
             if name.startswith(prefix):
@@ -133,43 +172,32 @@ class ModelSpec:
                 out.update({n[len(prefix):]: f.get_tensor(n) for n in names})
         return out
 
-    @cached_property
+    @property
     def revision(self) -> str:
-        """sha256 of config.json and the weight files; cached beside them, keyed by size and mtime."""
-        stamp = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in self._revision_inputs()]
-        cached = self._read_cached_revision(stamp)
-        if cached:
-            return cached
-        digest = hashlib.sha256()
-        for file in self._revision_inputs():
-            digest.update(file.name.encode())
-            with open(file, "rb") as f:
-                while chunk := f.read(_HASH_CHUNK):
-                    digest.update(chunk)
-        revision = digest.hexdigest()
-        self._write_cached_revision(stamp, revision)
-        return revision
+        """The manifest's digest: config and every weight file, whether or not this box holds them."""
+        return self.manifest.digest
 
     @property
     def model_id(self) -> str:
         """The name servers announce under: family and weights revision, so different weights never mix."""
         return f"{self.config.model_type}-{self.num_blocks}L-{self.revision[:16]}"
 
-    def _revision_inputs(self) -> list[Path]:
-        return [self.path / "config.json", *self.weight_files]
+    @cached_property
+    def _digests(self) -> FileDigests:
+        return FileDigests(self.path)
 
-    def _read_cached_revision(self, stamp: list[list[Any]]) -> str | None:
-        try:
-            data = json.loads((self.path / REVISION_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        return data.get("revision") if data.get("stamp") == stamp else None
+    @cached_property
+    def _checked(self) -> set[str]:
+        """Weight files found equal to the manifest in this process."""
+        return set()
 
-    def _write_cached_revision(self, stamp: list[list[Any]], revision: str) -> None:
-        tmp = self.path / f"{REVISION_FILE}.{os.getpid()}.tmp"
-        try:
-            tmp.write_text(json.dumps({"stamp": stamp, "revision": revision}))
-            tmp.replace(self.path / REVISION_FILE)
-        except OSError:  # a read-only model dir: hash again next time
-            with contextlib.suppress(OSError):  # nothing was written there (EROFS), or it is gone
-                tmp.unlink(missing_ok=True)
+    def _check(self, name: str, prefixes: list[str]) -> None:
+        path, expected = self.path / name, self.manifest.files[name].sha256
+        if not path.is_file():
+            raise ModelDirError(f"{self.path} lacks {name}, which holds {', '.join(p + '*' for p in prefixes)}; copy "
+                                "it from where the whole checkpoint is (the manifest lists what each file holds)")
+        got = self._digests.sha256(path)
+        if got != expected:
+            raise ModelDirError(f"{path} has sha256 {got}, not the {expected} of {MANIFEST_FILE}: it was altered or "
+                                "belongs to other weights; copy it again from where the whole checkpoint is")
+        self._checked.add(name)

@@ -41,6 +41,32 @@ def test_model_tiny_writes_a_loadable_model(tmp_path: Path) -> None:
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "m").config.num_hidden_layers == 2
 
 
+def test_model_tiny_writes_shards_and_a_manifest_and_model_files_lists_what_each_box_needs(tmp_path: Path) -> None:
+    code, _, _ = invoke("model", "tiny", str(tmp_path / "m"), "--layers", "4", "--shard-size", "60KB")
+    spec = ModelSpec.open(tmp_path / "m")
+    assert code == 0 and (tmp_path / "m" / "swarmbatch-manifest.json").is_file() and len(spec.manifest.files) > 4
+    code, out, _ = invoke("model", "files", str(tmp_path / "m"), "--blocks", "0:2")
+    listed = out.split()
+    assert code == 0 and {"config.json", "tokenizer.json", "swarmbatch-manifest.json",
+                          "model.safetensors.index.json"} <= set(listed)
+    assert {file.name for name, file in spec.tensor_index.items() if name.startswith(("model.layers.0.",
+                                                                                      "model.layers.1."))} <= set(listed)
+    assert {file.name for file in spec.tensor_index.values()} - set(listed), "the later blocks' shards are not listed"
+    code, out, _ = invoke("model", "files", str(tmp_path / "m"), "--head")
+    assert code == 0 and spec.tensor_index["lm_head.weight"].name in out.split()
+    code, _, err = invoke("model", "files", str(tmp_path / "m"))
+    assert code == ExitCode.USAGE and "say which box" in err
+    # model manifest remakes the same manifest (same id) where the whole checkpoint is
+    (tmp_path / "m" / "swarmbatch-manifest.json").unlink()
+    code, out, _ = invoke("model", "manifest", str(tmp_path / "m"), "--json")
+    assert code == 0 and json.loads(out)["model_id"] == spec.model_id
+    # and refuses, in one line, a directory that lacks shards and has no manifest
+    (tmp_path / "m" / "swarmbatch-manifest.json").unlink()
+    spec.tensor_index["lm_head.weight"].unlink()
+    code, _, err = invoke("model", "manifest", str(tmp_path / "m"))
+    assert code == ExitCode.USAGE and len(err.strip().splitlines()) == 1 and err.startswith("Error: ModelDirError:")
+
+
 def test_an_unsupported_family_is_one_line_naming_the_supported_ones(tmp_path: Path) -> None:
     # model tiny of an unknown model_type
     code, _, err = invoke("model", "tiny", str(tmp_path / "m"), "--arch", "gpt2")

@@ -76,7 +76,8 @@ def test_tiny_model_rejects_an_unknown_arch(tmp_path: Path) -> None:
 def test_prepare_rejects_a_path_that_is_not_a_model_dir(tmp_path: Path) -> None:
     """A missing path, or a dir without config.json, is neither 'smollm2' nor a model dir."""
     for bad in (str(tmp_path / "nope"), str(tmp_path), "foo"):
-        with pytest.raises(ModelPrepError, match="neither 'smollm2' nor a local model directory"):
+        with pytest.raises(ModelPrepError,
+                           match="neither .smollm2., a Hugging Face id in the local cache, nor a local model directory"):
             prepare_model(bad, cache_dir=tmp_path / "cache")
 
 

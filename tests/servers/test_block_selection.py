@@ -35,3 +35,11 @@ def test_offline_servers_do_not_count_as_coverage() -> None:
 def test_asking_for_more_blocks_than_the_model_has_is_an_error() -> None:
     with pytest.raises(ValueError, match="--num-blocks"):
         choose_best_blocks(9, block_infos(8))
+
+
+def test_a_box_holding_only_some_shards_picks_among_the_windows_it_can_load() -> None:
+    # the weakest window is 4:8, but this box holds only the files of blocks 0:4
+    infos = block_infos(8, span("a", 0, 4))
+    assert choose_best_blocks(4, infos, lambda start, end: end <= 4) == (0, 4)
+    with pytest.raises(ValueError, match="holds the weight files of no 4 consecutive blocks; copy the shards"):
+        choose_best_blocks(4, infos, lambda start, end: False)
