@@ -9,6 +9,7 @@ The batch core (this package):
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors (naming the parameter at fault)
     line_checks  LineProblem and what line checks share; chat messages (developer role, text parts)
     line_sampling  a line's sampling parameters: OpenAI's defaults, drawn seeds, penalties, vLLM's extensions
+    line_format  a chat line's response_format (json_object, json_schema): checked, and its output's grammar
     files        the Files API's store: uploads as SQL chunks; a job's output/error files, rendered from its requests
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does
