@@ -94,7 +94,7 @@ class Constraint:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits [V] with every token the grammar refuses at -inf (a new tensor)."""
-        return logits.masked_fill(~self.allowed(logits.shape[-1]), float("-inf"))
+        return torch.where(self.allowed(logits.shape[-1]), logits, float("-inf"))
 
     def add(self, token: int) -> None:
         """Advance past a token of the output."""
