@@ -262,7 +262,8 @@ TAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "s
 def structured_batch(model: Path) -> tuple[bytes, dict[str, dict[str, Any]]]:
     """Chat lines with response formats: two JSON schemas (strict, greedy and sampled), JSON mode (sampled, with biases
     that make the random model close its strings and objects soon), free text, and a schema cut short by max_tokens;
-    and the schema each custom_id's output must validate against."""
+    and the schema each custom_id's output must validate against. 160 tokens hold the longest answer either schema
+    allows, even spelled a byte per token."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model)
     closing = {str(tokenizer.convert_tokens_to_ids('"')): 5, str(tokenizer.convert_tokens_to_ids("}")): 2}
@@ -275,7 +276,7 @@ def structured_batch(model: Path) -> tuple[bytes, dict[str, dict[str, Any]]]:
             formats[f"{name}-sampled-{i}"] = (spec, sampled, schema)
         formats[f"object-{i}"] = ({"type": "json_object"}, {**sampled, "logit_bias": closing}, {"type": "object"})
     lines = [{"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-              "body": {"messages": [{"role": "user", "content": f"Describe {custom_id} as JSON"}], "max_tokens": 80,
+              "body": {"messages": [{"role": "user", "content": f"Describe {custom_id} as JSON"}], "max_tokens": 160,
                        "response_format": spec, **sampling}}
              for custom_id, (spec, sampling, _) in formats.items()]
     lines.append({"custom_id": "cut", "method": "POST", "url": "/v1/chat/completions",  # city-greedy-0, cut short

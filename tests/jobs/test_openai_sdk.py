@@ -490,10 +490,11 @@ class Review(BaseModel):
 
 def structured_docs_lines() -> list[dict[str, Any]]:
     """Structured-output lines as OpenAI's docs write them: gpt-4o-mini, a developer message, text parts, a strict
-    JSON schema in response_format, no temperature and no seed."""
+    JSON schema in response_format, no temperature and no seed. The longest answer the schema allows is 93 characters,
+    so 100 tokens always let it finish (a random model may well spell it one character per token)."""
     def line(custom_id: str, review: str) -> dict[str, Any]:
         return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "gpt-4o-mini", "max_tokens": 60, "messages": [
+                "body": {"model": "gpt-4o-mini", "max_tokens": 100, "messages": [
                     {"role": "developer", "content": [{"type": "text", "text": "Classify the customer review."}]},
                     {"role": "user", "content": [{"type": "text", "text": review}]}],
                     "response_format": {"type": "json_schema", "json_schema": {
