@@ -11,6 +11,7 @@ The batch core (this package):
     line_sampling  a line's sampling parameters: OpenAI's defaults, drawn seeds, penalties, vLLM's extensions
     line_embeddings  a /v1/embeddings line: inputs as token ids (one request each), encoding_format, dimensions
     line_responses   a /v1/responses line, translated into the chat line it amounts to and checked by the chat path
+    line_format  a chat line's response_format (json_object, json_schema): checked, and its output's grammar
     files        the Files API's store: uploads as SQL chunks; a job's output/error files, rendered from its requests
     store        the verbs of the store: create, claim under lease, checkpoint, finish, cancel or expire
                  requests, keys (revoke); they never commit: the caller (route, worker step, CLI command) does

@@ -15,7 +15,8 @@ for greedy decoding); a seed drawn at random and stored with the request; stop [
 each sampled with a seed of its own), no logprobs, no penalties (jobs.line_sampling: OpenAI's frequency_penalty,
 presence_penalty, logit_bias; vLLM's top_k, min_p, repetition_penalty).
 `max_completion_tokens` is an alias of `max_tokens` (which wins when both are given).
-No parameter is silently ignored: a body key this service does not honour (`tools`, `response_format`…) is an
+A chat line's `response_format` (json_object, json_schema: jobs.line_format) is checked, its schema compiled.
+No parameter is silently ignored: a body key this service does not honour (`tools`, `functions`…) is an
 `unsupported_parameter` line error naming it, unless its value is the one that changes nothing (`stream: false`,
 `tools: []`…; see NEUTRAL_VALUES). `user` is kept (it names the caller's end user and changes no output).
 
@@ -49,6 +50,7 @@ from jobs.line_checks import (
     show,
 )
 from jobs.line_embeddings import EmbeddingModel
+from jobs.line_format import check_response_format
 from jobs.line_sampling import EXTRAS
 
 URLS = (COMPLETIONS_URL, CHAT_URL, EMBEDDINGS_URL, RESPONSES_URL)
@@ -266,6 +268,8 @@ def _parse_generation(number: int, custom_id: str, url: str, body: dict[str, Any
     sampling = (line_sampling.temperature(body), line_sampling.top_p(body), line_sampling.seed(body),
                 line_sampling.stop(body))
     line_sampling.check_extras(body, len(context.tokenizer))
+    if url == CHAT_URL:
+        check_response_format(body, context.tokenizer)
     text = _chat_text(prompt, context.tokenizer) if isinstance(prompt, list) else prompt
     _refuse_beyond_context(len(text), requested, context)
     prompt_ids = _prompt_ids(text, context.tokenizer, chat=isinstance(prompt, list))
@@ -329,7 +333,7 @@ def _body(line: dict[str, Any], context: _Context) -> dict[str, Any]:
 # body keys honoured by endpoint (`user` names the caller's end user: kept, it changes no output)
 COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
                "logit_bias", *EXTRAS}
-BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages", "logprobs", "top_logprobs"},
+BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "response_format"},
              COMPLETIONS_URL: COMMON_KEYS | {"prompt", "logprobs"},
              EMBEDDINGS_URL: line_embeddings.BODY_KEYS, RESPONSES_URL: line_responses.BODY_KEYS}
 # parameters we do not honour, accepted only with the value that asks for nothing (null is accepted for any key)

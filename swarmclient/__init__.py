@@ -17,7 +17,9 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
                      with push sends each step to the first hop only
     head             ClientHead: embeddings, final norm and LM head, run locally
     penalties        logit_bias, repetition / frequency / presence penalties over a sequence's token History
-    sampling         greedy / temperature, top-k, top-p, min-p, seeded by (seed, position), after the penalties
+    constraints      constrained decoding (llguidance): a sequence's grammar masks its logits (JSON, JSON Schema)
+    sampling         greedy / temperature, top-k, top-p, min-p, seeded by (seed, position), after the penalties and
+                     the grammar's mask
     generation       the decode loop shared by every caller
     forward          whole sequences through every block by the stateless forward RPC (no KV cache), failing over hop
                      by hop: embeddings

@@ -13,7 +13,7 @@ import torch
 
 from swarmclient.head import ClientHead
 from swarmclient.penalties import History
-from swarmclient.sampling import SamplingParams, sample_next, start_histories
+from swarmclient.sampling import SamplingParams, sample_next, start_constraints, start_histories
 
 
 class StepFn(Protocol):
@@ -92,20 +92,23 @@ def generate_tokens(
     rows = torch.arange(batch)  # the session's rows, as indices into the batch
     columns: list[torch.Tensor] = []
     histories: list[History | None] = []  # each row's tokens for its penalties, from the first step's vocabulary
+    constraints = start_constraints(input_ids, params)  # each row's grammar matcher, past its earlier output
     hidden = step(head.embed(input_ids), mask, positions) if unfinished.any() else None
     for index in range(int(limits.max()) if batch else 0):
         assert hidden is not None
         logits = head.logits(hidden[:, -1:, :])[:, -1, :]
         histories = histories or start_histories(input_ids, attention_mask, params, logits.shape[-1])
         sampled = sample_next(logits, [params[r] for r in rows.tolist()], (real_lengths[rows] + index).tolist(),
-                              [histories[r] for r in rows.tolist()])
+                              [histories[r] for r in rows.tolist()],
+                              [constraints[r] if unfinished[r] else None for r in rows.tolist()])
         token = torch.full((batch,), pad_token_id, dtype=torch.long)
         token[rows] = sampled
         token = torch.where(unfinished, token, torch.full_like(token, pad_token_id))
         columns.append(token)
-        for row, history in enumerate(histories):
-            if history is not None and bool(unfinished[row]):
-                history.add(int(token[row]))
+        for row in unfinished.nonzero().flatten().tolist():  # what each row's penalties and grammar have seen
+            for tracked in (histories[row], constraints[row]):
+                if tracked is not None:
+                    tracked.add(int(token[row]))
         unfinished &= ~torch.isin(token, eos) & (limits > index + 1)
         if on_token is not None:
             stop = on_token(index, token) if top_k is None else \

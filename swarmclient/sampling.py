@@ -1,5 +1,5 @@
-"""Choosing the next token: penalties and biases (swarmclient.penalties), then greedy, or temperature, top-k, top-p
-and min-p (transformers' order) with a generator seeded by (seed, position).
+"""Choosing the next token: penalties and biases (swarmclient.penalties), the grammar's mask (swarmclient.constraints),
+then greedy, or temperature, top-k, top-p and min-p (transformers' order) with a generator seeded by (seed, position).
 
 Seeding by position makes a sequence's samples independent of its batch neighbours and of restarts: a
 request resumed at position p draws exactly what an uninterrupted run draws at p.
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from swarmclient.constraints import Constraint, Grammar
 from swarmclient.penalties import History, Penalties, apply_penalties
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) pairs over the seed space
@@ -29,8 +30,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (vLLM's extension)
     penalties: Penalties = Penalties()
     # the last `earlier_tokens` tokens of the input are this sequence's own output from before a resume: the
-    # frequency and presence penalties count them as generated
+    # frequency and presence penalties count them as generated, and the grammar's matcher consumes them
     earlier_tokens: int = 0
+    grammar: Grammar | None = None  # the output must be a string of this grammar (constrained decoding)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -86,10 +88,14 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return min_p_filter(top_p_filter(top_k_filter(probs, params.top_k), params.top_p), params.min_p)
 
 
-def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: History | None = None) -> int:
-    """The next token of one sequence from its logits [V] (and the tokens it has seen, for its penalties)."""
+def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, history: History | None = None,
+               constraint: Constraint | None = None) -> int:
+    """The next token of one sequence from its logits [V] (and the tokens it has seen, for its penalties; its
+    grammar's matcher, which then allows only some tokens)."""
     if params.penalties.active:
         logits = apply_penalties(logits, params.penalties, history)
+    if constraint is not None:
+        logits = constraint.apply(logits)
     if params.greedy:
         return int(logits.argmax())
     generator = torch.Generator().manual_seed(position_seed(params.seed, position))
@@ -97,13 +103,15 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, hist
 
 
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                histories: list[History | None] | None = None) -> torch.Tensor:
+                histories: list[History | None] | None = None,
+                constraints: list[Constraint | None] | None = None) -> torch.Tensor:
     """Next tokens [B] from logits [B, V]; row b uses params[b], its absolute position positions[b] and, for its
-    penalties, histories[b]."""
-    if all(p.greedy and not p.penalties.active for p in params):
+    penalties, histories[b], for its grammar constraints[b]."""
+    if all(p.greedy and not p.penalties.active and p.grammar is None for p in params):
         return logits.argmax(-1)
-    rows = histories or [None] * logits.shape[0]
-    return torch.tensor([sample_row(logits[b], params[b], positions[b], rows[b]) for b in range(logits.shape[0])])
+    batch = logits.shape[0]
+    rows, matchers = histories or [None] * batch, constraints or [None] * batch
+    return torch.tensor([sample_row(logits[b], params[b], positions[b], rows[b], matchers[b]) for b in range(batch)])
 
 
 def start_histories(context: torch.Tensor, mask: torch.Tensor, params: list[SamplingParams], vocab: int
@@ -111,3 +119,11 @@ def start_histories(context: torch.Tensor, mask: torch.Tensor, params: list[Samp
     """Each row's History (None where its penalties need none) from the left-padded input [B, T] and its mask."""
     return [History(context[b][mask[b].bool()].tolist(), p.earlier_tokens, vocab) if p.penalties.needs_history
             else None for b, p in enumerate(params)]
+
+
+def start_constraints(context: torch.Tensor, params: list[SamplingParams]) -> list[Constraint | None]:
+    """Each row's Constraint (None where it has no grammar), past its output from before a resume (the last
+    `earlier_tokens` of its left-padded input [B, T])."""
+    return [None if p.grammar is None else
+            Constraint(p.grammar, context[b, context.shape[1] - p.earlier_tokens:].tolist() if p.earlier_tokens else ())
+            for b, p in enumerate(params)]

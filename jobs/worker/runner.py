@@ -1,7 +1,8 @@
 """Generating a claimed batch of requests through the swarm, committing new token ids every K tokens.
 
-A request resumes from its committed `generated_ids`: prompt + committed tokens are prefilled, and sampling
-is seeded by absolute position, so the continuation equals an uninterrupted run.
+A request resumes from its committed `generated_ids`: prompt + committed tokens are prefilled, sampling
+is seeded by absolute position, and the penalties and the output's grammar (response_format) are rebuilt from the
+committed tokens, so the continuation equals an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import Any, Protocol
 import torch
 
 from jobs.errors import JobCancelled, LeaseLost
+from jobs.line_format import output_grammar
 from jobs.line_sampling import sampling_extras
 from jobs.models import Request
 from jobs.worker.sizing import PipelinePlan
+from swarmclient.constraints import Grammar, grammar_tokenizer
 from swarmclient.errors import SwarmBusy
 from swarmclient.generation import TokenLogprobs
 from swarmclient.model import DistributedModelForCausalLM
@@ -259,7 +262,7 @@ class BatchRunner:
         rows = [row for row, _ in pairs]
         ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
         limits = [r.max_tokens - len(row.generated) for row, r in pairs]
-        params = [sampling_params(r, earlier=len(row.generated)) for row, r in pairs]
+        params = [sampling_params(r, earlier=len(row.generated), grammar=self._grammar(r)) for row, r in pairs]
 
         def on_token(index: int, column: torch.Tensor, logprobs: TokenLogprobs | None = None) -> torch.Tensor:
             # the rows this step ran with: the servers hold their cache until the next step leaves the finished out
@@ -286,6 +289,15 @@ class BatchRunner:
                                            shrink=self.continuous, verification=self.verification)
         finally:
             self._changed.set()
+
+    def _grammar(self, request: Request) -> Grammar | None:
+        """The grammar a request's output must follow (its response_format), for this model's EOS and vocabulary."""
+        text = output_grammar(request.body)
+        if text is None:
+            return None
+        tokenizer = grammar_tokenizer(self.tokenizer, eos_token_ids=self.model.eos_token_ids,
+                                      vocab_size=self.model.spec.config.vocab_size)
+        return Grammar(text, tokenizer)
 
     def _check_finished(self, row: RowState, request: Request) -> bool:
         """Whether the row just ended (EOS, stop string or max_tokens); sets its finish reason and text."""
@@ -369,11 +381,12 @@ def split_lanes(pairs: list[tuple[RowState, Request]], lanes: int) -> list[list[
     return [ordered[i * len(ordered) // count:(i + 1) * len(ordered) // count] for i in range(count)] if count else []
 
 
-def sampling_params(request: Request, *, earlier: int) -> SamplingParams:
-    """How a request samples: its columns, and the penalties and extensions of its stored body; `earlier` of its
-    input's last tokens are its own output from before a resume (the penalties count them as generated)."""
+def sampling_params(request: Request, *, earlier: int, grammar: Grammar | None = None) -> SamplingParams:
+    """How a request samples: its columns, the penalties and extensions of its stored body, and its output's grammar;
+    `earlier` of its input's last tokens are its own output from before a resume (the penalties count them as
+    generated, the grammar's matcher consumes them)."""
     extras = sampling_extras(request.body)
     top_k, min_p = extras.pop("top_k"), extras.pop("min_p")
     return SamplingParams(temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                           top_logprobs=request.top_logprobs, top_k=top_k, min_p=min_p, penalties=Penalties(**extras),
-                          earlier_tokens=earlier)
+                          earlier_tokens=earlier, grammar=grammar)

@@ -375,7 +375,7 @@ def test_a_tokenizer_that_may_shorten_or_drop_text_gets_no_character_bound(tiny_
 # ---- parameters are never silently ignored ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("line", "param"), [
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "body.tools"),
-    (chat(response_format={"type": "json_object"}), "body.response_format"),
+    (completion(response_format={"type": "json_object"}), "body.response_format"),  # chat's parameter, as at OpenAI
     (completion(suffix="end"), "body.suffix"),
     (chat(tool_choice="auto"), "body.tool_choice"),
     (completion(stream=True), "body.stream"),
@@ -500,3 +500,53 @@ def test_a_line_may_name_the_model_by_an_alias_and_a_name_that_is_neither_is_a_l
     [error] = batch.errors
     assert (error.custom_id, error.code, error.param) == ("c", "model_mismatch", "body.model")
     assert '"gpt-4o"' in error.message and '"gpt-4o-mini"' in error.message
+
+
+# ---- response_format: structured outputs -----------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def json_schema(schema: Any = PERSON, **spec: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, **spec}}
+
+
+def test_json_mode_and_json_schemas_are_accepted_and_kept_in_the_stored_body(tokenizer: Any) -> None:
+    formats = [{"type": "json_object"}, json_schema(strict=True), json_schema(strict=False, description="a person"),
+               json_schema(strict=None), {"type": "json_schema", "json_schema": {"name": "anything"}},
+               json_schema({"type": "string", "format": "email"}, strict=True),
+               json_schema({"type": "object", "not": {"required": ["x"]}}, strict=False)]  # `not` ignored: lenient
+    batch = parse(tokenizer, jsonl(*(chat(f"f{i}", response_format=f) for i, f in enumerate(formats))))
+    assert batch.errors == [] and [r.body["response_format"] for r in batch.requests] == formats
+
+
+@pytest.mark.parametrize(("response_format", "param", "says"), [
+    ({"type": "xml"}, "body.response_format", '"json_object" or "json_schema"'),
+    ("json_object", "body.response_format", '"json_object" or "json_schema"'),
+    ({"type": "json_object", "schema": PERSON}, "body.response_format.schema", "remove it"),
+    ({"type": "json_schema"}, "body.response_format.json_schema", '{"name", "schema", "strict"}'),
+    ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "body.response_format.json_schema.name", "letters"),
+    (json_schema(strict="yes"), "body.response_format.json_schema.strict", "true or false"),
+    (json_schema([PERSON]), "body.response_format.json_schema.schema", "a JSON Schema object"),
+    (json_schema(strict=True, extra=1), "body.response_format.json_schema.extra", "remove it"),
+    (json_schema({"type": "strng"}, strict=True), "body.response_format.json_schema.schema", "strng; fix the schema"),
+    (json_schema({"type": "integer", "minimum": 5, "maximum": 2}), "body.response_format.json_schema.schema",
+     "minimum (5) is greater than maximum (2)"),
+    (json_schema({"$ref": "#/$defs/missing"}), "body.response_format.json_schema.schema", "does not exist"),
+    (json_schema({"type": "string", "pattern": "(?=a)b"}), "body.response_format.json_schema.schema", "look-around"),
+    (json_schema({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, strict=True),
+     "body.response_format.json_schema.schema", '"if", "then"'),
+])
+def test_a_bad_response_format_or_a_schema_that_cannot_be_enforced_is_a_line_error_naming_it(
+        tokenizer: Any, response_format: Any, param: str, says: str) -> None:
+    error = only_error(tokenizer, chat("bad", response_format=response_format))
+    assert (error.code, error.param, error.custom_id) == ("invalid_parameter", param, "bad")
+    assert says in error.message and "\n" not in error.message, error.message
+
+
+def test_a_strict_schema_using_keywords_that_cannot_be_enforced_says_to_drop_them_or_turn_strict_off(
+        tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    error = only_error(tokenizer, chat("bad", response_format=json_schema(schema, strict=True)))
+    assert error.message.endswith("remove those keywords, or set strict to false to have them ignored")
+    assert parse(tokenizer, jsonl(chat("ok", response_format=json_schema(schema, strict=False)))).errors == []

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 from sqlalchemy import select
@@ -277,6 +278,87 @@ def test_a_request_with_penalties_killed_mid_generation_resumes_to_the_text_of_a
     # and the penalties changed what greedy decoding writes (token 6, biased by -100, never appears)
     assert any(got[f"req-{i}"] != got[f"plain-{i}"] for i in range(0, 4, 2))
     assert all(6 not in r.generated_ids for r in requests_of(runtime, job.id) if r.custom_id.startswith("req"))
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "open", "floors", "mood"],
+        "properties": {"city": {"type": "string", "maxLength": 12}, "open": {"type": "boolean"},
+                       "floors": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "mood": {"enum": ["calm", "busy", "closed"]}}}
+TAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "score"],
+        "properties": {"tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}},
+                       "score": {"type": "integer", "minimum": -5, "maximum": 5}}}
+
+
+def structured_batch(model: Path) -> tuple[bytes, dict[str, dict[str, Any]]]:
+    """Chat lines with response formats: two JSON schemas (strict, greedy and sampled), JSON mode (sampled, with biases
+    that make the random model close its strings and objects soon), free text, and a schema cut short by max_tokens;
+    and the schema each custom_id's output must validate against. 160 tokens hold the longest answer either schema
+    allows, even spelled a byte per token."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    closing = {str(tokenizer.convert_tokens_to_ids('"')): 5, str(tokenizer.convert_tokens_to_ids("}")): 2}
+    formats: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+    for i in range(2):
+        sampled = {"temperature": 1.0, "seed": 300 + i}
+        for name, schema in (("city", CITY), ("tags", TAGS)):
+            spec = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+            formats[f"{name}-greedy-{i}"] = (spec, {"temperature": 0}, schema)
+            formats[f"{name}-sampled-{i}"] = (spec, sampled, schema)
+        formats[f"object-{i}"] = ({"type": "json_object"}, {**sampled, "logit_bias": closing}, {"type": "object"})
+    lines = [{"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": f"Describe {custom_id} as JSON"}], "max_tokens": 160,
+                       "response_format": spec, **sampling}}
+             for custom_id, (spec, sampling, _) in formats.items()]
+    lines.append({"custom_id": "cut", "method": "POST", "url": "/v1/chat/completions",  # city-greedy-0, cut short
+                  "body": {"messages": [{"role": "user", "content": "Describe city-greedy-0 as JSON"}], "max_tokens": 6,
+                           "temperature": 0, "response_format": formats["city-greedy-0"][0]}})
+    lines.append({"custom_id": "free", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"messages": [{"role": "user", "content": "Describe a city"}], "max_tokens": 40,
+                           "temperature": 0}})
+    return ("\n".join(json.dumps(line) for line in lines) + "\n").encode(), \
+        {custom_id: schema for custom_id, (_, _, schema) in formats.items()}
+
+
+def answers(runtime: Runtime, job_id: str) -> dict[str, tuple[str, str]]:
+    """Each chat line's (content, finish_reason)."""
+    with runtime.session() as session:
+        job = store.get_job(session=session, job_id=job_id)
+        lines = [json.loads(line) for line in iter_results(sessions=held(session), job=job)]
+    return {line["custom_id"]: ((choice := line["response"]["body"]["choices"][0])["message"]["content"],
+                                choice["finish_reason"]) for line in lines}
+
+
+def test_structured_outputs_killed_mid_generation_resume_to_the_text_of_an_undisturbed_run_and_all_validate(
+        make_runtime: Callable[..., Runtime], start_worker: WorkerFactory, tiny_model: Path) -> None:
+    # Given a job of chat lines with JSON schemas and JSON mode, greedy and sampled, and a worker generating it
+    data, schemas = structured_batch(tiny_model)
+    runtime = make_runtime(checkpoint_every=K)
+    job = submit_batch(runtime, data, model=str(tiny_model))
+    first = start_worker(runtime)
+    wait_for(lambda: any(len(r.generated_ids) >= K and r.status == "in_progress" and r.custom_id in schemas
+                         for r in requests_of(runtime, job.id)), 120, "committed tokens of a structured request")
+    # When the worker is killed -9 mid-generation, and another one finishes the job from the checkpoints
+    first.kill()
+    resumed = {r.custom_id for r in requests_of(runtime, job.id) if r.status != "completed" and r.generated_ids}
+    start_worker(runtime)
+    wait_for(lambda: job_status(runtime, job.id) == "completed", 240, "the job to complete")
+    # Then every answer equals an undisturbed run's (each grammar's matcher rebuilt from the committed tokens)
+    reference = submit_batch(runtime, data, model=str(tiny_model))
+    wait_for(lambda: job_status(runtime, reference.id) == "completed", 240, "the reference job")
+    got, expected = answers(runtime, job.id), answers(runtime, reference.id)
+    assert resumed & set(schemas), resumed
+    assert got == expected and len(got) == len(schemas) + 2
+    # and every structured answer ended by itself ("stop") as compact JSON that its schema validates
+    for custom_id, schema in schemas.items():
+        content, finish_reason = got[custom_id]
+        assert finish_reason == "stop", (custom_id, content)
+        value = json.loads(content)
+        jsonschema.validate(value, schema)
+        assert content == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    # and a schema cut short by max_tokens ends with "length", as at OpenAI; free text is not JSON
+    assert got["cut"][1] == "length" and got["city-greedy-0"][0].startswith(got["cut"][0])
+    with pytest.raises(ValueError):
+        json.loads(got["free"][0])
 
 
 def nul_token(model: Path) -> int:

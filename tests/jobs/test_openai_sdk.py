@@ -13,9 +13,10 @@ import platform
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -24,6 +25,7 @@ from jobs_support import requests_of, start_api
 from openai import OpenAI
 from openai.types import Batch, Completion, FileDeleted, FileObject, Model
 from openai.types.chat import ChatCompletion
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM
 
@@ -471,6 +473,80 @@ def test_a_batch_file_written_as_openais_docs_write_it_runs_unchanged_through_an
         assert batch.usage.output_tokens == sum(b.usage.completion_tokens for b in bodies.values() if b.usage) > 0
         assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
         assert batch.usage.input_tokens_details.cached_tokens == batch.usage.output_tokens_details.reasoning_tokens == 0
+        client.close()
+    finally:
+        worker.terminate()
+        api.terminate()
+
+
+REVIEW_SCHEMA = {"type": "object", "additionalProperties": False,
+                 "required": ["sentiment", "stars", "topics", "language"],
+                 "properties": {"sentiment": {"type": "string", "enum": ["positive", "negative", "neutral"]},
+                                "stars": {"type": "integer", "minimum": 1, "maximum": 5},
+                                "topics": {"type": "array", "maxItems": 3, "items": {
+                                    "type": "string", "enum": ["price", "quality", "delivery", "service"]}},
+                                "language": {"type": "string", "pattern": "^[a-z]{2}$"}}}
+
+
+class Review(BaseModel):
+    """The answer REVIEW_SCHEMA describes, as a user's pydantic model of it."""
+
+    model_config = ConfigDict(extra="forbid")
+    sentiment: Literal["positive", "negative", "neutral"]
+    stars: Annotated[int, Field(ge=1, le=5)]
+    topics: Annotated[list[Literal["price", "quality", "delivery", "service"]], Field(max_length=3)]
+    language: Annotated[str, Field(pattern=r"^[a-z]{2}$")]
+
+
+def structured_docs_lines() -> list[dict[str, Any]]:
+    """Structured-output lines as OpenAI's docs write them: gpt-4o-mini, a developer message, text parts, a strict
+    JSON schema in response_format, no temperature and no seed. The longest answer the schema allows is 93 characters,
+    so 100 tokens always let it finish (a random model may well spell it one character per token)."""
+    def line(custom_id: str, review: str) -> dict[str, Any]:
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "gpt-4o-mini", "max_tokens": 100, "messages": [
+                    {"role": "developer", "content": [{"type": "text", "text": "Classify the customer review."}]},
+                    {"role": "user", "content": [{"type": "text", "text": review}]}],
+                    "response_format": {"type": "json_schema", "json_schema": {
+                        "name": "review_classification", "strict": True, "schema": REVIEW_SCHEMA}}}}
+    reviews = ["Arrived late but works well.", "Too expensive for what it is.", "Great support team!",
+               "The box was damaged.", "Exactly as described."]
+    return [line(f"review-{i}", review) for i, review in enumerate(reviews)]
+
+
+def test_a_structured_output_batch_written_as_openais_docs_write_it_runs_unchanged_through_an_alias(
+        runtime: Runtime, shared_swarm: LocalSwarm, tmp_path: Path) -> None:
+    # Given `swarmbatch api` and `swarmbatch worker` processes, the tiny model served under the alias gpt-4o-mini
+    settings = runtime.settings.model_copy(update={"initial_peers": shared_swarm.initial_peers,
+                                                   "worker_batch_size": 4, "sweep_interval": 2.0})
+    api, url = start_api(runtime, tmp_path)
+    worker = start_local_worker(settings, log_dir=tmp_path, name="worker")
+    try:
+        client = OpenAI(base_url=f"{url}/v1", api_key=new_key(runtime), max_retries=0)
+        # When a user runs OpenAI's documented flow with structured-output lines as OpenAI's docs write them
+        uploaded = client.files.create(file=("reviews.jsonl", jsonl(structured_docs_lines())), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        assert batch.errors is None
+        deadline = time.monotonic() + 240
+        while (batch := strict_batch(client, batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, f"the batch did not end: {batch.status}; see {worker.log_path}"
+            time.sleep(1)
+
+        # Then every line completes as a chat.completion the SDK validates strictly
+        assert batch.status == "completed" and batch.output_file_id is not None and batch.error_file_id is None
+        results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+        bodies = {r["custom_id"]: ChatCompletion.model_validate_json(json.dumps(r["response"]["body"]), strict=True)
+                  for r in results}
+        assert sorted(bodies) == [f"review-{i}" for i in range(5)]
+        # and each answer ended by itself, as JSON its schema validates and the user's pydantic model parses strictly
+        for body in bodies.values():
+            [choice] = body.choices
+            assert choice.finish_reason == "stop" and choice.message.content is not None
+            jsonschema.validate(json.loads(choice.message.content), REVIEW_SCHEMA)
+            Review.model_validate_json(choice.message.content, strict=True)
+        # and sampled at temperature 1 with seeds of their own: the answers are not all one
+        assert len({body.choices[0].message.content for body in bodies.values()}) > 1
         client.close()
     finally:
         worker.terminate()
