@@ -464,11 +464,11 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runtime, client: ApiClient) -> None:
-    # Given a client that declares a 120 MB multipart upload (the limit is 100 MiB) and sends none of it
+    # Given a client that declares a 250 MB multipart upload (the limit is 200 MiB) and sends none of it
     key = new_key(runtime)
     api = client(runtime, key)
     started = time.monotonic()
-    with raw_request(api, key, {"Content-Type": "multipart/form-data; boundary=b", "Content-Length": "120000000"}
+    with raw_request(api, key, {"Content-Type": "multipart/form-data; boundary=b", "Content-Length": "250000000"}
                      ) as sock:
         # When it waits for an answer
         status, headers, body = read_response(sock)
@@ -478,7 +478,7 @@ def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runt
     assert status == 413 and elapsed < 1.0, (status, elapsed)
     assert headers["connection"] == "close"
     error = json.loads(body)["error"]
-    assert error["type"] == "RequestTooLarge" and "120000000 bytes" in error["message"]
+    assert error["type"] == "RequestTooLarge" and "250000000 bytes" in error["message"]
     assert "SWARMBATCH_MAX_FILE_BYTES" in error["message"] and "\n" not in error["message"]
     assert api.get("/v1/batches").json()["data"] == []
 
