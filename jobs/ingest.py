@@ -95,7 +95,7 @@ def runtime_context_length(runtime: Runtime, model: str) -> int:
     return ModelSpec.open(runtime.model_dir(model)).max_length
 
 
-def check_lines(runtime: Runtime, job_id: str) -> Ingested:
+def check_lines(runtime: Runtime, job_id: str, *, lines_per_commit: int = LINES_PER_COMMIT) -> Ingested:
     """Check the lines of the job that are left to check, storing requests and line errors as it goes."""
     cursor = _begin(runtime, job_id)
     if cursor is None:
@@ -115,8 +115,9 @@ def check_lines(runtime: Runtime, job_id: str) -> Ingested:
                           model_aliases=runtime.settings.aliases_of(model), seen=seen)
     offset = cursor.offset
     try:
-        for chunk in _chunks(checker, iter_lines(files.iter_upload(sessions=runtime.session, row=row, start=offset),
-                                                 start=offset, first_number=cursor.line + 1), offset):
+        lines = iter_lines(files.iter_upload(sessions=runtime.session, row=row, start=offset), start=offset,
+                           first_number=cursor.line + 1)
+        for chunk in _chunks(checker, lines, offset, lines_per_commit):
             if not _commit(runtime, job_id, model, offset, chunk, next_index):
                 return Ingested(ran=True)
             next_index += sum(r.n for r in chunk.requests)
@@ -188,7 +189,7 @@ def _resume_point(runtime: Runtime, job_id: str) -> tuple[dict[str, int], int]:
     return seen, next_index
 
 
-def _chunks(checker: LineChecker, lines: Iterator[Line], offset: int) -> Iterator[_Chunk]:
+def _chunks(checker: LineChecker, lines: Iterator[Line], offset: int, lines_per_commit: int) -> Iterator[_Chunk]:
     """The checked lines, a commit's worth at a time (the last chunk may be empty: it carries the file's end)."""
     chunk = _Chunk(end=offset)
     for line in lines:
@@ -198,7 +199,7 @@ def _chunks(checker: LineChecker, lines: Iterator[Line], offset: int) -> Iterato
         else:
             chunk.errors.append(outcome)
         chunk.bytes, chunk.end, chunk.line = chunk.bytes + len(line.text), line.end, line.number
-        if len(chunk.requests) + len(chunk.errors) >= LINES_PER_COMMIT or chunk.bytes >= BYTES_PER_COMMIT:
+        if len(chunk.requests) + len(chunk.errors) >= lines_per_commit or chunk.bytes >= BYTES_PER_COMMIT:
             yield chunk
             chunk = _Chunk(end=chunk.end, line=chunk.line)
     if chunk.requests or chunk.errors:
