@@ -69,8 +69,10 @@ def write_file(path: Path, lines: int, line_bytes: int) -> int:
     with path.open("w") as out:
         for i in range(lines):
             words: list[str] = []
-            while sum(len(w) + 1 for w in words) < line_bytes - 200:
+            length = 0
+            while length < line_bytes - 200:
                 words.append(rng.choice(WORDS))
+                length += len(words[-1]) + 1
             out.write(json.dumps({"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
                                   "body": {"model": "smollm2", "max_tokens": 64, "messages": [
                                       {"role": "system", "content": "Summarize the report in one sentence."},
