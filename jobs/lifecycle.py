@@ -146,6 +146,7 @@ class Lifecycle:
 
     def _end(self, session: Session, job: Job, status: JobStatus, now: datetime) -> None:
         move(job, status, now=now)
+        job.ingest_offset = None  # an ended job has no lines left to check (a check under way stops at its next commit)
         files.attach_job_files(session=session, job=job, now=now)
         self.hooks[job.kind].on_ended(session, job, now)
 
