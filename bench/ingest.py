@@ -40,6 +40,7 @@ WORDS = ("the council voted on a budget for roads schools parks and the river br
          "residents asked about taxes noise traffic and the timeline of every project while the mayor said").split()
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/12"
+POLL_SECONDS = 2.0  # as a client polls batches.retrieve; each poll counts the job's requests in the API
 MODELS = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models"
 
 
@@ -133,7 +134,7 @@ def measure(code: str, tree_dir: Path, store: str, batch: Path, *, worker: bool)
     with database(store, home) as (database_url, broker_url):
         env = {"SWARMBATCH_HOME": str(home), "SWARMBATCH_DATABASE_URL": database_url,
                "SWARMBATCH_BROKER_URL": broker_url,
-               "SWARMBATCH_SWEEP_INTERVAL": "2", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tree_dir)}
         cli(tree_dir, env, "db", "upgrade")
         key = cli(tree_dir, env, "keys", "create", "bench").strip().splitlines()[-1]
@@ -159,7 +160,7 @@ def measure(code: str, tree_dir: Path, store: str, batch: Path, *, worker: bool)
                     worker and job["status"] == "validating":
                 if time.monotonic() - began > 600:
                     raise RuntimeError(f"the batch is still {job['status']} after 600 s; see {home}")
-                time.sleep(0.25)
+                time.sleep(POLL_SECONDS)
                 job = http.get(f"/v1/batches/{job['id']}").json()
             ready_s = time.monotonic() - began
             api_peak = peak_mb(api.pid)

@@ -21,6 +21,7 @@ Workers claim none of the job's requests before its last line is checked (Lifecy
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,15 +43,20 @@ logger = logging.getLogger(__name__)
 
 LINES_PER_COMMIT = 1000  # lines checked and stored per transaction (fewer when they pass BYTES_PER_COMMIT)
 BYTES_PER_COMMIT = 8 * 1024 * 1024
+# a task checks lines this long, then sends the job again and returns: the worker's pool process is not held for
+# minutes (other jobs' tasks, and its maintenance's sweeps, run between the slices), and a task stays short
+SLICE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
 class Ingested:
     """What a call of check_lines did: `ran` is false when the job had no lines to check (a worker goes on to claim
-    its requests); `requests` is how many it has once this call checked its last line (0 otherwise)."""
+    its requests); `requests` is how many it has once this call checked its last line (0 otherwise); `more` says
+    its slice of time ended with lines left to check (the caller sends the job again)."""
 
     ran: bool
     requests: int = 0
+    more: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,11 @@ def runtime_context_length(runtime: Runtime, model: str) -> int:
     return ModelSpec.open(runtime.model_dir(model)).max_length
 
 
-def check_lines(runtime: Runtime, job_id: str, *, lines_per_commit: int = LINES_PER_COMMIT) -> Ingested:
-    """Check the lines of the job that are left to check, storing requests and line errors as it goes."""
+def check_lines(runtime: Runtime, job_id: str, *, lines_per_commit: int = LINES_PER_COMMIT,
+                seconds: float = SLICE_SECONDS) -> Ingested:
+    """Check the lines of the job that are left to check, storing requests and line errors as it goes, for about
+    `seconds` (a commit's lines more at most)."""
+    began = time.monotonic()
     cursor = _begin(runtime, job_id)
     if cursor is None:
         return Ingested(ran=False)
@@ -122,6 +131,9 @@ def check_lines(runtime: Runtime, job_id: str, *, lines_per_commit: int = LINES_
                 return Ingested(ran=True)
             next_index += sum(r.n for r in chunk.requests)
             offset = chunk.end
+            if time.monotonic() - began > seconds:
+                logger.info("Job %s: lines checked up to %d in this slice; the rest in the next", job_id, chunk.line)
+                return Ingested(ran=True, more=True)
     except FileNotFound:
         _fail(runtime, job_id, offset, code="file_not_found",
               message=f"the input file {row.id} was deleted before its lines were checked; upload it again and "

@@ -95,8 +95,9 @@ class JobWorker:
         token = secrets.token_hex(8)  # chosen once: a retried claim must find what a lost commit took under it
         try:
             checked = self._store(f"Job {job_id}: check lines", lambda: ingest.check_lines(self.runtime, job_id))
-            if checked.ran:  # the job's lines were checked here (or elsewhere, or it failed): its chains come next
-                return Outcome(chains=self.settings.tasks_for(checked.requests) if checked.requests else 0)
+            if checked.ran:  # lines were checked here: the next slice, or the job's chains, come next
+                return Outcome(more=checked.more,
+                               chains=self.settings.tasks_for(checked.requests) if checked.requests else 0)
             if give_back:
                 self._store(f"Job {job_id}: give back", lambda: self._give_back(give_back))
             plan = self._plan(job_id)

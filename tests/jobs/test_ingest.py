@@ -184,6 +184,25 @@ def test_two_checkers_at_once_store_each_line_once(any_store_runtime: Runtime, t
     assert sorted(o.requests for o in outcomes) == [0, len(good)]
 
 
+def test_a_check_stops_after_its_slice_of_time_and_the_next_goes_on_where_it_stopped(
+        make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Path) -> None:
+    # Given a submission of 1,000 lines, checked 100 a commit, in slices that end after their first commit
+    runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)])
+    data, good, errors = big_file(1_000)
+    job_id = submit(runtime, data, tiny_model)
+
+    # When a worker checks slice after slice, as long as it is told there is more
+    slices = [ingest.check_lines(runtime, job_id, lines_per_commit=100, seconds=0)]
+    while slices[-1].more:
+        slices.append(ingest.check_lines(runtime, job_id, lines_per_commit=100, seconds=0))
+
+    # Then each slice stored one commit and said so, the last said how many requests the job has, and each line is
+    # stored once
+    assert len(slices) == 11 and all(s.more and s.requests == 0 for s in slices[:-1])
+    assert slices[-1] == ingest.Ingested(ran=True, requests=len(good))
+    assert_each_line_once(runtime, job_id, good, errors)
+
+
 @pytest.mark.parametrize(("data", "code", "message"), [
     (b"\n".join([line("a").encode(), line("b").encode(), line("c").encode(), line("d").encode()]),
      "too_many_lines", "the input file has 4 non-empty lines; the limit is 3 (SWARMBATCH_MAX_LINES)"),
