@@ -38,7 +38,7 @@ from launch.processes import ManagedProcess  # noqa: E402
 HERE = Path(__file__).resolve().parents[1]
 WORDS = ("the council voted on a budget for roads schools parks and the river bridge after a long debate in which "
          "residents asked about taxes noise traffic and the timeline of every project while the mayor said").split()
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"
+POSTGRES = "postgresql+psycopg2://postgres@127.0.0.1:5432"
 REDIS = "redis://127.0.0.1:6379/12"
 POLL_SECONDS = 2.0  # as a client polls batches.retrieve; each poll counts the job's requests in the API
 MODELS = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models"

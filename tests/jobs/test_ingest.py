@@ -225,6 +225,24 @@ def test_a_file_that_fails_as_a_whole_ends_the_batch_failed_with_that_error_and_
     assert error["code"] == code and error["message"].startswith(message) and "\n" not in error["message"]
 
 
+def test_a_file_over_the_limit_the_workers_hold_fails_the_batch_whole(
+        make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Path) -> None:
+    # Given a file the API stored under its limit, and workers whose operator lowered it since
+    api = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)])
+    data = (line("a") + "\n" + line("b") + "\n").encode()
+    job_id = submit(api, data, tiny_model)
+    worker = make_runtime(database_url=api.settings.resolved_database_url, broker_url=redis_url,
+                          api_models=[str(tiny_model)], max_file_bytes=len(data) - 1)
+
+    check_lines(worker, job_id)
+
+    with worker.session() as session:
+        job = store.get_job(session=session, job_id=job_id)
+        [error] = job.line_errors
+    assert job.status == JobStatus.failed and error["code"] == "file_too_large"
+    assert error["message"].startswith(f"the input file is {len(data)} bytes; the limit is {len(data) - 1}")
+
+
 def test_an_input_file_deleted_before_its_lines_are_checked_fails_the_batch_saying_so(
         make_runtime: Callable[..., Runtime], redis_url: str, tiny_model: Path) -> None:
     runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)])
