@@ -144,11 +144,9 @@ class LineChecker:
         return _parse_line(number, text, self.context, self.seen)
 
 
-def claims_custom_id(error: LineError | dict[str, Any]) -> bool:
-    """Whether a bad line still used its custom_id (a later line with the same one is a duplicate)."""
-    code, custom_id = (error.code, error.custom_id) if isinstance(error, LineError) else \
-        (error.get("code"), error.get("custom_id"))
-    return custom_id is not None and code != "duplicate_custom_id"
+def claims_custom_id(error: dict[str, Any]) -> bool:
+    """Whether a stored line error's line still used its custom_id (a later line with the same one is a duplicate)."""
+    return error.get("custom_id") is not None and error.get("code") != "duplicate_custom_id"
 
 
 def batch_model(data: bytes) -> str | None:
