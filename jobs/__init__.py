@@ -6,6 +6,7 @@ The batch core (this package):
                  SummaryRun, DocumentSummary, WorkerHeartbeat, MaintenanceSlot, SwarmSnapshot
     db, migrate  engines and sessions, the store's retry policy (retry_store); Alembic from code
     errors       the JobsError tree
+    input_lines  a batch file's lines streamed from byte pieces (numbered, UTF-8), the whole-file limits
     batch_input  OpenAI batch JSONL -> validated requests + per-line errors (naming the parameter at fault)
     line_checks  LineProblem and what line checks share; chat messages (developer role, text parts)
     line_sampling  a line's sampling parameters: OpenAI's defaults, drawn seeds, penalties, vLLM's extensions
@@ -21,8 +22,10 @@ The batch core (this package):
                  each job kind's hooks (JobHooks) on every path; Runtime.lifecycle registers them
     queue        the task names, the Celery app that sends them (Redis or the embedded SQLite broker), enqueue_job
     durations    '24h', '90m', '3600s' -> seconds (completion windows, schedules' grace)
-    submission   submit_batch: validate against the model (and the user's metadata), store, enqueue (idempotency
-                 keys; a failed enqueue is left to the sweep)
+    ingest       a REST submission's lines checked by a worker off the request: streamed from the stored file,
+                 stored in commits with a fenced cursor (resumable, exactly once); whole-file failures
+    submission   submit_batch (lines checked first: CLI, demo) and submit_unchecked (REST: a worker checks them,
+                 jobs.ingest): store, enqueue (idempotency keys; a failed enqueue is left to the sweep)
     outputs      results / errors JSONL and the batch object, in the OpenAI shapes (chat, completions, Responses
                  objects, embeddings lists)
     runtime      Runtime: the collaborators of one process (settings, engine, Celery app, lifecycle, swarm clients),

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from jobs import line_embeddings, line_responses, line_sampling
+from jobs.input_lines import BatchFileRejected, read_lines
 from jobs.line_checks import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -113,10 +114,6 @@ class ParsedBatch:
     endpoint: str
 
 
-class BatchFileRejected(Exception):
-    """Raised when the whole file is refused (nothing is created); the one-line message says what to do."""
-
-
 @dataclass(frozen=True)
 class _Context:
     """What every line is checked against."""
@@ -135,22 +132,41 @@ def parse_batch_file(data: bytes, *, tokenizer: Any, model_name: str, limits: In
 
     With an `endpoint` (OpenAI's batches.create), a line whose url is another one is an error, as with OpenAI.
     """
-    context = _Context(tokenizer, model_name, frozenset(model_aliases), limits, max_chars_per_token(tokenizer),
-                       endpoint)
+    checker = LineChecker(tokenizer=tokenizer, model_name=model_name, limits=limits, endpoint=endpoint,
+                          model_aliases=model_aliases)
     requests: list[ParsedRequest] = []
     errors: list[LineError] = []
-    seen: dict[str, int] = {}
-    for number, text in _split_lines(data, limits):
-        outcome = _parse_line(number, text, context, seen)
+    for line in read_lines(data, max_bytes=limits.max_file_bytes, max_lines=limits.max_lines):
+        outcome = checker.check(line.number, line.text)
         if isinstance(outcome, ParsedRequest):
             requests.append(outcome)
         else:
             errors.append(outcome)
     if not requests:
-        raise BatchFileRejected(_no_valid_request(errors))
+        raise BatchFileRejected(_no_valid_request(errors), code="no_valid_request")
     main = endpoint or _main_endpoint(requests)
     requests, errors = _one_kind(requests, errors, main)
     return ParsedBatch(requests, errors, main)
+
+
+class LineChecker:
+    """Checks a file's lines in order, remembering the custom_ids used so far (`seen`: custom_id -> its line, given
+    to resume a file part-way, as jobs.ingest does)."""
+
+    def __init__(self, *, tokenizer: Any, model_name: str, limits: InputLimits, endpoint: str | None = None,
+                 model_aliases: Collection[str] = (), seen: dict[str, int] | None = None) -> None:
+        self.context = _Context(tokenizer, model_name, frozenset(model_aliases), limits,
+                                max_chars_per_token(tokenizer), endpoint)
+        self.seen = dict(seen or {})
+
+    def check(self, number: int, text: str) -> ParsedRequest | LineError:
+        """Line `number` as a request, or as the first problem found in it."""
+        return _parse_line(number, text, self.context, self.seen)
+
+
+def claims_custom_id(error: dict[str, Any]) -> bool:
+    """Whether a stored line error's line still used its custom_id (a later line with the same one is a duplicate)."""
+    return error.get("custom_id") is not None and error.get("code") != "duplicate_custom_id"
 
 
 def batch_model(data: bytes) -> str | None:
@@ -159,37 +175,21 @@ def batch_model(data: bytes) -> str | None:
     One batch runs one model, as with OpenAI: parse_batch_file then makes every line naming another a line error.
     """
     for raw in data.removeprefix(codecs.BOM_UTF8).split(b"\n"):
-        try:
-            line = json.loads(raw) if raw.strip() else None
-        except (ValueError, RecursionError):
-            continue
-        body = line.get("body") if isinstance(line, dict) else None
-        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]:
-            return str(body["model"])
+        if (model := line_model(raw)) is not None:
+            return model
     return None
 
 
-def _split_lines(data: bytes, limits: InputLimits) -> list[tuple[int, str]]:
-    """The non-empty lines with their 1-based numbers, after the whole-file checks."""
-    if len(data) > limits.max_file_bytes:
-        raise BatchFileRejected(f"the input file is {len(data)} bytes; the limit is {limits.max_file_bytes} "
-                                f"(SWARMBATCH_MAX_FILE_BYTES); split it into smaller files")
-    lines = [(n, line) for n, line in enumerate(_decode(data).split("\n"), start=1) if line.strip()]
-    if len(lines) > limits.max_lines:
-        raise BatchFileRejected(f"the input file has {len(lines)} non-empty lines; the limit is {limits.max_lines} "
-                                f"(SWARMBATCH_MAX_LINES); split it into smaller files")
-    return lines
-
-
-def _decode(data: bytes) -> str:
-    """The file as text (a leading UTF-8 BOM is dropped), or BatchFileRejected naming the first bad byte's line."""
-    data = data.removeprefix(codecs.BOM_UTF8)
+def line_model(raw: str | bytes) -> str | None:
+    """The `body.model` one line names, if it is a JSON object that names one."""
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise BatchFileRejected(f"the input file is not valid UTF-8 (line {line}, byte {exc.start}); "
-                                f"save it as UTF-8 and submit it again") from None
+        line = json.loads(raw) if raw.strip() else None
+    except (ValueError, RecursionError):
+        return None
+    body = line.get("body") if isinstance(line, dict) else None
+    if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"]:
+        return str(body["model"])
+    return None
 
 
 def _parse_line(number: int, text: str, context: _Context, seen: dict[str, int]) -> ParsedRequest | LineError:

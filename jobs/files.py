@@ -141,11 +141,12 @@ def read_upload(*, session: Session, row: StoredFile) -> bytes:
     return b"".join(iter_upload(sessions=held(session), row=row))
 
 
-def iter_upload(*, sessions: SessionScope, row: StoredFile) -> Iterator[bytes]:
-    """An uploaded file's chunks in order, each read in a session of its own from `sessions` (after the last seq
-    read: keyset), so a client that stops reading holds no connection. FileNotFound when the file was deleted
-    meanwhile: a download ends short rather than looking whole."""
-    after, size = -1, 0
+def iter_upload(*, sessions: SessionScope, row: StoredFile, start: int = 0) -> Iterator[bytes]:
+    """An uploaded file's chunks in order (from byte `start` on), each read in a session of its own from `sessions`
+    (after the last seq read: keyset), so a client that stops reading holds no connection. FileNotFound when the
+    file was deleted meanwhile: a download ends short rather than looking whole."""
+    after, skip = start // CHUNK_BYTES - 1, start % CHUNK_BYTES  # every chunk but the last is CHUNK_BYTES long
+    size = start - skip
     while True:
         with sessions() as session:
             chunk = session.scalars(select(FileChunk).where(FileChunk.file_id == row.id, FileChunk.seq > after)
@@ -155,7 +156,8 @@ def iter_upload(*, sessions: SessionScope, row: StoredFile) -> Iterator[bytes]:
             after, data = chunk.seq, chunk.data
             session.expunge(chunk)
         size += len(data)
-        yield data
+        yield data[skip:] if skip else data
+        skip = 0
     if size != row.size:
         raise FileNotFound(row.id)
 

@@ -6,8 +6,13 @@
        └────────cancel──────────┴──────▶ cancelling ──settle: nothing runs──▶ cancelled
   validating | in_progress | cancelling ────expire: the deadline passed────▶ expired
 
-OpenAI's statuses: a job is `validating` from its submission (its lines were checked before it was stored) until
-a worker claims its first requests. A job that ends gets its output and error files (jobs.files) in the same
+OpenAI's statuses: a job is `validating` from its submission until a worker claims its first requests. Its lines
+are checked either before it is stored (the CLI, the demo, a schedule's firing) or after, off the request, by a
+worker (the REST API: jobs.ingest), which adds the requests and line errors as it goes: then `validated` marks the
+end of the check, and no worker claims a request of the job before it (so a file that fails as a whole runs no
+line, as with OpenAI), nor is the job settled: a job still being checked is not finished for lack of requests.
+`fail_validation` ends a job whose file fails as a whole (too many lines, not UTF-8, a model not served) with the
+reason as its error, and no request. A job that ends gets its output and error files (jobs.files) in the same
 transaction, partial ones for a cancelled or expired job, as OpenAI does.
 
 The callers: the API's cancel route and the CLI's StoreBackend (cancel), the batch worker (start, settle, and
@@ -28,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -62,6 +68,24 @@ class Lifecycle:
             raise ValueError(f"no lifecycle hooks for job kinds {', '.join(missing)}")
         self.hooks = dict(hooks)
 
+    def validated(self, session: Session, job: Job, *, now: datetime | None = None) -> None:
+        """The check of a job's lines (jobs.ingest) is done: workers may take its requests; a job without any (every
+        line bad, or none) fails, its line errors saying why."""
+        job.ingest_offset = None
+        if job.status == JobStatus.validating and not store.job_counts(session=session, job_id=job.id).total:
+            self._end(session, job, JobStatus.failed, now or utcnow())
+
+    def fail_validation(self, session: Session, job: Job, error: dict[str, Any], *,
+                        now: datetime | None = None) -> None:
+        """The job's file fails as a whole (`error`: OpenAI's batch error, `line` None when no line is at fault): its
+        requests are dropped and the job fails with that error."""
+        job.ingest_offset = None
+        if job.status.terminal:
+            return
+        store.delete_requests(session=session, job_id=job.id)
+        job.line_errors = [error]
+        self._end(session, job, JobStatus.failed, now or utcnow())
+
     def start(self, session: Session, job: Job, *, now: datetime | None = None) -> None:
         """A worker claimed the job's first requests: validating -> in_progress."""
         if job.status == JobStatus.validating:
@@ -77,7 +101,7 @@ class Lifecycle:
             # requests whose worker died after the cancel came back to pending through the sweep: cancel them too
             store.cancel_pending_requests(session=session, job_id=job.id, now=now)
             self._end(session, job, JobStatus.cancelled, now)
-        elif job.status in LIVE and counts.pending + counts.in_progress == 0:
+        elif job.status in LIVE and not checking_lines(job) and counts.pending + counts.in_progress == 0:
             self._finalize(session, job, failed_all=counts.completed == 0 and counts.failed > 0, now=now)
 
     def cancel(self, session: Session, job_id: str, *, api_key_id: int | None = None,
@@ -122,8 +146,14 @@ class Lifecycle:
 
     def _end(self, session: Session, job: Job, status: JobStatus, now: datetime) -> None:
         move(job, status, now=now)
+        job.ingest_offset = None  # an ended job has no lines left to check (a check under way stops at its next commit)
         files.attach_job_files(session=session, job=job, now=now)
         self.hooks[job.kind].on_ended(session, job, now)
+
+
+def checking_lines(job: Job) -> bool:
+    """Whether the job's lines are still being checked (jobs.ingest): then no worker may claim its requests yet."""
+    return job.ingest_offset is not None
 
 
 def move(job: Job, status: JobStatus, *, now: datetime | None = None) -> None:

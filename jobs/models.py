@@ -187,6 +187,11 @@ class Job(Base):
     # when they did, the outputs were deleted from the requests too, and the results and errors read 410
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
     outputs_expired_at: Mapped[datetime | None]
+    # validation of the input's lines off the request (jobs.ingest): the byte offset in the input file where it goes
+    # on, and the number of the last line it read; None once every line is checked (or when they were checked at
+    # submission): only then do workers take the job's requests
+    ingest_offset: Mapped[int | None] = mapped_column(BigInteger)
+    ingest_line: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     requests: Mapped[list[Request]] = relationship(back_populates="job", order_by="Request.index",
                                                    cascade="all, delete-orphan")

@@ -230,7 +230,8 @@ def job_public(*, session: Session, job: Job) -> dict[str, Any]:
     counts = job_counts(session=session, job_id=job.id)
     window = job.completion_window_s
     return {
-        "id": job.id, "object": "batch", "endpoint": job.endpoint, "model": job.model, "status": str(job.status),
+        # the model (and endpoint) of a batch made from an uploaded file are read from its lines: null until then
+        "id": job.id, "object": "batch", "endpoint": job.endpoint, "model": job.model or None, "status": str(job.status),
         "input_file_id": job.input_file_id, "output_file_id": job.output_file_id,
         "error_file_id": job.error_file_id, "input_filename": job.input_filename,
         "completion_window": f"{window // 3600}h" if window % 3600 == 0 else f"{window}s",

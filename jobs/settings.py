@@ -47,10 +47,11 @@ class Settings(BaseSettings):
     store_retry_seconds: float = Field(default=60.0, gt=0, description="how long a worker retries an unreachable "
                                                                        "database before it stops a batch")
     max_tokens_cap: int = Field(default=4096, ge=1, description="largest max_tokens a request may ask")
-    max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1, description="largest accepted input file")
-    max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file")
-    max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process parses "
-                                            "and stores at once, once their bodies are in; more get 429")
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, ge=1,
+                                description="largest accepted input file (OpenAI's limit: 200 MB)")
+    max_lines: int = Field(default=50_000, ge=1, description="most lines in one input file (OpenAI's limit)")
+    max_concurrent_submissions: int = Field(default=2, ge=1, description="batch submissions one API process "
+                                            "stores at once, once their bodies are in; more get 429")
     # per API key, per API process (docs/security.md "API limits"): one key cannot hold what others need
     max_submissions_per_key: int = Field(default=1, ge=1, description="submissions of one API key in progress at "
                                          "once in one API process, from the body's first byte; more get 429")

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, func, or_, select, update
+from sqlalchemy import ColumnElement, case, delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.batch_input import ParsedBatch
+from jobs.batch_input import ParsedBatch, ParsedRequest
 from jobs.errors import ApiKeyNotFound, JobNotFound
 from jobs.models import ApiKey, Job, JobKind, JobStatus, Request, RequestStatus, utcnow
 
@@ -36,26 +36,34 @@ logger = logging.getLogger(__name__)
 
 
 # ---- jobs ---------------------------------------------------------------------------------------------------
-def create_job(*, session: Session, parsed: ParsedBatch, model: str, api_key_id: int | None = None,
+def create_job(*, session: Session, parsed: ParsedBatch | None, model: str, api_key_id: int | None = None,
                completion_window_s: int = 24 * 3600, checkpoint_every: int = 8, input_filename: str | None = None,
                idempotency_key: str | None = None, metadata: dict[str, Any] | None = None,
                annotations: Mapping[str, dict[str, Any]] | None = None, kind: JobKind = JobKind.batch,
-               input_file_id: str | None = None) -> Job:
-    """Insert a validating job and one pending request per good line.
+               input_file_id: str | None = None, endpoint: str = "") -> Job:
+    """Insert a validating job and one pending request per good line of `parsed`.
 
+    Without `parsed`, the job's lines are still to be checked (jobs.ingest, from its input file): it has no request
+    yet, and `model` and `endpoint` may be "" until the check reads them from the lines.
     `metadata` is the user's (validated by the caller); `kind` picks the job's lifecycle hooks; `annotations`
     sets extra Request columns (document, stage, final) by custom_id.
     """
     now = utcnow()
-    job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model, endpoint=parsed.endpoint,
-              status=JobStatus.validating, kind=kind, input_filename=input_filename, input_file_id=input_file_id,
-              line_errors=[e.to_dict() for e in parsed.errors], checkpoint_every=checkpoint_every,
-              completion_window_s=completion_window_s, idempotency_key=idempotency_key,
-              metadata_json=metadata or {}, created_at=now, expires_at=now + timedelta(seconds=completion_window_s))
-    job.requests = request_rows(parsed, annotations=annotations)
+    job = Job(id=f"batch_{uuid.uuid4().hex[:24]}", api_key_id=api_key_id, model=model,
+              endpoint=parsed.endpoint if parsed is not None else endpoint, status=JobStatus.validating, kind=kind,
+              input_filename=input_filename, input_file_id=input_file_id,
+              line_errors=[e.to_dict() for e in parsed.errors] if parsed is not None else [],
+              checkpoint_every=checkpoint_every, completion_window_s=completion_window_s,
+              idempotency_key=idempotency_key, metadata_json=metadata or {}, created_at=now,
+              expires_at=now + timedelta(seconds=completion_window_s), ingest_offset=None if parsed else 0)
+    job.requests = request_rows(parsed, annotations=annotations) if parsed is not None else []
     session.add(job)
     session.flush()
-    logger.info("Job %s stored (validating): %d requests, %d bad lines", job.id, len(job.requests), len(parsed.errors))
+    if parsed is None:
+        logger.info("Job %s stored (validating): its lines are checked off the request", job.id)
+    else:
+        logger.info("Job %s stored (validating): %d requests, %d bad lines", job.id, len(job.requests),
+                    len(parsed.errors))
     return job
 
 
@@ -64,15 +72,54 @@ def request_rows(parsed: ParsedBatch, *, first_index: int = 0,
     """Pending Request rows for parsed lines, numbered from `first_index`: one per choice of each line (its `n`), or
     per input of an embeddings line (`choice` is the input's index, `prompt_ids` its tokens)."""
     annotations = annotations or {}
+    return [Request(**values, **annotations.get(values["custom_id"], {}))
+            for values in request_values(parsed.requests, first_index=first_index)]
+
+
+def request_values(requests: list[ParsedRequest], *, first_index: int = 0) -> list[dict[str, Any]]:
+    """The column values of the pending requests of parsed lines, numbered from `first_index`: a line's `n` choices
+    one after the other, or the inputs of an embeddings line (`choice` is the input's index, `prompt_ids` its
+    tokens)."""
     choices = [(r, choice, r.inputs[choice] if r.inputs is not None else r.prompt_ids)
-               for r in parsed.requests for choice in range(r.n)]
-    return [Request(index=i, line_number=r.line_number, custom_id=r.custom_id, choice=choice,
-                    body={"url": r.url, **r.body}, prompt_ids=list(prompt), prompt_count=len(prompt),
-                    max_tokens=r.max_tokens,
-                    temperature=r.temperature, top_p=r.top_p, seed=choice_seed(r.seed, choice), stop=list(r.stop),
-                    top_logprobs=r.top_logprobs, generated_logprobs=None if r.top_logprobs is None else [],
-                    **annotations.get(r.custom_id, {}))
+               for r in requests for choice in range(r.n)]
+    return [dict(index=i, line_number=r.line_number, custom_id=r.custom_id, choice=choice,
+                 body={"url": r.url, **r.body}, prompt_ids=list(prompt), prompt_count=len(prompt),
+                 max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p,
+                 seed=choice_seed(r.seed, choice), stop=list(r.stop), top_logprobs=r.top_logprobs,
+                 generated_logprobs=None if r.top_logprobs is None else [])
             for i, (r, choice, prompt) in enumerate(choices, first_index)]
+
+
+def insert_requests(*, session: Session, job_id: str, requests: list[ParsedRequest], first_index: int) -> int:
+    """Insert the pending requests of checked lines into a job, in one statement (no ORM objects: a validation
+    inserts thousands at a time); returns how many rows (choices) were inserted."""
+    rows = request_values(requests, first_index=first_index)
+    if rows:
+        now = utcnow()
+        session.execute(insert(Request), [{**row, "job_id": job_id, "status": RequestStatus.pending,
+                                           "generated_ids": [], "created_at": now} for row in rows])
+    return len(rows)
+
+
+def request_lines_of(*, session: Session, job_id: str) -> tuple[dict[str, int], int]:
+    """A job's custom_ids with the line each came from, and the index its next request takes (a validation resumed
+    part-way goes on from these)."""
+    rows = session.execute(select(Request.custom_id, Request.line_number).where(Request.job_id == job_id,
+                                                                                 Request.choice == 0)).all()
+    next_index = session.scalar(select(func.coalesce(func.max(Request.index) + 1, 0)).where(Request.job_id == job_id))
+    return {custom_id: line for custom_id, line in rows}, int(next_index or 0)
+
+
+def main_endpoint(*, session: Session, job_id: str) -> str | None:
+    """The url most of a job's lines use (on a tie, the first line's); None for a job without requests."""
+    url = Request.body["url"].as_string()
+    return session.scalar(select(url).where(Request.job_id == job_id, Request.choice == 0).group_by(url)
+                          .order_by(func.count().desc(), func.min(Request.index)).limit(1))
+
+
+def delete_requests(*, session: Session, job_id: str) -> None:
+    """Delete a job's requests (a batch whose file fails as a whole keeps none of its lines)."""
+    session.execute(delete(Request).where(Request.job_id == job_id))
 
 
 SEED_MASK = 2**63 - 1
@@ -143,8 +190,10 @@ class JobCounts:
     tokens: int
 
     def waiting_for_a_worker(self, job: Job) -> bool:
-        """Whether the live job has pending work that no worker holds."""
-        return job.status in (JobStatus.validating, JobStatus.in_progress) and bool(self.pending) and not self.in_progress
+        """Whether the live job has pending work that no worker holds, or lines still to check (jobs.ingest: a
+        worker checks them, and its chain's dispatch hold says it is on it)."""
+        live = job.status in (JobStatus.validating, JobStatus.in_progress)
+        return live and (bool(self.pending) and not self.in_progress or job.ingest_offset is not None)
 
 
 def job_counts(*, session: Session, job_id: str) -> JobCounts:

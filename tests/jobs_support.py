@@ -10,6 +10,7 @@ import httpx
 from ports import free_port
 from sqlalchemy import select
 
+from jobs import ingest
 from jobs.models import Job, Request
 from jobs.runtime import Runtime
 from jobs.worker.job_worker import CLAIMED_FOR_FREED_SLOTS_LOG, CLAIMED_LOG
@@ -24,6 +25,15 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def check_lines(runtime: Runtime, job_id: str) -> None:
+    """What a worker does first with a batch submitted over REST: check its lines, storing its requests and line
+    errors (jobs.ingest); tests without a worker process call it where the worker would."""
+    checked = ingest.check_lines(runtime, job_id)
+    assert checked.ran, f"job {job_id} had no lines to check"
+    while checked.more:  # slice after slice, as the worker sends the job again
+        checked = ingest.check_lines(runtime, job_id)
 
 
 def job_status(runtime: Runtime, job_id: str) -> str:

@@ -2,13 +2,16 @@
 "completion_window", "metadata"}` (a file uploaded to /v1/files), or ours: a multipart JSONL upload or a JSON body
 with the requests inline.
 
-Every form ends as JSONL bytes for jobs.submission.submit, so all validate lines identically (a JSON body's
-request i is line i + 1). A malformed body raises InvalidJob (400) with a one-line message naming the parameter.
-Bodies are read whole: jobs.api.limits.BodyLimit bounds them underneath (413), before and while they are read.
+Every form ends as a JSONL file for jobs.submission.submit_unchecked, so a worker checks all lines alike (a JSON
+body's request i is line i + 1). A malformed body raises InvalidJob (400) with a one-line message naming the
+parameter. jobs.api.limits.BodyLimit bounds bodies underneath (413), before and while they are read. A multipart
+upload is spooled to disk by Starlette and read from there in pieces, never whole; a JSON body is parsed whole (it
+is meant for small batches: upload a big one as a file).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -18,6 +21,8 @@ from starlette.datastructures import FormData, UploadFile
 
 from jobs.batch_input import URLS
 from jobs.errors import InvalidJob
+from jobs.files import CHUNK_BYTES
+from jobs.submission import Pieces
 
 DEFAULT_WINDOW = "24h"
 METADATA = "Yours alone: up to 16 pairs of strings, keys up to 64 characters, values up to 512."
@@ -58,9 +63,10 @@ class BatchForm(BatchOptions):
 
 @dataclass(frozen=True)
 class Submission:
-    """A batch to submit, whichever form it came in: its bytes and model, or (OpenAI's form) the file they are in."""
+    """A batch to submit, whichever form it came in: its bytes (in pieces) and model, or (OpenAI's form) the file
+    they are in."""
 
-    data: bytes | None
+    pieces: Pieces | None
     model: str | None
     completion_window: str
     metadata: dict[str, Any] | None
@@ -84,20 +90,22 @@ REQUEST_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
 }}}
 
 
-async def read_submission(request: Request) -> Submission:
-    """The submission in the request's body, by its content type."""
+async def read_submission(request: Request) -> AsyncIterator[Submission]:
+    """The submission in the request's body, by its content type (an uploaded file open until the route returns)."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         async with request.form() as form:
-            return await _from_form(form)
+            yield _from_form(form)
+        return
     if content_type.startswith("application/json"):
-        return _from_json(await request.body())
+        yield _from_json(await request.body())
+        return
     raise InvalidJob(f"unsupported content type {content_type or 'none'!r}: upload the JSONL as multipart/form-data "
                      "(fields file, model) or send application/json {\"input_file_id\", \"endpoint\"} or "
                      "{\"model\", \"requests\"}")
 
 
-SubmissionDep = Annotated[Submission, Depends(read_submission)]
+SubmissionDep = Annotated[Submission, Depends(read_submission, scope="function")]
 
 
 def _from_json(body: bytes) -> Submission:
@@ -108,11 +116,11 @@ def _from_json(body: bytes) -> Submission:
     except ValidationError as e:
         raise InvalidJob(f"the JSON body is not valid: {_summary(e)}", param=_param(e)) from None
     data = "\n".join(json.dumps(line) for line in batch.requests).encode()
-    return Submission(data, batch.model, batch.completion_window, batch.metadata, filename=None,
+    return Submission(lambda: [data], batch.model, batch.completion_window, batch.metadata, filename=None,
                       output_expires_after=batch.output_expires_after)
 
 
-async def _from_form(form: FormData) -> Submission:
+def _from_form(form: FormData) -> Submission:
     fields = {name: value for name, value in form.items() if isinstance(value, str) and value != ""}
     try:
         options = BatchForm.model_validate(fields)
@@ -121,9 +129,16 @@ async def _from_form(form: FormData) -> Submission:
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise InvalidJob("the form has no 'file' field: attach the JSONL batch as a file named 'file'", param="file")
-    data = await upload.read()
-    return Submission(data, options.model, options.completion_window, options.metadata, filename=upload.filename,
+    return Submission(_pieces_of(upload), options.model, options.completion_window, options.metadata, filename=upload.filename,
                       output_expires_after=form_object(fields, "output_expires_after"))
+
+
+def _pieces_of(upload: UploadFile) -> Pieces:
+    """The spooled upload's bytes, read from its start in pieces at each call."""
+    def pieces() -> Iterator[bytes]:
+        upload.file.seek(0)
+        return iter(lambda: upload.file.read(CHUNK_BYTES), b"")
+    return pieces
 
 
 def _from_file(batch: BatchFromFile) -> Submission:

@@ -18,11 +18,11 @@ from sqlalchemy.exc import IntegrityError
 
 from jobs import clock
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, ParsedBatch
+from jobs.ingest import runtime_context_length
 from jobs.models import DocumentSummary, Job, JobKind, SummaryRun
 from jobs.queue import ENQUEUE_ERRORS, enqueue_job
 from jobs.runtime import Runtime
 from jobs.store import create_job
-from jobs.submission import runtime_context_length
 from jobs.summaries.documents import Document, collect_documents
 from jobs.summaries.mapreduce import PlannedRequest, Planner, SummaryShape
 from jobs.summaries.schedule_file import Schedule, ScheduleError, load_schedules

@@ -22,10 +22,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from jobs.batch_input import CHAT_URL, COMPLETIONS_URL, InputLimits, ParsedBatch, parse_batch_file
+from jobs.ingest import runtime_context_length
 from jobs.models import Job, Request, RequestStatus
 from jobs.runtime import Runtime
 from jobs.store import add_requests
-from jobs.submission import runtime_context_length
 from jobs.summaries.schedule_file import Schedule, ScheduleError
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,10 @@ from typing import Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from jobs import liveness, store
+from jobs import ingest, liveness, store
 from jobs.db import retry_store
 from jobs.errors import JobCancelled, LeaseLost, StoreUnavailable
+from jobs.lifecycle import checking_lines
 from jobs.line_checks import EMBEDDINGS_URL
 from jobs.models import Job, JobStatus, Request, RequestStatus, utcnow
 from jobs.runtime import Runtime
@@ -53,6 +54,7 @@ class Outcome:
     """What the task should do next."""
 
     more: bool = False   # pending work remains: enqueue again now
+    chains: int = 0      # the job's lines were just checked (jobs.ingest): send this many chains to generate them
     retry: bool = False  # the swarm or the store is unavailable: retry with backoff
     # a batch stopped by a store outage: {"token": ..., "attempts": [[request id, attempts as claimed], ...]}, for
     # the retry to give its requests back without counting the claim
@@ -95,6 +97,10 @@ class JobWorker:
         """Claim a batch of the job's requests (sized by `_plan`) and generate them."""
         token = secrets.token_hex(8)  # chosen once: a retried claim must find what a lost commit took under it
         try:
+            checked = self._store(f"Job {job_id}: check lines", lambda: ingest.check_lines(self.runtime, job_id))
+            if checked.ran:  # lines were checked here: the next slice, or the job's chains, come next
+                return Outcome(more=checked.more,
+                               chains=self.settings.tasks_for(checked.requests) if checked.requests else 0)
             if give_back:
                 self._store(f"Job {job_id}: give back", lambda: self._give_back(give_back))
             plan = self._plan(job_id)
@@ -182,7 +188,7 @@ class JobWorker:
         if job.status == JobStatus.cancelling:
             self.lifecycle.settle(session, job)
             return False
-        return True
+        return not checking_lines(job)  # another worker checks its lines: it sends the chains once they are
 
     def _give_back(self, give_back: dict[str, Any]) -> None:
         with self.runtime.session() as session:

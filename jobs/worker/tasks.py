@@ -30,7 +30,8 @@ def _init_worker_process(**_: Any) -> None:
 
 @shared_task(name=PROCESS_JOB, bind=True, max_retries=None)
 def process_job(self: Any, job_id: str, give_back: dict[str, Any] | None = None) -> None:
-    """Generate one batch of a job's pending requests; re-enqueue while work remains.
+    """Generate one batch of a job's pending requests; re-enqueue while work remains. A job whose lines are still
+    to be checked (a REST submission) has them checked first (jobs.ingest), then as many chains sent as they need.
 
     `give_back`: a batch of this task that a store outage stopped, to give back uncounted first.
     """
@@ -39,8 +40,8 @@ def process_job(self: Any, job_id: str, give_back: dict[str, Any] | None = None)
     if outcome.retry:
         raise self.retry(args=[job_id], kwargs={"give_back": outcome.give_back} if outcome.give_back else {},
                          countdown=retry_delay(self.request.retries))
-    if outcome.more:
-        enqueue_job(runtime.celery, job_id)
+    if outcome.more or outcome.chains:
+        enqueue_job(runtime.celery, job_id, tasks=max(1, outcome.chains))
 
 
 @shared_task(name=SWEEP, bind=True)

@@ -21,10 +21,10 @@ import httpx
 import pytest
 import redis
 from factories import new_key
-from jobs_support import ApiClient
+from jobs_support import ApiClient, check_lines
 from ports import free_port
 
-from jobs import clock, store
+from jobs import clock, ingest, store
 from jobs.assembly import build_runtime
 from jobs.models import RequestStatus
 from jobs.progress import describe_job
@@ -65,6 +65,13 @@ def upload(api: httpx.Client, model: Path, lines: list[Any], **fields: str) -> h
                     data={"model": str(model), **fields})
 
 
+def checked(api: httpx.Client, runtime: Runtime, response: httpx.Response) -> dict[str, Any]:
+    """The batch a submission answered, once a worker checked its lines (as the worker process does first)."""
+    assert response.status_code == 200, response.text
+    check_lines(runtime, response.json()["id"])
+    return dict(api.get(f"/v1/batches/{response.json()['id']}").json())
+
+
 def read_jsonl(response: httpx.Response) -> list[dict[str, Any]]:
     """A JSONL response's lines."""
     return [json.loads(line) for line in response.text.splitlines() if line.strip()]
@@ -80,7 +87,9 @@ def test_a_multipart_upload_is_queued_with_its_request_counts(runtime: Runtime, 
     job = response.json()
     assert job["id"].startswith("batch_")
     assert job["object"] == "batch" and job["status"] == "validating"
-    assert job["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert job["request_counts"] == {"total": 0, "completed": 0, "failed": 0}  # its lines are not checked yet
+    job = checked(api, runtime, response)
+    assert job["status"] == "validating" and job["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
     assert job["input_file_id"].startswith("file-") and job["input_filename"] == "batch.jsonl"
     assert job["metadata"] == {"team": "docs"}
     # and the upload is kept as the batch's input file, readable through the Files API
@@ -97,8 +106,7 @@ def test_a_json_body_is_queued_with_its_request_counts(runtime: Runtime, client:
 
     response = api.post("/v1/batches", json=body)
 
-    assert response.status_code == 200, response.text
-    job = response.json()
+    job = checked(api, runtime, response)
     assert job["status"] == "validating" and job["request_counts"]["total"] == 3
     assert job["completion_window"] == "2h" and job["metadata"] == {"run": "7"}
     assert [j["id"] for j in api.get("/v1/batches").json()["data"]] == [job["id"]]
@@ -165,8 +173,8 @@ def test_a_batch_whose_metadata_names_the_services_own_keys_is_an_ordinary_batch
     target = tmp_path / "written-by-a-key-holder"
     metadata = {"summarize": '{"prompt": "{document}"}', "schedule": "nightly", "period": "p", "model_id": "m",
                 "output": str(target), "template_sha": "t", "documents": "[]", "skipped": "3", "outputs_written": ""}
-    job = api.post("/v1/batches", json={**json_body(tiny_model, metadata),
-                                        "requests": [request_line("a"), request_line("b")]}).json()
+    job = checked(api, runtime, api.post("/v1/batches", json={**json_body(tiny_model, metadata),
+                                                              "requests": [request_line("a"), request_line("b")]}))
     assert job["metadata"] == metadata and job["summary"] is None
     # When a worker finishes its requests and a sweep comes by
     finish(runtime, job["id"], {0: (RequestStatus.completed, [5, 6]), 1: (RequestStatus.completed, [7])})
@@ -188,8 +196,7 @@ def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime,
 
     response = upload(api, tiny_model, lines)
 
-    assert response.status_code == 200, response.text
-    job = response.json()
+    job = checked(api, runtime, response)
     assert job["request_counts"]["total"] == 2
     expected = [(2, "invalid_json"), (3, "invalid_method"), (4, "duplicate_custom_id")]
     assert [(e["line"], e["code"]) for e in job["errors"]["data"]] == expected
@@ -198,18 +205,25 @@ def test_bad_lines_are_reported_while_the_good_ones_are_queued(runtime: Runtime,
     assert [(e["error"]["line"], e["error"]["code"]) for e in read_jsonl(errors)] == expected
 
 
-def test_a_file_without_a_good_line_is_refused_and_creates_no_job(runtime: Runtime, client: ApiClient,
-                                                                  tiny_model: Path) -> None:
+def test_a_file_without_a_good_line_is_created_and_then_fails_with_each_line_error(runtime: Runtime, client: ApiClient,
+                                                                                   tiny_model: Path) -> None:
+    # Given a file whose every line is bad
     api = client(runtime, new_key(runtime))
 
+    # When it is submitted, then a worker checks its lines
     response = upload(api, tiny_model, ["{not json", {**request_line("x"), "url": "/v1/audio/speech"}])
+    job = checked(api, runtime, response)
 
-    assert response.status_code == 400
-    error = response.json()["error"]
-    assert error["type"] == "InvalidJob"
-    assert "no valid request" in error["message"] and "\n" not in error["message"]
-    assert "line 1: invalid_json" in error["message"] and "line 2: invalid_url" in error["message"]
-    assert api.get("/v1/batches").json()["data"] == []
+    # Then the submission was created (OpenAI's batches.create), and the batch failed with each line's error
+    assert response.json()["status"] == "validating"
+    assert job["status"] == "failed" and job["failed_at"] is not None and job["in_progress_at"] is None
+    assert job["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert [(e["line"], e["code"]) for e in job["errors"]["data"]] == [(1, "invalid_json"), (2, "invalid_url")]
+    assert all("\n" not in e["message"] for e in job["errors"]["data"])
+    # and its error file holds the same lines, as OpenAI's does
+    errors = read_jsonl(api.get(f"/v1/files/{job['error_file_id']}/content"))
+    assert [(e["error"]["line"], e["error"]["code"]) for e in errors] == [(1, "invalid_json"), (2, "invalid_url")]
+    assert job["output_file_id"] is None
 
 
 def test_a_malformed_body_is_refused_with_what_is_missing(runtime: Runtime, client: ApiClient) -> None:
@@ -271,7 +285,9 @@ def test_jobs_are_listed_newest_first_up_to_the_limit(runtime: Runtime, client: 
 
 
 def finish(runtime: Runtime, job_id: str, outcomes: dict[int, tuple[RequestStatus, list[int]]]) -> None:
-    """As a worker would: claim the first requests, then finish them (in reverse order) with these outcomes."""
+    """As a worker would: check the job's lines, claim the first requests, then finish them (in reverse order) with
+    these outcomes."""
+    ingest.check_lines(runtime, job_id)  # a no-op once they are checked
     with runtime.session() as session:
         token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=len(outcomes),
                                            lease_seconds=60, max_attempts=5)
@@ -464,11 +480,11 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 
 def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runtime, client: ApiClient) -> None:
-    # Given a client that declares a 120 MB multipart upload (the limit is 100 MiB) and sends none of it
+    # Given a client that declares a 250 MB multipart upload (the limit is 200 MiB) and sends none of it
     key = new_key(runtime)
     api = client(runtime, key)
     started = time.monotonic()
-    with raw_request(api, key, {"Content-Type": "multipart/form-data; boundary=b", "Content-Length": "120000000"}
+    with raw_request(api, key, {"Content-Type": "multipart/form-data; boundary=b", "Content-Length": "250000000"}
                      ) as sock:
         # When it waits for an answer
         status, headers, body = read_response(sock)
@@ -478,7 +494,7 @@ def test_a_body_declared_over_the_limit_gets_413_before_it_is_sent(runtime: Runt
     assert status == 413 and elapsed < 1.0, (status, elapsed)
     assert headers["connection"] == "close"
     error = json.loads(body)["error"]
-    assert error["type"] == "RequestTooLarge" and "120000000 bytes" in error["message"]
+    assert error["type"] == "RequestTooLarge" and "250000000 bytes" in error["message"]
     assert "SWARMBATCH_MAX_FILE_BYTES" in error["message"] and "\n" not in error["message"]
     assert api.get("/v1/batches").json()["data"] == []
 
@@ -524,16 +540,15 @@ def test_a_ten_megabyte_prompt_is_refused_by_its_length_without_being_tokenized(
 
     started = time.monotonic()
     response = upload(api, tiny_model, [request_line("good"), request_line("huge", prompt=huge)])
+    job = checked(api, runtime, response)
     elapsed = time.monotonic() - started
 
     # Then the huge line is a context_length_exceeded line error counted in characters (so never tokenized)
-    assert response.status_code == 200, response.text
-    job = response.json()
     assert job["request_counts"]["total"] == 1
     [error] = job["errors"]["data"]
     assert (error["line"], error["code"]) == (2, "context_length_exceeded")
     assert f"the prompt is {len(huge)} characters" in error["message"]
-    print(f"10 MB prompt refused in {elapsed:.2f} s (upload, parse and store included)")
+    print(f"10 MB prompt refused in {elapsed:.2f} s (upload, store and check included)")
 
 
 def slow_submission_holding_the_slot(api: httpx.Client, key: str, body: bytes) -> socket.socket:

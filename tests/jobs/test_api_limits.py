@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from factories import new_key
-from jobs_support import ApiClient
+from jobs_support import ApiClient, check_lines
 from openai import OpenAI
 from sqlalchemy import func
 from sqlalchemy import select as sql_select
@@ -270,7 +270,8 @@ def test_uploads_and_submissions_past_the_keys_quota_get_429_insufficient_quota_
 
 # ---- retention -----------------------------------------------------------------------------------------------------
 def finish_all(runtime: Runtime, job_id: str) -> None:
-    """As a worker would: claim every request of the job and complete it."""
+    """As a worker would: check the job's lines, claim every request and complete it."""
+    check_lines(runtime, job_id)
     with runtime.session() as session:
         token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=100,
                                            lease_seconds=60, max_attempts=5)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from jobs_support import check_lines
 from ports import free_port
 from typer.testing import CliRunner
 
@@ -210,6 +211,7 @@ def test_the_cli_talks_to_the_rest_api_with_a_key(make_runtime: Callable[..., Ru
     code, out, err = invoke("submit", str(batch), "--model", str(tiny_model), "--json", "--api", url, "--key", key)
     assert code == 0, err
     job_id = json.loads(out)["id"]
+    check_lines(runtime, job_id)  # what a worker does first with a batch submitted over REST
     code, out, _ = invoke("status", job_id, "--json", "--api", url, "--key", key)
     assert code == 0 and json.loads(out)["request_counts"]["total"] == 1
     code, _, err = invoke("status", job_id, "--api", url, "--key", "sb-wrong")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from factories import new_key
-from jobs_support import ApiClient
+from jobs_support import ApiClient, check_lines
 from pydantic import ValidationError
 
 from jobs import store
@@ -94,9 +94,10 @@ def test_a_batch_naming_an_alias_runs_the_served_model_and_a_line_naming_another
     # When it is created the OpenAI way (the model is the lines')
     created = api.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions",
                                             "completion_window": "24h"})
-    # Then the job runs the served model, with the three lines, and the fourth is a line error naming gpt-4o
     assert created.status_code == 200, created.text
-    batch = created.json()
+    check_lines(runtime, created.json()["id"])  # as a worker does next
+    # Then the job runs the served model, with the three lines, and the fourth is a line error naming gpt-4o
+    batch = api.get(f"/v1/batches/{created.json()['id']}").json()
     assert batch["model"] == str(tiny_model) and batch["request_counts"]["total"] == 3
     [error] = batch["errors"]["data"]
     assert (error["line"], error["code"], error["param"]) == (4, "model_mismatch", "body.model")
@@ -109,6 +110,7 @@ def test_the_batch_usage_sums_the_prompt_and_generated_tokens_of_the_lines_with_
     api = client(runtime, new_key(runtime))
     lines = [chat_line(f"r{i}", str(tiny_model), "word " * (i + 1)) for i in range(3)]
     job_id = api.post("/v1/batches", json={"model": str(tiny_model), "requests": lines}).json()["id"]
+    check_lines(runtime, job_id)
     assert api.get(f"/v1/batches/{job_id}").json()["usage"] == {
         "input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}

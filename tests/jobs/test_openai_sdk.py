@@ -21,9 +21,10 @@ import openai
 import pytest
 import torch
 from factories import new_key
-from jobs_support import requests_of, start_api
+from jobs_support import check_lines, requests_of, start_api
 from openai import OpenAI
 from openai.types import Batch, Completion, FileDeleted, FileObject, Model
+from openai.types.batch_request_counts import BatchRequestCounts
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select
@@ -106,16 +107,21 @@ def test_the_sdk_uploads_a_file_and_creates_a_batch_from_it(runtime: Runtime, sd
 
     # When a file is uploaded with purpose batch and a batch is created from it
     uploaded = upload_batch(client, lines)
-    batch = create_batch(client, uploaded.id, metadata={"team": "docs"})
+    created = create_batch(client, uploaded.id, metadata={"team": "docs"})
 
     # Then the file is OpenAI's file object, and its content is what was uploaded
     assert uploaded.id.startswith("file-") and uploaded.purpose == "batch" and uploaded.filename == "batch.jsonl"
     assert uploaded.bytes == len(jsonl(lines)) and strict_file(client, uploaded.id) == uploaded
     assert client.files.content(uploaded.id).content == jsonl(lines)
-    # and the batch is OpenAI's batch object: validating, its input file, the bad lines as errors naming line and param
-    assert (batch.status, batch.input_file_id, batch.endpoint, batch.completion_window) == (
+    # and the batch is OpenAI's batch object, validating at once: its lines are not checked yet (nor its model read)
+    assert (created.status, created.input_file_id, created.endpoint, created.completion_window) == (
         "validating", uploaded.id, "/v1/completions", "24h")
-    assert batch.metadata == {"team": "docs"} and batch.model == model
+    assert created.request_counts is not None and created.request_counts.total == 0
+    assert created.errors is None and created.model is None and created.metadata == {"team": "docs"}
+    # When a worker has checked them, Then the batch has its requests, and the bad lines as errors naming line and param
+    check_lines(runtime, created.id)
+    batch = strict_batch(client, created.id)
+    assert batch.status == "validating" and batch.metadata == {"team": "docs"} and batch.model == model
     assert batch.request_counts is not None and batch.request_counts.total == 2
     assert batch.output_file_id is None and batch.error_file_id is None and batch.expires_at is not None
     assert batch.errors is not None and [(e.line, e.code, e.param) for e in batch.errors.data or []] == [
@@ -168,14 +174,19 @@ def test_the_sdks_exceptions_carry_our_message_and_the_parameter(runtime: Runtim
         client.batches.create(input_file_id=good.id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.APIStatusError) as too_large:
         client.files.create(file=("big.jsonl", b"x" * 20_001), purpose="batch")
-    with pytest.raises(openai.BadRequestError) as unserved:
-        create_batch(client, upload_batch(client, [line("a", PROMPTS[0], "gpt-4o")]).id)
+    unserved = create_batch(client, upload_batch(client, [line("a", PROMPTS[0], "gpt-4o")]).id)
 
     assert purpose.value.param == "purpose" and "purpose must be 'batch'" in purpose.value.message
     assert endpoint.value.param == "endpoint" and "/v1/moderations" in endpoint.value.message
     assert too_large.value.status_code == 413 and "SWARMBATCH_MAX_FILE_BYTES" in too_large.value.message
-    assert "'gpt-4o' is not served here" in unserved.value.message
-    assert [f.filename for f in client.files.list()] == ["batch.jsonl", "batch.jsonl"]  # nothing else was stored
+    assert [f.filename for f in client.files.list(purpose="batch")] == ["batch.jsonl", "batch.jsonl"]
+    # a model the lines name is read with them, after batches.create: as with OpenAI, the batch then fails, saying so
+    check_lines(runtime, unserved.id)
+    failed = strict_batch(client, unserved.id)
+    assert failed.status == "failed" and failed.errors is not None and failed.errors.data is not None
+    [error] = failed.errors.data
+    assert (error.code, error.param, error.line) == ("model_not_found", "body.model", 1)
+    assert error.message is not None and "'gpt-4o' is not served here" in error.message
 
 
 def test_an_upload_of_several_chunks_is_stored_in_pieces_and_read_back_byte_for_byte(
@@ -217,7 +228,8 @@ def test_every_error_answer_has_openais_body(runtime: Runtime, serve: Callable[[
 
 
 def finish_first(runtime: Runtime, batch_id: str, tokens: list[int]) -> None:
-    """As a worker would: claim the first request and complete it with these token ids."""
+    """As a worker would: check the batch's lines, claim the first request and complete it with these token ids."""
+    check_lines(runtime, batch_id)
     with runtime.session() as session:
         token, [row, *_] = store.claim_requests(session=session, job_id=batch_id, worker="test", limit=1,
                                                 lease_seconds=60, max_attempts=5)
@@ -286,7 +298,8 @@ def test_a_line_of_n_choices_answers_one_chat_completion_with_n_choices(runtime:
     raw = client.batches.with_raw_response.create(input_file_id=upload_batch(client, [chat]).id,
                                                   endpoint="/v1/chat/completions", completion_window="24h")
     batch = Batch.model_validate_json(raw.text, strict=True)
-    assert batch.request_counts is not None and batch.request_counts.total == 1
+    check_lines(runtime, batch.id)
+    assert strict_batch(client, batch.id).request_counts == BatchRequestCounts(completed=0, failed=0, total=1)
     with runtime.session() as session:
         token, rows = store.claim_requests(session=session, job_id=batch.id, worker="test", limit=2,
                                            lease_seconds=60, max_attempts=5)
@@ -317,6 +330,7 @@ def test_chat_logprobs_are_reported_in_openais_shape(runtime: Runtime, sdk: Call
     raw = client.batches.with_raw_response.create(input_file_id=upload_batch(client, [chat]).id,
                                                   endpoint="/v1/chat/completions", completion_window="24h")
     batch_id = Batch.model_validate_json(raw.text, strict=True).id
+    check_lines(runtime, batch_id)
     entries = [["Hé", -0.25, [["Hé", -0.25], ["Ho", -1.5]]], ["!", -0.5, [["!", -0.5], [".", -2.0]]]]
     with runtime.session() as session:
         token, [row] = store.claim_requests(session=session, job_id=batch_id, worker="test", limit=1,
@@ -449,7 +463,7 @@ def test_a_batch_file_written_as_openais_docs_write_it_runs_unchanged_through_an
         uploaded = client.files.create(file=("docs.jsonl", jsonl(docs_style_lines())), purpose="batch")
         batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
-        assert batch.errors is None and batch.model == str(tiny_model)
+        assert batch.errors is None and batch.status == "validating"
         deadline = time.monotonic() + 240
         while (batch := strict_batch(client, batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
             assert time.monotonic() < deadline, f"the batch did not end: {batch.status}; see {worker.log_path}"
@@ -458,6 +472,7 @@ def test_a_batch_file_written_as_openais_docs_write_it_runs_unchanged_through_an
         # Then it completes every line, each answer a chat.completion the SDK validates strictly
         assert batch.status == "completed" and batch.output_file_id is not None and batch.error_file_id is None
         assert batch.request_counts is not None and batch.request_counts.completed == 3
+        assert batch.model == str(tiny_model)  # the model the alias the lines name stands for
         results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
         bodies = {r["custom_id"]: ChatCompletion.model_validate_json(json.dumps(r["response"]["body"]), strict=True)
                   for r in results}

@@ -8,22 +8,21 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session
 
 from jobs import files, outputs, store
-from jobs.api.batch_request import REQUEST_BODY, Submission, SubmissionDep
+from jobs.api.batch_request import REQUEST_BODY, SubmissionDep
 from jobs.api.deps import ApiKeyDep, RuntimeDep, SessionDep, require_served_model
 from jobs.api.slots import DownloadSlotDep, ParsingSlotDep, SubmissionSlotDep
-from jobs.batch_input import batch_model
 from jobs.errors import InvalidJob, OutputsExpired
-from jobs.models import ApiKey, FilePurpose, Job
+from jobs.models import ApiKey, FilePurpose, Job, StoredFile
 from jobs.retention import asked_seconds
-from jobs.settings import Settings
-from jobs.submission import submit
+from jobs.submission import submit_unchecked
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 JSONL = "application/jsonl"
 Responses = dict[int | str, dict[str, Any]]
 ERRORS: Responses = {400: {"description": "InvalidJob: the batch is refused whole (a bad body, a model the operator "
-                                          "does not serve, no good line); nothing was created."},
+                                          "does not serve); nothing was created. Its lines are checked after the "
+                                          "answer: a file that fails then ends the batch `failed`."},
           401: {"description": "No API key, or an unknown one."}}
 SUBMIT_ERRORS: Responses = {
     **ERRORS,
@@ -62,8 +61,13 @@ def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idemp
                  session: SessionDep, response: Response) -> dict[str, Any]:
     """Create a batch: OpenAI's `{"input_file_id", "endpoint", "completion_window", "metadata"}` (a file uploaded
     to /v1/files; the model is the lines' `body.model` or the model it is an alias of, else the first of
-    SWARMBATCH_API_MODELS), a JSONL upload
-    (multipart `file` + `model`), or inline requests (JSON `model` + `requests`); returns the batch object.
+    SWARMBATCH_API_MODELS), a JSONL upload (multipart `file` + `model`), or inline requests (JSON `model` +
+    `requests`); returns the batch object, `validating`, at once.
+
+    Only what is cheap and certain is checked here (the file is the key's, the endpoint, window, metadata, quota,
+    and a model the request names); a worker checks the lines next (jobs.ingest): `request_counts` and `errors`
+    grow as it goes, and a file that fails as a whole (every line bad, too many lines, a model not served) ends
+    `failed` with `errors` saying why, as with OpenAI.
 
     With an `Idempotency-Key` header, a repeat of the same batch returns the first job (with the response header
     `Idempotent-Replayed: true`); the same key with another batch is a 409.
@@ -71,30 +75,31 @@ def create_batch(key: ApiKeyDep, scoped_key: Annotated[str | None, Depends(idemp
     # the key, then one of its submission slots, come first among the parameters: an anonymous caller is refused,
     # and a key over its bound gets its 429, before the body is read; the server's slot is taken once it is in
     output_expires_after_s = asked_seconds(submission.output_expires_after, "output_expires_after")
-    data, name, filename = _batch_input(session, key, submission, runtime.settings)
-    model = runtime.settings.resolve_model(name)  # an alias (SWARMBATCH_MODEL_ALIASES) names its served model
-    require_served_model(runtime.settings, model)  # before any lookup of the model on this server
-    submitted = submit(runtime, data, model=model, filename=filename, api_key_id=key.id,
-                       completion_window=submission.completion_window, metadata=submission.metadata,
-                       idempotency_key=scoped_key, input_file_id=submission.input_file_id,
-                       endpoint=submission.endpoint, output_expires_after_s=output_expires_after_s)
+    model, filename = None, submission.filename
+    if submission.input_file_id is not None:
+        filename = _input_file(session, key, submission.input_file_id).filename
+    else:
+        assert submission.model is not None  # read_submission sets it for the forms that carry the file
+        model = runtime.settings.resolve_model(submission.model)  # an alias names its served model
+        require_served_model(runtime.settings, model)  # before any lookup of the model on this server
+    session.close()  # the submission writes in sessions of its own
+    submitted = submit_unchecked(runtime, model=model, pieces=submission.pieces,
+                                 input_file_id=submission.input_file_id, filename=filename, api_key_id=key.id,
+                                 completion_window=submission.completion_window, metadata=submission.metadata,
+                                 idempotency_key=scoped_key, endpoint=submission.endpoint,
+                                 output_expires_after_s=output_expires_after_s)
     if submitted.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return outputs.job_public(session=session, job=store.get_job(session=session, job_id=submitted.job.id))
 
 
-def _batch_input(session: Session, key: ApiKey, submission: Submission, settings: Settings
-                 ) -> tuple[bytes, str, str | None]:
-    """The batch's bytes, model and file name: as sent, or read from the caller's uploaded file."""
-    if submission.input_file_id is None:
-        assert submission.data is not None and submission.model is not None  # read_submission sets both
-        return submission.data, submission.model, submission.filename
-    row = files.get_file(session=session, file_id=submission.input_file_id, api_key_id=key.id)
+def _input_file(session: Session, key: ApiKey, file_id: str) -> StoredFile:
+    """The caller's uploaded batch file (FileNotFound for none of theirs; InvalidJob for a job's output file)."""
+    row = files.get_file(session=session, file_id=file_id, api_key_id=key.id)
     if row.purpose != FilePurpose.batch or row.job_id is not None:
         raise InvalidJob(f"file {row.id} has purpose {row.purpose}; a batch's input is a file uploaded with "
                          f"purpose 'batch'", param="input_file_id")
-    data = files.read_upload(session=session, row=row)
-    return data, batch_model(data) or settings.api_models[0], row.filename
+    return row
 
 
 @router.get("")
