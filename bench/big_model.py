@@ -4,7 +4,8 @@ Random weights of Llama-3-8B's shapes (hidden 4096, 32 heads / 8 KV heads, MLP 1
 safetensors shard per layer plus one for embeddings, final norm and head (about 5.7 GB in all), with the tiny BPE
 tokenizer of our tests (its ids are a subset of the vocabulary). Three servers (`--dtype bfloat16`, spans 0:3, 3:6,
 6:8) serve it on this machine; the script then reports, per server, its resident memory (server process and its p2pd)
-against its share of the weights plus the KV cache it holds (a session is first opened and filled to 3/4 of
+against its share of the weights plus the KV cache it holds (the rest is the process's own: Python, torch,
+transformers, p2pd, about half a GiB whatever the span) (a session is first opened and filled to 3/4 of
 `--attn-cache-tokens`, the most one caller may hold on an idle server), and checks that greedy tokens through the
 swarm equal local transformers generate in bfloat16 on the same machine.
 
@@ -57,7 +58,23 @@ def write_model(out: Path) -> Path:
     save_file({"model.embed_tokens.weight": rand(VOCAB, HIDDEN, std=1.0), "lm_head.weight": rand(VOCAB, HIDDEN),
                "model.norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16)},
               out / f"model-{LAYERS + 1:05d}-of-{LAYERS + 1:05d}.safetensors", metadata={"format": "pt"})
+    write_index(out)
     return out
+
+
+def write_index(out: Path) -> None:
+    """model.safetensors.index.json (transformers loads a sharded checkpoint through it)."""
+    import json
+
+    from safetensors import safe_open
+
+    weight_map = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), shard.name))
+    total = sum(shard.stat().st_size for shard in out.glob("*.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
 
 
 def rss(pids: list[int]) -> int:
@@ -93,17 +110,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--cache-tokens", type=int, default=512, help="each server's --attn-cache-tokens")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="what the servers, the client's head and local generate compute in")
     parser.add_argument("--keep", type=Path, help="write (or reuse) the model here instead of a temporary dir")
     args = parser.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from launch.local_swarm import LocalSwarm
     from servers.block_sizing import kv_bytes_per_token
+    from swarmclient.config import ClientConfig
     from swarmclient.model import DistributedModelForCausalLM
     from swarmclient.textgen import load_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="big-model-") as tmp:
         model_dir = args.keep or Path(tmp) / "llama3-8b-shape-8l"
+        if (model_dir / "config.json").exists() and not (model_dir / "model.safetensors.index.json").exists():
+            write_index(model_dir)  # a model written before the index was
         if not (model_dir / "config.json").exists():
             began = time.perf_counter()
             write_model(model_dir)
@@ -111,31 +133,39 @@ def main() -> None:
                   f"in {time.perf_counter() - began:.0f} s", flush=True)
         config = AutoConfig.from_pretrained(model_dir)
         per_layer = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / (LAYERS + 1)  # ~ one layer
-        layer_bytes = (2 * HIDDEN * HIDDEN + 2 * HIDDEN * KV_HEADS * (HIDDEN // HEADS) + 3 * HIDDEN * MLP) * 2
-        cache_bytes = args.cache_tokens * kv_bytes_per_token(config, 2)
+        itemsize = 2 if args.dtype == "bfloat16" else 4
+        layer_bytes = (2 * HIDDEN * HIDDEN + 2 * HIDDEN * KV_HEADS * (HIDDEN // HEADS) + 3 * HIDDEN * MLP) * itemsize
+        cache_bytes = args.cache_tokens * kv_bytes_per_token(config, itemsize)
         batch = load_tokenizer(model_dir)(PROMPTS, return_tensors="pt", padding=True)
-        server_args = ["--dtype", "bfloat16", "--attn-cache-tokens", str(args.cache_tokens), "--num-threads", "2"]
+        dtype = getattr(torch, args.dtype)
+        server_args = ["--dtype", args.dtype, "--attn-cache-tokens", str(args.cache_tokens), "--num-threads", "2"]
         with LocalSwarm(model_dir, SPANS, server_args=server_args, ready_timeout=900) as swarm:
             filled = args.cache_tokens * 3 // 4
             fill_caches(model_dir, swarm.initial_peers, filled)
-            print(f"{'server':8} {'blocks':>6} {'weights':>9} {'KV held':>10} {'expected':>9} {'RSS':>9} {'RSS / exp':>9}")
+            print(f"{'server':8} {'blocks':>6} {'weights':>9} {'KV held':>10} {'expected':>9} {'RSS':>9} {'RSS - exp':>9}")
             for server, (start, end) in zip(swarm.servers, SPANS, strict=True):
                 weights, cache = (end - start) * layer_bytes, (end - start) * filled * cache_bytes // args.cache_tokens
                 resident = rss(server.tree_pids())
                 print(f"{server.name[:8]:8} {f'{start}:{end}':>6} {weights / GIB:>5.2f} GiB {cache / GIB:>6.2f} GiB "
-                      f"{(weights + cache) / GIB:>5.2f} GiB {resident / GIB:>5.2f} GiB {resident / (weights + cache):>8.2f}x",
+                      f"{(weights + cache) / GIB:>5.2f} GiB {resident / GIB:>5.2f} GiB "
+                      f"{(resident - weights - cache) / GIB:>5.2f} GiB",
                       flush=True)
-            with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers) as model:
+            # the head in the checkpoint's dtype, as local generate computes it (on a CPU the client's default is
+            # float32 logits: near-ties of a random model's flat logits would then go either way)
+            config = ClientConfig(head_dtype=args.dtype)
+            with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
+                                                             config=config) as model:
                 began = time.perf_counter()
                 got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=args.new_tokens)
+                got = got[:, -args.new_tokens:]
                 swarm_s = time.perf_counter() - began
-        local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+        local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         with torch.inference_mode():
             began = time.perf_counter()
             want = local.generate(**batch, max_new_tokens=args.new_tokens, do_sample=False)[:, batch.input_ids.shape[1]:]
             local_s = time.perf_counter() - began
         print(f"checkpoint {per_layer * (LAYERS + 1) / GIB:.2f} GiB; greedy tokens through 3 servers "
-              f"{'EQUAL' if torch.equal(got, want) else 'DIFFER FROM'} local transformers generate (bfloat16): "
+              f"{'EQUAL' if torch.equal(got, want) else 'DIFFER FROM'} local transformers generate ({args.dtype}): "
               f"{got.tolist()} vs {want.tolist()}; {args.new_tokens} tokens x {len(PROMPTS)} rows: swarm {swarm_s:.1f} s, "
               f"local {local_s:.1f} s")
 
