@@ -287,9 +287,12 @@ wait_healthy() {
 
 # the swarm is private: the swarm file lists the four members, and the worker's key is one of them
 check_private_swarm() {
-  local name peer
+  local name peer role
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | tee "$WORK/members"
-  for name in dht server1 server2 worker; do grep -qE " $name\$" "$WORK/members" || fail "$name is not in the swarm file"; done
+  for name in dht server1 server2 worker; do  # each with its role: the worker's key is a client's, it never serves
+    role=server; [ $name != worker ] || role=client
+    grep -qE " $name  $role\$" "$WORK/members" || fail "$name is not in the swarm file as a $role member"
+  done
   compose run --rm --no-deps swarm-init  # a second run (a later `up`) keeps the keys and the file as they are
   compose exec -T worker swarmbatch swarm members /swarm/swarm.json | cmp - "$WORK/members" \
     || fail "a second swarm-init changed the members"
