@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from jobs.line_checks import MEDIA_PARTS, RESPONSES_URL, ROLES, LineProblem, invalid, json_type, show
 from jobs.line_sampling import EXTRAS
 
 if TYPE_CHECKING:
-    from jobs.batch_input import ParsedRequest
+    from _typeshed import DataclassInstance
+
+Parsed = TypeVar("Parsed", bound="DataclassInstance")  # jobs.batch_input.ParsedRequest (which imports this module)
 
 # body keys honoured; the ones echoed in the response object are stored with the line
 BODY_KEYS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "user",
@@ -33,7 +35,7 @@ RENAMED = (("body.max_tokens", "body.max_output_tokens"), ("max_tokens", "max_ou
            ("body.messages", "body.input"))
 
 
-def as_responses(body: dict[str, Any], parse_chat: Callable[[dict[str, Any]], ParsedRequest]) -> ParsedRequest:
+def as_responses(body: dict[str, Any], parse_chat: Callable[[dict[str, Any]], Parsed]) -> Parsed:
     """The request of a responses line: its chat translation parsed by `parse_chat`, stored with the fields the
     response object echoes."""
     chat = as_chat(body)

@@ -32,12 +32,9 @@ import enum
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from swarmnet.errors import NetworkConfigError
-
-if TYPE_CHECKING:
-    from swarmnet.network import RelayP2P
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +69,13 @@ def relay_kwargs(role: RelayRole, relays: Sequence[str]) -> dict[str, Any]:
             "force_reachability": "private", "extra_flags": {"relayDiscovery": False}}
 
 
+class RelayDaemon(Protocol):
+    """What RelayGuard needs of the relay's node (swarmnet.network.RelayP2P): its relay log, and its daemon client."""
+
+    on_relay_event: Callable[[str], None] | None
+    _client: Any
+
+
 class RelayGuard:
     """Keeps a relay for members: a non-member that got a reservation, or a circuit to a non-member, is cut at once.
 
@@ -79,7 +83,7 @@ class RelayGuard:
     logs. Runs on the relay's event loop: the p2pd log reader calls `on_event` there.
     """
 
-    def __init__(self, p2p: RelayP2P, allows: Callable[[str], bool]) -> None:
+    def __init__(self, p2p: RelayDaemon, allows: Callable[[str], bool]) -> None:
         self.p2p, self.allows = p2p, allows
         self.cut: dict[str, int] = {}
         self._logged: set[str] = set()        # strangers logged by name
