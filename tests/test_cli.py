@@ -163,9 +163,11 @@ def test_a_node_with_a_key_file_that_is_not_a_key_exits_2_with_one_line(tmp_path
     assert err.startswith("Error: IdentityError: ") and "junk.key is not a swarmbatch/libp2p key file" in err
 
 
-def test_serve_needs_exactly_one_span_option(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
-    code, _, err = invoke("serve", str(tiny_model), "--initial-peers", *shared_swarm.initial_peers)
-    assert code == ExitCode.USAGE and "--blocks" in err and "--num-blocks" in err
+def test_serve_takes_one_span_option_not_both(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
+    # (neither: the server sizes its span by memory, tests/servers/test_block_sizing.py)
+    code, _, err = invoke("serve", str(tiny_model), "--blocks", "0:2", "--num-blocks", "2",
+                          "--initial-peers", *shared_swarm.initial_peers)
+    assert code == ExitCode.USAGE and "pass one of --blocks A:B and --num-blocks N" in err
 
 
 def test_a_server_with_num_blocks_fills_the_least_covered_span(tiny_model: Path, local_swarm) -> None:
