@@ -173,11 +173,13 @@ def test_only_members_push_and_only_into_sessions_opened_for_push(tiny_model: Pa
         stream = raw_stream(outsider, target.peer_id, protocol.RPC_PUSH)
         meta = exchange(outsider, stream, framed([], {"attach": True, "session_id": pushable.session_id}))
         assert error_code(meta) is protocol.ErrorCode.UNAUTHORIZED
-        # A member may not push into a session its client did not open for push, nor into one that does not exist
-        for session_id in (relayed.session_id, uuid.uuid4().hex):
+        # A member's client may not push at all, not even into its own sessions: only server members push (roles;
+        # in an open swarm, where everyone serves, an attach to a session not opened for push is UNKNOWN_SESSION:
+        # test_an_attach_to_a_session_not_opened_for_push_or_to_none_is_unknown)
+        for session_id in (pushable.session_id, relayed.session_id, uuid.uuid4().hex):
             stream = raw_stream(member, target.peer_id, protocol.RPC_PUSH)
             meta = exchange(member, stream, framed([], {**member.auth_meta(), "attach": True, "session_id": session_id}))
-            assert error_code(meta) is protocol.ErrorCode.UNKNOWN_SESSION
+            assert error_code(meta) is protocol.ErrorCode.UNAUTHORIZED and "from the server members" in str(meta)
         # and a session not opened for push refuses a step that asks it to push on
         stream = raw_stream(member, target.peer_id)
         opened = exchange(member, stream, framed([], {**member.auth_meta(), "open": True, "session_id": uuid.uuid4().hex,
@@ -204,6 +206,23 @@ def test_only_members_push_and_only_into_sessions_opened_for_push(tiny_model: Pa
     finally:
         outsider.close()
         member.close()
+
+
+def test_an_attach_to_a_session_not_opened_for_push_or_to_none_is_unknown(tiny_model: Path, three_servers: LocalSwarm,
+                                                                           client: Swarm) -> None:
+    spec = ModelSpec.open(tiny_model)
+    target = RouteHop(three_servers.servers[1].peer_id, 2, 4)
+    relayed = ServerSession(client, target, batch_size=1, max_length=8)
+    client.loop.run(relayed.open())
+    try:
+        client.loop.run(relayed.step(torch.zeros(1, 1, spec.config.hidden_size), torch.ones(1, 1, dtype=torch.long),
+                                     torch.zeros(1, 1, dtype=torch.long)))
+        for session_id in (relayed.session_id, uuid.uuid4().hex):
+            stream = raw_stream(client, target.peer_id, protocol.RPC_PUSH)
+            meta = exchange(client, stream, framed([], {"attach": True, "session_id": session_id}))
+            assert error_code(meta) is protocol.ErrorCode.UNKNOWN_SESSION, meta
+    finally:
+        client.loop.run(relayed.close())
 
 
 def test_servers_report_their_round_trips_to_the_servers_after_them(three_servers: LocalSwarm, client: Swarm) -> None:
