@@ -101,6 +101,18 @@ class Caller:
         return StreamInfo(peer_id, ADDRESS, rpc), reader, writer
 
 
+def run(test: Callable[[Wires], Awaitable[None]]) -> None:
+    """Run `test` on fresh wires, closing them after."""
+
+    async def main() -> None:
+        wires = Wires()
+        try:
+            await test(wires)
+        finally:
+            await wires.close()
+    asyncio.run(main())
+
+
 def serve(wires: Wires, name: str, span: BlockSpan, **options: Any) -> BlockHandler:
     """A handler of all of the span's blocks, as peer `name`, whose pushes go over the wires."""
     spec = span.spec

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from in_process import Caller, Streams, Wires, nothing_within, peer, read, send
+from in_process import Caller, Streams, Wires, nothing_within, peer, read, run, send
 
 import servers.handler
 from servers.access import MemberGate
@@ -87,16 +86,6 @@ async def open_session(wires: Wires, caller: str, key: Identity, max_length: int
 def code_of(meta: dict[str, Any]) -> ErrorCode | None:
     error = protocol.response_error(meta)
     return None if error is None else error[0]
-
-
-def run(test: Callable[[Wires], Awaitable[None]]) -> None:
-    async def main() -> None:
-        wires = Wires()
-        try:
-            await test(wires)
-        finally:
-            await wires.close()
-    asyncio.run(main())
 
 
 # ---- N6: a caller is a member ------------------------------------------------------------------------------------

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from in_process import Streams, Wires, nothing_within, peer, read, send, serve
+from in_process import Streams, Wires, nothing_within, peer, read, run, send, serve
 
 from servers.block_loading import load_span
 from servers.handler import MAX_DUPLICATES_PER_STEP, BlockHandler
@@ -55,16 +54,6 @@ stream_ids: dict[Any, str] = {}
 
 def meta(stream: Streams, step_id: int, route: list[list[str]] | None = None) -> dict[str, Any]:
     return {"session_id": stream_ids[stream], "step_id": step_id, **({"route": route} if route else {})}
-
-
-def run(test: Callable[[Wires], Awaitable[None]]) -> None:
-    async def main() -> None:
-        wires = Wires()
-        try:
-            await test(wires)
-        finally:
-            await wires.close()
-    asyncio.run(main())
 
 
 def test_a_thousand_duplicates_with_a_route_push_once_and_end_the_stream(span: BlockSpan) -> None:
