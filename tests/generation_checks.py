@@ -13,6 +13,11 @@ from launch.local_swarm import LocalSwarm
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 
+# a strict JSON schema whose every answer is short (bounded string, enum, integer range): structured-output tests
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "open", "floors", "mood"],
+        "properties": {"city": {"type": "string", "maxLength": 12}, "open": {"type": "boolean"},
+                       "floors": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "mood": {"enum": ["calm", "busy", "closed"]}}}
 
 def reference_tokens(model_dir: Path, batch: Any, max_new_tokens: int) -> torch.Tensor:
     """transformers' greedy generate of the batch: only the new tokens [B, N]."""

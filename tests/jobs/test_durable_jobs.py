@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from generation_checks import CITY
 from jobs_support import claims, job_status, log_pattern, requests_of, wait_for
 from sqlalchemy import select
 
@@ -280,10 +281,6 @@ def test_a_request_with_penalties_killed_mid_generation_resumes_to_the_text_of_a
     assert all(6 not in r.generated_ids for r in requests_of(runtime, job.id) if r.custom_id.startswith("req"))
 
 
-CITY = {"type": "object", "additionalProperties": False, "required": ["city", "open", "floors", "mood"],
-        "properties": {"city": {"type": "string", "maxLength": 12}, "open": {"type": "boolean"},
-                       "floors": {"type": "integer", "minimum": 0, "maximum": 99},
-                       "mood": {"enum": ["calm", "busy", "closed"]}}}
 TAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "score"],
         "properties": {"tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}},
                        "score": {"type": "integer", "minimum": -5, "maximum": 5}}}

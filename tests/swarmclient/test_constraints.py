@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from generation_checks import CITY
 
 from servers.block_loading import load_span
 from swarmclient.constraints import Constraint, Grammar, grammar_tokenizer, json_grammar
@@ -24,10 +25,6 @@ from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
 from swarmnet.model_spec import ModelSpec
 
-CITY = {"type": "object", "additionalProperties": False, "required": ["city", "open", "floors", "mood"],
-        "properties": {"city": {"type": "string", "maxLength": 12}, "open": {"type": "boolean"},
-                       "floors": {"type": "integer", "minimum": 0, "maximum": 99},
-                       "mood": {"enum": ["calm", "busy", "closed"]}}}
 TAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "score"],
         "properties": {"tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 6}},
                        "score": {"type": "number", "minimum": -1, "maximum": 1}}}
