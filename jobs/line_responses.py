@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from jobs.line_checks import MEDIA_PARTS, RESPONSES_URL, ROLES, LineProblem, invalid, json_type, show
 from jobs.line_sampling import EXTRAS
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
-Parsed = TypeVar("Parsed", bound="DataclassInstance")  # jobs.batch_input.ParsedRequest (which imports this module)
+class DataclassInstance(Protocol):
+    """Any dataclass instance (what `dataclasses.replace` takes)."""
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+
+Parsed = TypeVar("Parsed", bound=DataclassInstance)  # jobs.batch_input.ParsedRequest (which imports this module)
 
 # body keys honoured; the ones echoed in the response object are stored with the line
 BODY_KEYS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "user",
