@@ -15,6 +15,9 @@
     │   ├── WrongOutput             a server's output differs from other servers' (banned for good; replayed elsewhere)
     │   └── PushReported            the server before it could not push a step to it (the client sends the step
     │                               itself; not banned unless that fails too)
+    ├── LieCaught                   a deferred check found a server's output wrong after the session went on with it
+    │                               (banned for good; not retried here: the caller drops the tokens since its last
+    │                               settled checks, e.g. a job resumes from its last checkpoint)
 """
 from __future__ import annotations
 
@@ -67,6 +70,17 @@ class Unauthorized(PeerFailed):
 class WrongOutput(PeerFailed):
     """Raised when a checked step's output differs from other servers'; the server is banned for good and the
     client replays its hop through others."""
+
+
+class LieCaught(SwarmError):
+    """Raised when a deferred check finds that a server's output of an earlier step was wrong (swarmclient.
+    deferred_checks): the server is banned for good, and every token the session produced since the caller last
+    settled its checks must be dropped and generated again (a job: from its last checkpoint)."""
+
+    def __init__(self, peer_id: str, step: int) -> None:
+        super().__init__(f"server {peer_id} gave a wrong output at step {step} (banned for good); the tokens since "
+                         "the last checkpoint are discarded")
+        self.peer_id, self.step = peer_id, step
 
 
 class PushReported(PeerFailed):

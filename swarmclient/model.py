@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from swarmclient.config import ClientConfig
+from swarmclient.deferred_checks import DeferredChecks
 from swarmclient.errors import InvalidRequest
 from swarmclient.forward import forward_chain
 from swarmclient.generation import TokenHook, generate_tokens
@@ -59,13 +60,15 @@ class DistributedModelForCausalLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def inference_session(self, *, batch_size: int, max_length: int,
-                          verification: VerificationTally | None = None) -> InferenceSession:
+    def inference_session(self, *, batch_size: int, max_length: int, verification: VerificationTally | None = None,
+                          deferred: DeferredChecks | None = None) -> InferenceSession:
         """A session for step-by-step use: `with model.inference_session(...) as s: s.step(h, mask, pos)`.
 
         verification: where its checked outputs are counted (ClientConfig.verify_fraction), e.g. one per job.
+        deferred: run the checks beside the steps (deferred_checks.py); the caller settles them before it keeps tokens.
         """
-        return InferenceSession(self.swarm, batch_size=batch_size, max_length=max_length, verification=verification)
+        return InferenceSession(self.swarm, batch_size=batch_size, max_length=max_length, verification=verification,
+                                deferred=deferred)
 
     def generate(
         self,
@@ -92,18 +95,20 @@ class DistributedModelForCausalLM:
     def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                             max_new_tokens: int | Sequence[int], params: list[SamplingParams],
                             on_token: TokenHook | None = None, shrink: bool = False,
-                            verification: VerificationTally | None = None) -> torch.Tensor:
+                            verification: VerificationTally | None = None, deferred: DeferredChecks | None = None
+                            ) -> torch.Tensor:
         """Only the new tokens [B, N], with per-row sampling parameters and limits (see generate_tokens).
 
         shrink: finished rows leave the session at once (continuous batching), instead of riding along.
         verification: counts the session's checked outputs (see inference_session).
+        deferred: the session's checks run beside it (see inference_session); all are settled before this returns.
         """
         total = input_ids.shape[1] + (max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens, default=0))
         if total > self.spec.max_length:
             raise InvalidRequest(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
                                  f"model's context of {self.spec.max_length} tokens")
         with self.inference_session(batch_size=input_ids.shape[0], max_length=total,
-                                    verification=verification) as session:
+                                    verification=verification, deferred=deferred) as session:
             return generate_tokens(self.head, session.step, input_ids, attention_mask,
                                    max_new_tokens=max_new_tokens, params=params,
                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,

@@ -9,7 +9,9 @@ requests leave the session); its record says so, and a replay drops the same row
 
 With `verify_fraction` > 0, a sampled fraction of hop steps is checked: the records give the hop's whole input
 history, which a second holder of its blocks recomputes (`verifier`). A server found lying is banned for the rest
-of the process and its hop replayed through others, like a failed one.
+of the process and its hop replayed through others, like a failed one. With `deferred` (a job's lane), the checks
+run beside the generation instead (deferred_checks.py): a caught lie raises LieCaught at the next step or when the
+caller settles the checks, and the caller drops the tokens since it last settled them.
 
 With push (ClientConfig.push) a step goes to the first hop only, naming the rest of the route, and each server pushes
 its outputs on; every hop's outputs still come back as its answer, so the history and replays are the same. A failed
@@ -25,11 +27,12 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from swarmclient.deferred_checks import Caught, DeferredChecks
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported, WrongOutput
 from swarmclient.hop_verifier import HopCheck, HopVerifier
 from swarmclient.push_audit import Blame, InputClaim, InputRecord, judge_input
@@ -85,10 +88,13 @@ class InferenceSession:
     """A chain of server sessions covering blocks [0, num_blocks) that survives server failures."""
 
     def __init__(self, swarm: Swarm, *, batch_size: int, max_length: int,
-                 verification: VerificationTally | None = None) -> None:
+                 verification: VerificationTally | None = None, deferred: DeferredChecks | None = None) -> None:
         self.swarm, self.batch_size, self.max_length = swarm, batch_size, max_length
         self.verification = verification or VerificationTally()  # checked outputs: counts, shared by a job's lanes
         self._verifier = HopVerifier(swarm, self.verification, uuid.uuid4().hex)
+        self._deferred = deferred                          # checks run beside the steps, settled by the caller
+        if deferred is not None:
+            deferred.on_caught = self._on_caught
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
@@ -123,8 +129,12 @@ class InferenceSession:
         self.swarm.loop.run(self.open())
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.swarm.loop.run(self.close())
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        try:
+            if exc_type is None and self._deferred is not None:
+                self._deferred.settle()  # what the caller got from this session was checked as sampled
+        finally:
+            self.swarm.loop.run(self.close())
 
     def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
              keep_rows: list[int] | None = None) -> torch.Tensor:
@@ -142,7 +152,9 @@ class InferenceSession:
                            on_failure=self._on_failure)
 
     async def close(self) -> None:
-        """Close every server session."""
+        """Close every server session (and drop deferred checks still running)."""
+        if self._deferred is not None:
+            self._deferred.cancel()
         await asyncio.gather(*(s.close() for s in self._sessions.values()), return_exceptions=True)
         self._sessions.clear()
 
@@ -152,6 +164,8 @@ class InferenceSession:
         keep_rows = self._check_keep_rows(keep_rows)
         self._check_step(hidden, attention_mask, position_ids,
                          self.batch_size if keep_rows is None else len(keep_rows))
+        if self._deferred is not None:
+            self._deferred.raise_caught()  # a lie caught since the last step: the session's outputs are void
         hidden = wire_hidden(hidden)
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
         if self.swarm.config.push:
@@ -207,19 +221,39 @@ class InferenceSession:
             self._broken.add(position)
             raise
         if sampled(self.swarm.config.verify_fraction, self._verifier.key, len(self._history), position):
-            await self._check(session.hop, hidden, attention_mask, position_ids, keep_rows, output)
+            if self._deferred is not None:
+                await self._deferred.start(session.hop, len(self._history), self._hop_check(
+                    session.hop, hidden, attention_mask, position_ids, keep_rows, output))
+            else:
+                await self._check(session.hop, hidden, attention_mask, position_ids, keep_rows, output)
         self.swarm.bans.forgive(session.hop.peer_id)
         return output, session.hop.end
 
     async def _check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor,
                      position_ids: torch.Tensor, keep_rows: list[int] | None, output: torch.Tensor) -> None:
         """Have another holder recompute this hop step; raises WrongOutput if the hop's server is found lying."""
-        history = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
-        whole, positions = stack_history([*history, (hidden, position_ids, None if keep_rows is None else tuple(keep_rows))])
-        verdict = await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), len(self._history))
+        verdict = await self._hop_check(hop, hidden, attention_mask, position_ids, keep_rows, output)()
         if verdict is Verdict.CHECKED_FAULTY:
             self._broken.add(hop.start)
             raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
+
+    def _hop_check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   keep_rows: list[int] | None, output: torch.Tensor) -> Callable[[], Awaitable[Verdict | None]]:
+        """The check of this hop step, to run now or later: the hop's history is taken as it is now."""
+        parts = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
+        parts.append((hidden, position_ids, None if keep_rows is None else tuple(keep_rows)))
+        step = len(self._history)
+
+        async def check() -> Verdict | None:
+            whole, positions = stack_history(parts)
+            return await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), step)
+        return check
+
+    def _on_caught(self, caught: Caught) -> None:
+        """A deferred check caught a lie: the liar's hop and every later one computed on it are replaced."""
+        for hop in self.route:
+            if hop.start >= caught.hop.start:
+                self._broken.add(hop.start)
 
     # ---- push: the client sends a step to the first hop only; each server pushes its outputs to the next -------------
     async def _astep_pushed(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -270,7 +304,12 @@ class InferenceSession:
                 if ended > began:  # answers travel separately: one may overtake the one before it
                     self.swarm.observe_step(hop.peer_id, hop.end - hop.start, ended - began)
         for hop in pending:
-            if sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id, hop.start):
+            if not sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id, hop.start):
+                pass
+            elif self._deferred is not None:
+                await self._deferred.start(hop, step_id, self._hop_check(
+                    hop, boundaries[hop.start], attention_mask, position_ids, keep_rows, boundaries[hop.end]))
+            else:
                 await self._check_pushed(hop, boundaries, attention_mask, position_ids, keep_rows)
             self.swarm.bans.forgive(hop.peer_id)
 

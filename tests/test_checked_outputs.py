@@ -31,6 +31,8 @@ from launch.local_swarm import LocalSwarm
 from launch.ready import SERVING_BLOCKS
 from servers.faults import FAULT_INJECTION_ENV
 from swarmclient.config import ClientConfig
+from swarmclient.deferred_checks import DeferredChecks
+from swarmclient.errors import LieCaught
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
@@ -233,3 +235,41 @@ def test_an_honest_swarm_with_push_and_every_step_checked_bans_nobody(
     assert tally.snapshot().mismatches == 0 and tally.snapshot().verified >= 2 * NEW_TOKENS
     assert not [r for r in caplog.records if "earlier input" in r.getMessage() or "banned" in r.getMessage()]
     assert torch.equal(got, reference_tokens(tiny_model, batch, NEW_TOKENS))
+
+
+def test_deferred_checks_let_the_session_go_on_then_void_it_and_the_retry_is_identical(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given a session opened while a lying server was the only holder of blocks 0:3
+    swarm = local_swarm(tiny_model, [])
+    liar = swarm.start_server(0, 3, env=LIAR)
+    swarm.start_server(3, 6)
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    expected = reference_tokens(tiny_model, batch, NEW_TOKENS)
+    config = ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=config) as model:
+        params = model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0)
+        length = batch["input_ids"].shape[1] + NEW_TOKENS
+        session = model.inference_session(batch_size=len(PROMPTS), max_length=length,
+                                          deferred=DeferredChecks(model.swarm.loop))
+        seen: list[torch.Tensor] = []
+        with pytest.raises(LieCaught) as caught:
+            with session:
+                assert session.route[0].peer_id == liar.peer_id
+                # and two honest holders of 0:3 joining after it (so every step of the liar can be checked)
+                swarm.start_servers([(0, 3, ()), (0, 3, ())])
+                # When it generates with deferred checks of every step
+                generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                                max_new_tokens=NEW_TOKENS, params=params, eos_token_ids=model.eos_token_ids,
+                                pad_token_id=model.pad_token_id, on_token=lambda _, column: seen.append(column))
+        # Then the session went on with the liar's outputs before the lie was acted on (the steps did not wait for
+        # their checks), and then it stopped with LieCaught naming the liar, banned for good
+        assert seen and caught.value.peer_id == liar.peer_id
+        assert not torch.equal(torch.stack(seen, dim=1), expected[:, :len(seen)])
+        assert model.swarm.bans.banned_for_good(liar.peer_id)
+        # and the retry (a new session of the same client, as a job's next attempt) routes around it: identical tokens
+        tally = VerificationTally()
+        again = model.generate_new_tokens(batch["input_ids"], batch["attention_mask"], max_new_tokens=NEW_TOKENS,
+                                          params=params, verification=tally, deferred=DeferredChecks(model.swarm.loop))
+    assert torch.equal(again, expected)
+    assert tally.snapshot().verified > 0 and tally.snapshot().mismatches == 0

@@ -29,7 +29,7 @@ from jobs.worker.runner import BatchRunner, Checkpoint, Refill, RowResult
 from jobs.worker.sizing import MAX_CLAIM, ChainRoom, PipelinePlan, chain_room, plan_pipeline
 from jobs.worker.swarm_view import publish_if_due, publish_in_background
 from modelprep import ModelPrepError
-from swarmclient.errors import InvalidRequest, MissingBlocksError, SwarmBusy
+from swarmclient.errors import InvalidRequest, LieCaught, MissingBlocksError, SwarmBusy
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.verification_policy import VerificationCounts, VerificationTally
 from swarmnet.errors import ModelDirError, SwarmError
@@ -238,6 +238,10 @@ class JobWorker:
         except (InvalidRequest, ModelDirError, ModelPrepError) as e:  # retrying cannot help: fail with the reason
             self._fail_all(job, token, runner.requests if runner else claimed, str(e))
             return Outcome(more=True)
+        except LieCaught as e:  # the liar is banned in this process: the requests go back to their last checkpoint
+            logger.warning("Job %s: %s; its requests resume from their last checkpoint", job.id, e)
+            self._release(job, token, e, count_attempt=False, blocked=False)
+            return Outcome(more=True)  # at once: the retry routes around the banned server
         except (MissingBlocksError, SwarmError) as e:
             return self._blocked(job, token, e)
         # the completions are committed first, on their own: nothing that follows (the next map-reduce stage,

@@ -22,6 +22,7 @@ from jobs.line_sampling import sampling_extras
 from jobs.models import Request
 from jobs.worker.sizing import PipelinePlan
 from swarmclient.constraints import Grammar, grammar_tokenizer
+from swarmclient.deferred_checks import DeferredChecks
 from swarmclient.errors import SwarmBusy
 from swarmclient.generation import TokenLogprobs
 from swarmclient.model import DistributedModelForCausalLM
@@ -263,6 +264,7 @@ class BatchRunner:
         ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
         limits = [r.max_tokens - len(row.generated) for row, r in pairs]
         params = [sampling_params(r, earlier=len(row.generated), grammar=self._grammar(r)) for row, r in pairs]
+        checks = DeferredChecks(self.model.swarm.loop)  # checked outputs: settled before each checkpoint
 
         def on_token(index: int, column: torch.Tensor, logprobs: TokenLogprobs | None = None) -> torch.Tensor:
             # the rows this step ran with: the servers hold their cache until the next step leaves the finished out
@@ -279,6 +281,7 @@ class BatchRunner:
                     stop[b] = self._check_finished(row, request)
             logger.debug(STEP_LOG, index, " ".join(f"{row.request_id}={len(row.generated)}" for row in rows))
             if (index + 1) % self.checkpoint_every == 0:
+                checks.settle()  # raises LieCaught: nothing since the last checkpoint is kept
                 self._commit(rows)
             if stop.any():
                 self._changed.set()
@@ -286,7 +289,7 @@ class BatchRunner:
 
         try:
             self.model.generate_new_tokens(ids, mask, max_new_tokens=limits, params=params, on_token=on_token,
-                                           shrink=self.continuous, verification=self.verification)
+                                           shrink=self.continuous, verification=self.verification, deferred=checks)
         finally:
             self._changed.set()
 
