@@ -46,6 +46,7 @@ class Swarm:
         self.full_until: dict[str, float] = {}  # servers that refused a session for lack of room -> until when to skip
         self.relayed: set[str] = set()  # servers reached through a circuit relay (their connections are capped)
         self._paths_checked: set[str] = set()
+        self._forward_slots: dict[str, asyncio.Semaphore] = {}  # per server: this client's forwards in flight there
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
 
@@ -236,9 +237,13 @@ class Swarm:
         header = {**self.auth_meta(), "start": start, "end": end, "batch_size": batch, "length": length,
                   "dtype": str(hidden.dtype).removeprefix("torch.")}
         timeout = self.config.step_timeout + self.config.step_timeout_per_token * batch * length
-        return await self._call(peer_id, protocol.RPC_FORWARD,
-                                [protocol.encode([], header), protocol.encode(list(tensors))],
-                                timeout=timeout, max_answer=batch * length * hidden.shape[-1] * 4 + (1 << 16))
+        # a server admits FORWARDS_PER_SERVER of one caller's forwards at once and refuses more as busy: the sessions
+        # of this client (a job's lanes, their deferred checks) take turns here instead
+        slot = self._forward_slots.setdefault(peer_id, asyncio.Semaphore(FORWARDS_PER_SERVER))
+        async with slot:
+            return await self._call(peer_id, protocol.RPC_FORWARD,
+                                    [protocol.encode([], header), protocol.encode(list(tensors))],
+                                    timeout=timeout, max_answer=batch * length * hidden.shape[-1] * 4 + (1 << 16))
 
     async def _call(self, peer_id: str, rpc: str, frames: list[bytes], *, timeout: float, max_answer: int
                     ) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -281,6 +286,7 @@ class Swarm:
 
 
 MAX_REPORTED_LINKS = 64
+FORWARDS_PER_SERVER = 2  # a server's default --max-forwards-per-peer: the most of one caller's forwards it admits
 
 
 def reported_links(peer_id: str, value: Any) -> dict[tuple[str, str], float]:
