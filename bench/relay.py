@@ -14,7 +14,11 @@ median over reps of a run's median decode ms/token, and the relayed/direct ratio
 tokens (checked every run).
 
 The relay of this p2pd resets a relayed connection after 128 KiB each way (swarmnet/relays.py); the client then
-dials a new one and replays the session. Runs whose traffic crosses that bound include that cost.
+dials a new one and resumes the session on the server, which kept it (`--session-grace`). Runs whose traffic crosses
+that bound include that cost. The long-session case measures it alone: at RTT 0, one session of batch 4 and
+--long-tokens new tokens (200: about 1.6 MB of steps to the server and 0.8 MB of answers, a dozen times what one
+relayed connection carries), per path; reported are new tokens per second (rows x tokens / seconds from the first
+step to the last token) and how often the client resumed the session (or failed over: replayed it).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+LONG_BATCH = 4  # rows of the long session
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 
@@ -64,6 +69,10 @@ def measure(lab: Any, model: Path, peers: list[str], path: str, rtt: float, args
                 result = client.run(push=True, batch=batch, tokens=args.tokens)
                 rows.append({"rtt": rtt, "path": path, "batch": batch, "rep": rep, **result})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}), flush=True)
+            if rtt == 0 and args.long_tokens:
+                result = client.run(push=True, batch=LONG_BATCH, tokens=args.long_tokens)
+                rows.append({"rtt": rtt, "path": path, "batch": LONG_BATCH, "rep": rep, "long": True, **result})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "tokens"}), flush=True)
     finally:
         client.close()
         server.terminate()
@@ -92,6 +101,29 @@ def bench(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> str:
+    """A table: RTT, batch, direct and relayed ms/token (median of the runs' medians), their ratio; then the long
+    sessions' tokens/s and resumes."""
+    return "\n\n".join(part for part in (summarize_short([r for r in rows if not r.get("long")]),
+                                          summarize_long([r for r in rows if r.get("long")])) if part)
+
+
+def summarize_long(rows: list[dict[str, Any]]) -> str:
+    """Per path: the long session's new tokens/s (median over reps), resumes and failovers (each rep's)."""
+    if not rows:
+        return ""
+    lines = ["| path | batch x new tokens | tokens/s | ms/token | resumed (per rep) | failed over (per rep) |",
+             "|---|---|---|---|---|---|"]
+    for path in ("direct", "relayed"):
+        runs = [r for r in rows if r["path"] == path]
+        rate = statistics.median(r["batch"] * len(r["tokens"][0]) / r["seconds"] for r in runs)
+        lines.append(f"| {path} | {runs[0]['batch']} x {len(runs[0]['tokens'][0])} | {rate:.0f} | "
+                     f"{statistics.median(r['ms_per_token'] for r in runs):.1f} | "
+                     f"{', '.join(str(r['reattachments']) for r in runs)} | "
+                     f"{', '.join(str(r['failovers']) for r in runs)} |")
+    return "\n".join(lines)
+
+
+def summarize_short(rows: list[dict[str, Any]]) -> str:
     """A table: RTT, batch, direct and relayed ms/token (median of the runs' medians), their ratio."""
     lines = ["| RTT ms (ping) | batch | direct ms/token | relayed ms/token | relayed / direct |", "|---|---|---|---|---|"]
     for rtt in sorted({r["rtt"] for r in rows}):
@@ -105,10 +137,11 @@ def summarize(rows: list[dict[str, Any]]) -> str:
 
 
 def check_tokens(rows: list[dict[str, Any]]) -> None:
-    """Direct and relayed generated the same tokens at every RTT and batch."""
+    """Direct and relayed generated the same tokens at every RTT and batch (and in the long sessions)."""
     for rtt in {r["rtt"] for r in rows}:
-        for batch in {r["batch"] for r in rows}:
-            outputs = {json.dumps(r["tokens"]) for r in rows if r["rtt"] == rtt and r["batch"] == batch}
+        for batch, long in {(r["batch"], bool(r.get("long"))) for r in rows}:
+            outputs = {json.dumps(r["tokens"]) for r in rows if r["rtt"] == rtt and r["batch"] == batch
+                       and bool(r.get("long")) == long}
             if len(outputs) != 1:
                 raise SystemExit(f"direct and relayed generated different tokens at RTT {rtt} batch {batch}")
 
@@ -121,6 +154,7 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1])
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--long-tokens", type=int, default=200, help="new tokens of the long session (0: none)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-relay-"))

@@ -83,7 +83,9 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
             hops = len(session.route)
         gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False)]
         print(json.dumps({"ms_per_token": statistics.median(gaps), "prefill_ms": (stamps[0] - began) * 1000,
-                          "hops": hops, "positions": prompt + request["tokens"], "tokens": tokens.tolist()}), flush=True)
+                          "seconds": stamps[-1] - began, "hops": hops, "positions": prompt + request["tokens"],
+                          "reattachments": session.reattachments, "failovers": session.failovers,
+                          "tokens": tokens.tolist()}), flush=True)
     for model in models.values():
         model.close()
 

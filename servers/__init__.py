@@ -18,7 +18,8 @@ Modules:
     push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push),
                      each with this server's signed push proof (swarmnet/push_proof.py)
     neighbours       NextServerPings: round trips to the servers that may follow this one, for push routing
-    sessions         Stream and Session: what the server keeps per stream and per inference session
+    sessions         Stream and Session: what the server keeps per stream and per inference session (a detached one:
+                     its stream lost, kept for --session-grace to be resumed)
     streams          StreamService: bounded frame reads, streams per peer, the authorize hook on a stream's first
                      message (and its re-check when the members change), one answer per message, and the one place
                      where exceptions become error answers

@@ -75,6 +75,11 @@ class ServerConfig:
     max_length: int | None = option(None, "Longest session in tokens; default: the model's context.", min=1)
     announce_period: float = option(15.0, "Seconds between DHT announcements.")
     session_timeout: float = option(300.0, "Idle seconds before a session is closed and its cache freed.")
+    session_grace: float = option(30.0, "Seconds a session whose stream was lost (its client did not close it: a "
+                                        "relay reset the connection, the network dropped) is kept, cache and all, "
+                                        "for its client to resume on a new stream instead of replaying it "
+                                        "elsewhere; its cache counts against the caller's share meanwhile. 0 = "
+                                        "free it at once.", min=0)
     num_threads: int | None = option(None, "torch threads for compute; default: torch's.", min=1)
     batch_wait_ms: float = option(2.0, "Wait up to this many ms to merge concurrent sessions' decode steps into one "
                                        "forward (at most --max-batch-size rows); 0 = no merging.", min=0)
@@ -144,6 +149,8 @@ class ServerConfig:
             raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards, --max-forwards-per-peer, "
                                     "--max-forward-tokens and --max-streams-per-peer must be positive, and "
                                     "--max-cache-share-per-peer in (0, 1]")
+        if self.session_grace < 0:
+            raise ServerConfigError(f"--session-grace {self.session_grace:g} is negative; pass 0 or more seconds")
         if self.lent_cache_grace < 0:
             raise ServerConfigError(f"--lent-cache-grace {self.lent_cache_grace:g} is negative; pass 0 or more seconds")
 

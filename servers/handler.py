@@ -17,6 +17,9 @@ servers/push_receiver.py. What a caller can make the server take is bounded befo
   `lent_cache_grace` seconds later, unless they ended by then (its client replays them elsewhere);
 - a forward holds a slot (`Slots`: per caller and per server) from its header to its answer, declares at most
   `max_forward_tokens` tokens (rows x length), and its tensors must come at FORWARD_MIN_RATE;
+- a session opened "resumable" whose stream is lost (not ended by the server) is detached for `session_grace`
+  seconds, its cache still counted against its owner's share, then freed; a new stream of the same caller (peer id)
+  may take it over with a resume message, answered with the steps applied; anyone else is told it is unknown;
 - a step applied before (a duplicate) is answered again uncomputed, keeps no stream alive, is pushed on only where
   its push failed (push_receiver.py), and its MAX_DUPLICATES_PER_STEP + 1st copy ends the stream.
 """
@@ -41,7 +44,17 @@ from servers.errors import RequestRejected
 from servers.memory import CacheBudget
 from servers.push import Pusher
 from servers.push_receiver import PushReceiver
-from servers.sessions import SESSION_CLOSED_LOG, SESSION_OPENED_LOG, AppliedStep, Session, Stream, check_session_id
+from servers.sessions import (
+    SESSION_CLOSED_LOG,
+    SESSION_DETACHED_LOG,
+    SESSION_EXPIRED_LOG,
+    SESSION_OPENED_LOG,
+    SESSION_RESUMED_LOG,
+    AppliedStep,
+    Session,
+    Stream,
+    check_session_id,
+)
 from servers.span import BlockSpan
 from servers.status import ServerStatus
 from servers.streams import Authorize, allow_everyone
@@ -92,6 +105,7 @@ class BlockHandler(PushReceiver):
     max_forward_tokens: int = 16384  # rows x length of one forward; more is refused as invalid_request
     max_streams_per_peer: int = 128  # streams one peer id may hold open at once (all RPCs); more are refused busy
     lent_cache_grace: float = 10.0  # seconds a borrower's over-share sessions live on once another caller waits
+    session_grace: float = 0.0  # seconds a resumable session outlives its lost stream (detached); 0 = freed at once
     # who may use the server: called with the caller's peer id and its stream's first message's meta, returns the
     # owner it acts for (the member); raises RequestRejected(UNAUTHORIZED) to refuse (an in-band error; nothing is
     # reserved or computed)
@@ -131,9 +145,12 @@ class BlockHandler(PushReceiver):
 
     def end_sessions(self) -> int:
         """End the streams of the sessions still open (their clients fail over); returns how many were ended."""
+        for session in [s for s in self.sessions.values() if s.stream is None]:  # detached: nobody to tell
+            self._close(session)
         ended = [s for s in self.sessions.values() if s.stream is not None and s.stream.writer is not None]
         for session in ended:
             assert session.stream is not None and session.stream.writer is not None
+            session.stream.ended = True  # freed, not detached
             session.stream.writer.close()  # its read fails at once: the session is freed as on a client's hang-up
         return len(ended)
 
@@ -152,7 +169,9 @@ class BlockHandler(PushReceiver):
                 if excess <= 0:
                     break
                 excess -= self.budget.held(session.session_id)
-                if session.stream is not None:
+                if session.stream is None:  # detached: freed now, nobody to tell
+                    self._close(session)
+                else:
                     logger.info("Ending session %s of %s: its cache was lent, and another caller waits for it",
                                 session.session_id[:8], session.peer[-6:])
                     self._end_stream(session.stream, ErrorCode.BUSY, "this server lent your session cache beyond "
@@ -239,6 +258,8 @@ class BlockHandler(PushReceiver):
             return self._end(meta, stream)
         if meta.get("open"):
             return self._open(tensors, meta, stream)
+        if meta.get("resume"):
+            return await self._resume(tensors, meta, stream)
         return await self._step(tensors, meta, stream)
 
     def _end(self, meta: dict[str, Any], stream: Stream) -> bytes:
@@ -274,9 +295,55 @@ class BlockHandler(PushReceiver):
             raise
         session = stream.session = self.sessions[session_id] = Session(
             session_id, stream.peer, stream.owner, start, end, batch_size, max_length, caches,
-            pushable=meta.get("push") is True, stream=stream)
+            pushable=meta.get("push") is True, resumable=meta.get("resumable") is True, stream=stream)
         logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
         return protocol.encode([], {"opened": True, "session_id": session.session_id})
+
+    async def _resume(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
+        """Take over a session of this caller (the same peer id) on this new stream: a detached one, or one whose
+        old stream the server has not seen end yet (that stream carries it no more). Answers how many steps the
+        session applied, so that its client resends only the rest. Another caller's session is as unknown as one
+        that never was."""
+        if stream.session is not None or tensors:
+            raise reject("a resume message comes first on a new stream, without tensors")
+        session_id = str(meta.get("session_id"))
+        session = self.sessions.get(session_id)
+        if session is None or not session.resumable or (session.peer, session.owner) != (stream.peer, stream.owner):
+            raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"no session {session_id[:64]!r} to resume here")
+        async with session.lock:  # a step under way on the old stream is applied first
+            if self.sessions.get(session_id) is not session:
+                raise RequestRejected(ErrorCode.UNKNOWN_SESSION, f"no session {session_id[:64]!r} to resume here")
+            old = session.stream
+            if old is not None:
+                old.session, old.ended = None, True
+                if old.writer is not None:
+                    old.writer.close()
+            if session.expiry is not None:
+                session.expiry.cancel()
+                session.expiry = None
+            session.stream, stream.session = stream, session
+        logger.info(SESSION_RESUMED_LOG, session_id[:8], stream.peer[-6:], session.applied, session.length)
+        return protocol.encode([], {"resumed": True, "session_id": session_id, "applied": session.applied,
+                                    "cache_len": session.length})
+
+    def _stream_ended(self, stream: Stream, session: Session) -> None:
+        """A stream carrying a session ended: the session is detached if its stream was lost (the caller's side
+        ended or broke, not the server's doing) and it may be resumed; else freed."""
+        if not (stream.lost and not stream.ended and session.resumable and self.session_grace > 0
+                and session.stream is stream and self.sessions.get(session.session_id) is session):
+            self._close(session)
+            return
+        session.stream = None
+        session.expiry = asyncio.get_running_loop().call_later(self.session_grace, self._expire, session)
+        logger.info(SESSION_DETACHED_LOG, session.session_id[:8], session.peer[-6:], session.applied,
+                    self.session_grace)
+
+    def _expire(self, session: Session) -> None:
+        """The grace of a detached session is over: free it (its cache goes back to the budget)."""
+        session.expiry = None
+        if session.stream is None and self.sessions.get(session.session_id) is session:
+            logger.info(SESSION_EXPIRED_LOG, session.session_id[:8], self.session_grace)
+            self._close(session, quiet=True)
 
     async def _step(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
         session = stream.session
@@ -384,11 +451,15 @@ class BlockHandler(PushReceiver):
         self.stats.record_step(tokens=hidden.shape[0])
         return output, merged  # in the span's compute dtype: what travels (bfloat16/float16 halve float32's bytes)
 
-    def _close(self, session: Session) -> None:
+    def _close(self, session: Session, *, quiet: bool = False) -> None:
+        if session.expiry is not None:
+            session.expiry.cancel()
+            session.expiry = None
         self.pusher.close_session(session.session_id)
         self.sessions.pop(session.session_id, None)
         self.budget.release(session.session_id)
-        logger.info(SESSION_CLOSED_LOG, session.session_id[:8], session.length)
+        if not quiet:
+            logger.info(SESSION_CLOSED_LOG, session.session_id[:8], session.length)
 
     async def _compute(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                        caches: list[Any] | None, start: int, end: int) -> torch.Tensor:

@@ -231,7 +231,8 @@ class BlockServer:
                                max_forwards_per_peer=config.max_forwards_per_peer,
                                max_forward_tokens=config.max_forward_tokens,
                                max_streams_per_peer=config.max_streams_per_peer,
-                               lent_cache_grace=config.lent_cache_grace, stats=self.stats,
+                               lent_cache_grace=config.lent_cache_grace, session_grace=config.session_grace,
+                               stats=self.stats,
                                authorize=MemberGate(self.membership).check, membership=self.membership,
                                may_push_to=self.membership.serves,
                                may_push_here=self.membership.serves)

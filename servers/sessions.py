@@ -1,7 +1,10 @@
 """What a block server keeps per stream and per inference session: Stream, Session, AppliedStep.
 
-A stream carries at most one session (the one its open message created, or, for a push stream, the one it attached
-to); a session lives from its open message until its client closes it or its stream ends.
+A stream carries at most one session (the one its open message created or its resume message took over, or, for a
+push stream, the one it attached to); a session lives from its open message until its client closes it or its stream
+ends. A session opened "resumable" whose stream is lost (the caller's side ended or broke, not the server's doing)
+is detached instead: kept, cache and all, for the server's session grace, for its caller to resume on a new stream
+(handler.py); then freed.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from swarmnet.protocol import ErrorCode
 # log lines that tests read (sessions open at once): session id prefix first
 SESSION_OPENED_LOG = "Session %s opened by %s: blocks %d:%d, batch %d, up to %d tokens"
 SESSION_CLOSED_LOG = "Session %s closed after %d tokens"
+SESSION_DETACHED_LOG = "Session %s of %s detached: its stream was lost after %d steps; kept %g s for it to resume"
+SESSION_RESUMED_LOG = "Session %s resumed by %s on a new stream at step %d (%d tokens), not replayed"
+SESSION_EXPIRED_LOG = "Session %s freed: its client did not resume it within %g s"
 
 
 @dataclass(eq=False)
@@ -48,7 +54,9 @@ class Session:
     caches: list[Any]
     length: int = 0
     pushable: bool = False  # opened with "push": its client's route may push steps into it (push.py)
-    stream: Stream | None = None  # the stream that opened it: answers to pushed steps go there
+    resumable: bool = False  # opened with "resumable": kept detached for a while when its stream is lost
+    stream: Stream | None = None  # the stream it answers on (pushed steps' answers go there); None while detached
+    expiry: asyncio.TimerHandle | None = None  # while detached: when it is freed unless resumed
     applied: int = 0  # steps applied; a step id below it is a duplicate
     last_step: AppliedStep | None = None  # the last step applied: what a duplicate of it gets again
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one step at a time (a push and a direct step race)
@@ -83,7 +91,8 @@ class Stream:
     authorized: bool = False
     session: Session | None = None
     refused: int = 0  # refused messages in a row
-    ended: bool = False
+    ended: bool = False  # set by the server (a close, a refusal that ends it, `_end_stream`): its session is freed
+    lost: bool = False  # the caller's side ended or broke (not the server's doing): its session may be detached
     writer: asyncio.StreamWriter | None = None
     step_id: int | None = None  # the step id of the message being answered (its refusal carries it too)
     repeated: bool = False  # the message being answered repeats a step applied before: it keeps no stream alive

@@ -82,8 +82,8 @@ class StreamService(ABC):
     refused_strangers: set[str]  # callers refused as no member, already logged once
 
     @abstractmethod
-    def _close(self, session: Session) -> None:
-        """Free the session of a stream that ended (the handler's)."""
+    def _stream_ended(self, stream: Stream, session: Session) -> None:
+        """Free, or detach, the session of a stream that ended (the handler's)."""
 
     async def _serve(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      serve: StreamServer) -> None:
@@ -98,14 +98,16 @@ class StreamService(ABC):
         self.streams_by_peer[stream.peer] += 1
         try:
             await serve(stream, reader, writer)
-        except (StreamOver, ConnectionError):  # over, or the caller went away while we computed
+        except StreamOver:
             pass
+        except ConnectionError:  # the caller went away while we computed
+            stream.lost = True
         finally:
             self.streams_by_peer[stream.peer] -= 1
             if not self.streams_by_peer[stream.peer]:
                 del self.streams_by_peer[stream.peer]
             if stream.session is not None:
-                self._close(stream.session)
+                self._stream_ended(stream, stream.session)
             await let_go(reader, writer)
 
     def _end_stream(self, stream: Stream, code: ErrorCode, message: str) -> None:
@@ -113,6 +115,7 @@ class StreamService(ABC):
         session (if any) is freed as on a client's hang-up. The client routes around this server."""
         if stream.writer is None or stream.writer.is_closing():
             return
+        stream.ended = True  # its session is freed, never detached
         self.stats.record_error(code.value)
         protocol.write_frame(stream.writer, protocol.encode_error(code, message))
         stream.writer.close()
@@ -124,7 +127,8 @@ class StreamService(ABC):
             async with asyncio.timeout_at(stream.deadline):  # no extra task per step, unlike wait_for
                 return await protocol.read_frame(reader, limit)
         except (asyncio.IncompleteReadError, ConnectionError):
-            raise StreamOver from None  # the caller ended the stream (or died)
+            stream.lost = True
+            raise StreamOver from None  # the caller ended the stream (or died, or a relay reset it)
         except TimeoutError:
             logger.info("No message accepted from %s for %.0f s; closing its stream", stream.peer[-6:], stream.timeout)
             raise StreamOver from None

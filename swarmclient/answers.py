@@ -42,6 +42,7 @@ class AnswerReader:
         self.strays = 0
         self.limit = protocol.OPEN_FRAME_LIMIT  # the largest answer expected now (raised by `expect`)
         self.broken: str | None = None
+        self.lost = False  # the stream ended or broke under us (not a refusal): the session may be resumed
         self.received_bytes = 0  # every answer's frame, as it came off the stream
         self._task = asyncio.ensure_future(self._run())
 
@@ -95,8 +96,12 @@ class AnswerReader:
             self._break("closed")
             raise
         except asyncio.IncompleteReadError:
+            self.lost = True
             self._break("the stream closed (server gone)")
-        except Exception as e:  # a reset stream, an undecodable answer
+        except ConnectionError as e:  # a reset stream
+            self.lost = True
+            self._break(f"{type(e).__name__}: {e}")
+        except Exception as e:  # an undecodable answer, an error about the stream
             self._break(f"{type(e).__name__}: {e}")
 
     def _file(self, answer: Answer) -> None:
@@ -134,3 +139,8 @@ class AnswerReader:
     def close(self) -> None:
         """Stop reading."""
         self._task.cancel()
+
+    async def stop(self) -> None:
+        """Stop reading, and wait until the reader is free for someone else (a session's close answer)."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)

@@ -11,6 +11,9 @@ class ClientConfig:
     connect_timeout: float = 10.0  # seconds to open a session on one server
     step_timeout: float = 30.0     # seconds one step may take on one server, plus step_timeout_per_token per token
     step_timeout_per_token: float = 0.02  # a CPU server prefills a 64 x 150-token batch in ~30 s: give it time
+    # seconds to resume a session on a new stream to the same server after its stream was lost (a relay resets a
+    # connection after 128 KiB): one try, then the client fails over and replays; 0 = fail over at once
+    reattach_timeout: float = 5.0
     close_timeout: float = 5.0     # seconds close() waits for a server to confirm it freed the session (~1 ms)
     max_retries: int = 8           # failed attempts of one step before giving up (each routes around bans)
     min_backoff: float = 0.05      # first retry waits about this long; failover should be quick

@@ -54,6 +54,10 @@ class BanList:
         """Whether the peer was caught computing wrong outputs."""
         return peer_id in self._for_good
 
+    def lift(self, peer_id: str) -> None:
+        """End a peer's ban now (its failure turned out not to be its own); its strikes stay."""
+        self._until.pop(peer_id, None)
+
     def forgive(self, peer_id: str) -> None:
         """Reset a peer's strikes after it served us well."""
         self._strikes.pop(peer_id, None)

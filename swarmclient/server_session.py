@@ -51,25 +51,77 @@ class ServerSession:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._failure: str | None = None
+        self.lost = False  # the stream ended or broke under us (not a refusal, not a timeout): `reattach` may work
         self._opened = False  # whether the open message went out (it goes with the first step)
         self.steps = 0
         self.last_compute_seconds = 0.0  # the server's own compute time of the last step
         self.last_merged = 1  # how many sessions' steps the server ran in the last step's forward
         self._received_bytes = 0  # answer frames read on this stream outside an AnswerReader
+        self._answer_limit = 0  # push: the largest answer expected so far (what a resumed stream may bring again)
         self.claims: dict[int, InputClaim] = {}  # push: step id -> what its answer says of its input
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
         try:
-            _, self._reader, self._writer = await asyncio.wait_for(
-                self.swarm.p2p.call_binary_stream_handler(PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE),
-                timeout=self.swarm.config.connect_timeout)
+            await self._connect(self.swarm.config.connect_timeout)
         except Exception as e:
             raise PeerFailed(self.hop.peer_id, f"cannot open a session: {type(e).__name__}: {e}") from e
         await self.swarm.note_path(self.hop.peer_id)
         if self.push:
             await self._open_for_push()
         return self
+
+    async def _connect(self, timeout: float) -> None:
+        _, self._reader, self._writer = await asyncio.wait_for(
+            self.swarm.p2p.call_binary_stream_handler(PeerID.from_base58(self.hop.peer_id), protocol.RPC_INFERENCE),
+            timeout=timeout)
+
+    async def reattach(self, timeout: float, step_id: int) -> int:
+        """Resume the session on a new stream to the same server, after its stream was lost during step `step_id`;
+        returns the steps the server applied (the caller resends the rest). Raises PeerFailed if the server does not
+        resume it (gone, or it freed the session), within `timeout` s.
+
+        With push, a step the server applied already (pushed to it) is not pushed to it again, and its answer went
+        to the lost stream: it is asked for again (a message naming the step alone: a duplicate is answered
+        uncomputed)."""
+        self._drop_stream()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._connect(timeout)
+                assert self._reader is not None and self._writer is not None
+                protocol.write_frame(self._writer, protocol.encode([], {**self.swarm.auth_meta(), "resume": True,
+                                                                        "session_id": self.session_id}))
+                await self._writer.drain()
+                frame = await protocol.read_frame(self._reader, protocol.OPEN_FRAME_LIMIT)
+            meta = protocol.decode(frame)[1]
+        except Exception as e:
+            self._drop_stream()
+            raise PeerFailed(self.hop.peer_id, f"cannot resume the session: {type(e).__name__}: {e}") from e
+        applied = meta.get("applied")
+        if meta.get("resumed") is not True or not isinstance(applied, int):
+            self._drop_stream()
+            error = protocol.response_error(meta)
+            raise PeerFailed(self.hop.peer_id, "the server did not resume the session: "
+                                               f"{error[0].value + ': ' + error[1] if error else meta}")
+        self._failure, self.lost, self._opened = None, False, True
+        if self.push:
+            self._start_answers()
+            if applied == step_id + 1:
+                assert self._answers is not None and self._writer is not None
+                self._answers.expect(step_id, self._answer_limit)
+                protocol.write_frame(self._writer, protocol.encode([], {"session_id": self.session_id,
+                                                                        "step_id": step_id}))
+        return applied
+
+    def _drop_stream(self) -> None:
+        """Let the broken stream go (its reader too), keeping the bytes it brought in the count."""
+        if self._answers is not None:
+            self._answers.close()
+            self._received_bytes += self._answers.received_bytes
+            self._answers = None
+        if self._writer is not None:
+            self._writer.close()
+        self._reader, self._writer, self._failure = None, None, "closed"
 
     @property
     def received_bytes(self) -> int:
@@ -87,6 +139,9 @@ class ServerSession:
             await self.close()  # end the stream on the loop now, not whenever the object is collected (off the loop)
             self._output(answer, None)  # raises the refusal
             raise self._broken("the server did not open the session")
+        self._start_answers()
+
+    def _start_answers(self) -> None:
         assert self._reader is not None
         self._answers = AnswerReader(self._reader, lambda step_id, peer, reason: self._on_push_failure(
             self, step_id, peer, reason))
@@ -95,7 +150,8 @@ class ServerSession:
         """The session's first message: its id, blocks and size (what the server reserves), and the caller's keys."""
         return protocol.encode([], {**self.swarm.auth_meta(), "open": True, "session_id": self.session_id,
                                     "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
-                                    "max_length": self.max_length, **({"push": True} if self.push else {})})
+                                    "max_length": self.max_length, "resumable": True,
+                                    **({"push": True} if self.push else {})})
 
     async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                    keep_rows: Sequence[int] | None = None, *, step_id: int | None = None) -> torch.Tensor:
@@ -146,6 +202,8 @@ class ServerSession:
                    keep_rows: Sequence[int] | None, *, step_id: int, route: list[list[str]] | None = None) -> None:
         """Push mode: send a step without waiting for its answer; `route` ([peer id, session id] of the next hops)
         has the server push its outputs on."""
+        if self._answers is not None and self._answers.broken is not None:
+            self.lost = self._answers.lost
         if self._failure is not None or self._answers is None or self._answers.broken is not None:
             raise PeerFailed(self.hop.peer_id, f"the session's stream broke earlier ({self._failure or 'closed'})")
         assert self._writer is not None
@@ -155,12 +213,14 @@ class ServerSession:
         try:
             await self._writer.drain()
         except Exception as e:
+            self.lost = isinstance(e, ConnectionError)
             raise self._broken(f"{type(e).__name__}: {e}") from e
 
     def expect(self, shape: torch.Size, step_id: int) -> None:
         """Push mode: an answer of this shape to step `step_id` may come (pushed steps come unasked)."""
+        self._answer_limit = max(self._answer_limit, self._answer_bytes(shape))
         if self._answers is not None:
-            self._answers.expect(step_id, self._answer_bytes(shape))
+            self._answers.expect(step_id, self._answer_limit)
 
     async def answer(self, step_id: int, shape: torch.Size) -> torch.Tensor:
         """Push mode: this hop's output of step `step_id` (sent by the client or pushed by the server before)."""
@@ -172,6 +232,7 @@ class ServerSession:
             self._failure = "timeout"
             raise SessionTimeout(self.hop.peer_id, f"no answer to step {step_id} in {self._timeout(shape):.0f} s") from e
         except StreamBroken as e:
+            self.lost = self._answers.lost
             raise self._broken(str(e)) from e
         return self._decoded_output(answer, shape)
 
@@ -243,9 +304,10 @@ class ServerSession:
             self._failure = "timeout"
             raise SessionTimeout(self.hop.peer_id, f"no answer in {timeout:.0f} s") from e
         except asyncio.IncompleteReadError as e:
+            self.lost = True
             raise self._broken("the stream closed (server gone)") from e
         except BaseException as e:  # cancelled midway, connection reset, oversized answer
-            self._failure = type(e).__name__
+            self._failure, self.lost = type(e).__name__, isinstance(e, ConnectionError)
             if isinstance(e, Exception):
                 raise PeerFailed(self.hop.peer_id, f"{type(e).__name__}: {e}") from e
             raise
@@ -265,7 +327,7 @@ class ServerSession:
         if self._writer is None:
             return
         if self._answers is not None:  # it waits for the next message's length: nothing of one is lost
-            self._answers.close()
+            await self._answers.stop()  # (a reader two coroutines wait on refuses the second)
         writer, reader, self._writer = self._writer, self._reader, None
         in_sync, self._failure = self._failure is None and self._opened, "closed"  # a broken stream may be mid-message
         try:

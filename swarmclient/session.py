@@ -13,6 +13,10 @@ of the process and its hop replayed through others, like a failed one. With `def
 run beside the generation instead (deferred_checks.py): a caught lie raises LieCaught at the next step or when the
 caller settles the checks, and the caller drops the tokens since it last settled them.
 
+A server whose stream was lost (it ended or broke under us: a relay resets a connection after 128 KiB) is first asked
+to resume the session on a new stream (`_reattach`, ClientConfig.reattach_timeout): it kept the session, so the
+client resends only the step it has no answer to, and replays nothing. Only if that fails does it fail over.
+
 With push (ClientConfig.push) a step goes to the first hop only, naming the rest of the route, and each server pushes
 its outputs on; every hop's outputs still come back as its answer, so the history and replays are the same. A failed
 step resumes at the first hop whose outputs are missing, after replacing the broken hops (`_push_attempt`). Each hop's
@@ -46,6 +50,8 @@ from swarmnet.push_proof import input_digest
 logger = logging.getLogger(__name__)
 # one warning per push lie caught (tests read it): the liar's blocks, its peer id, what it did
 PUSH_LIE_LOG = "Server on blocks %d:%d, %s, %s; banned for the rest of this process"
+# one line per session resumed on a new stream after its stream was lost (tests read it)
+REATTACHED_LOG = "Resumed the session on blocks %d:%d at server %s on a new stream (%d steps applied there)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,6 +109,7 @@ class InferenceSession:
         self._opened: dict[str, str] = {}                # push: every session id opened -> its server's peer id
         self._sent: dict[int, set[bytes]] = {}           # push: hop start -> digests of inputs sent it this step
         self.failovers = 0
+        self.reattachments = 0  # sessions resumed on a new stream to the same server
 
     @property
     def position(self) -> int:
@@ -411,8 +418,33 @@ class InferenceSession:
                            *(("has no room", exc.reason, "skipped") if isinstance(exc, NoRoom) else
                              ("failed", exc.reason, "banned")), duration)
 
+    async def _reattach(self, session: ServerSession) -> bool:
+        """Resume a session whose stream was lost on a new stream to the same server (one try, short); whether it
+        is back where this session is: all past steps applied there, the current one perhaps too (resent, a
+        duplicate is answered again). A server found elsewhere gets the session closed, and is failed over."""
+        timeout = self.swarm.config.reattach_timeout
+        if not session.lost or timeout <= 0 or self.swarm.bans.banned_for_good(session.hop.peer_id):
+            return False
+        try:
+            applied = await session.reattach(timeout, len(self._history))
+        except PeerFailed as e:
+            logger.info("Server %s did not resume the session (%s); failing over", session.hop.peer_id[-8:], e.reason)
+            return False
+        if applied not in (len(self._history), len(self._history) + 1):
+            logger.info("Server %s resumed the session at step %d, not %d; failing over", session.hop.peer_id[-8:],
+                        applied, len(self._history))
+            return False
+        self.swarm.bans.lift(session.hop.peer_id)  # its stream was lost, not its fault
+        self.reattachments += 1
+        logger.info(REATTACHED_LOG, session.hop.start, session.hop.end, session.hop.peer_id[-8:], applied)
+        return True
+
     async def _repair(self, position: int) -> None:
-        """Replace the failed hop starting at `position` with a new route, and replay its history."""
+        """Resume the failed hop starting at `position` on a new stream if its stream was lost; else replace it with
+        a new route, and replay its history."""
+        if await self._reattach(self._sessions[position]):
+            self._broken.discard(position)
+            return
         failed = self._sessions.pop(position)
         self._close_later(failed)
         self._broken.discard(position)

@@ -19,6 +19,12 @@ read only the 4 bytes more that give its length. Before a session exists (and in
   and refuses that step too, and the stream stays usable); a bigger one waits for {"opened": true}. A last message
   {"session_id", "close": true} asks the server to free the session; it answers {"closed": true} once freed, then
   ends the stream.
+- Resume (a relay resets a connection after 128 KiB): a session opened with "resumable": true whose stream is lost
+  without a close is kept by the server for its session grace (`serve --session-grace`). A new `inference` stream
+  of the same caller (peer id) may take it over with a first message {"resume": true, "session_id"} plus the
+  caller's extra keys, answered {"resumed": true, "session_id", "applied", "cache_len"} (steps applied, tokens
+  cached); the client then resends the steps from "applied" on (a step applied already is answered again, as any
+  duplicate). Another caller's session, an expired one and one never opened are all answered `unknown_session`.
 - Push (server to server, issue 18): a session opened with "push": true may get steps carrying "step_id" (the
   step's index in the session) and "route" ([peer id, session id] of the hops after this one). The server answers
   such a step as any other, then pushes its outputs (with the step's mask, positions, keep_rows, step id and the
@@ -60,9 +66,10 @@ TUPLE_EXT_CODE = MSGPackSerializer._TUPLE_EXT_TYPE_CODE  # how MSGPackSerializer
 
 # /3: an open message starts a session; info and forward are raw streams too (before: unary protobuf calls)
 # /4: a push session's answers carry "input_digest", pushed steps a "push_proof" (swarmnet/push_proof.py)
+# /5 (inference): a new stream may resume a session whose stream was lost
 RPC_INFO = "swarmbatch.info/3"
 RPC_FORWARD = "swarmbatch.forward/3"
-RPC_INFERENCE = "swarmbatch.inference/4"
+RPC_INFERENCE = "swarmbatch.inference/5"
 RPC_PUSH = "swarmbatch.push/4"  # server to server: a step's outputs straight into the next hop's session
 
 OPEN_FRAME_LIMIT = 1 << 16  # bytes: any message before a session exists, an info request, a forward header

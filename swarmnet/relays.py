@@ -18,7 +18,8 @@ What this p2pd (learning-at-home/go-libp2p-daemon v0.5.0.hivemind1, go-libp2p 0.
   carries at most 128 KiB each way and lives at most 2 minutes, then the relay resets it. The daemon's
   `-relayDataLimit`/`-relayTimeLimit`/`-relayMaxCircuits` flags configure a first service that its
   `EnableRelayV2` replaces with a default one, so they change nothing. A client whose relayed connection is reset
-  dials a new one and replays the session (swarmclient fails over), which bounds what one circuit costs.
+  dials a new one and resumes the session there (the server keeps it detached for its session grace:
+  servers/handler.py), resending only the step it has no answer to.
 - The relay has no ACL the daemon lets us set. What keeps it from serving strangers is `RelayGuard`: the relay's
   p2pd logs every reservation and every circuit (the "relay" logger at debug level), and the guard disconnects a
   non-member the moment it holds a reservation, and both ends of a circuit to a non-member; libp2p drops a

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from launch.local_swarm import LocalSwarm
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.session import InferenceSession
 
 # a strict JSON schema whose every answer is short (bounded string, enum, integer range): structured-output tests
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "open", "floors", "mood"],
@@ -39,6 +41,15 @@ class FailoverRun:
     normal_step: float  # seconds the token before it took
 
 
+def greedy_tokens(model: DistributedModelForCausalLM, session: InferenceSession, batch: Any, max_new_tokens: int,
+                  on_token: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+    """Greedy-generate `max_new_tokens` in an open session, calling `on_token(index, tokens)` as each comes out."""
+    return generate_tokens(model.head, session.step, batch.input_ids, batch.attention_mask,
+                           max_new_tokens=max_new_tokens,
+                           params=model.sampling_params(batch.input_ids.shape[0], False, 1.0, 1.0, 0),
+                           eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id, on_token=on_token)
+
+
 def generate_killing_first_hop(model: DistributedModelForCausalLM, swarm: LocalSwarm, batch: Any,
                                max_new_tokens: int, kill_at: int = 12) -> FailoverRun:
     """Greedy-generate `max_new_tokens`, killing -9 the first hop's server when token `kill_at` is out."""
@@ -56,10 +67,7 @@ def generate_killing_first_hop(model: DistributedModelForCausalLM, swarm: LocalS
             killed[victim] = time.perf_counter()
 
     with session:
-        tokens = generate_tokens(model.head, session.step, batch.input_ids, batch.attention_mask,
-                                 max_new_tokens=max_new_tokens, params=model.sampling_params(rows, False, 1.0, 1.0, 0),
-                                 eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id,
-                                 on_token=on_token)
+        tokens = greedy_tokens(model, session, batch, max_new_tokens, on_token)
         route_after = session.route
     return FailoverRun(tokens, session.failovers, killed, route_after, stall=stamps[kill_at] - stamps[kill_at - 1],
                        normal_step=stamps[kill_at - 1] - stamps[kill_at - 2])

@@ -50,8 +50,13 @@ def answer(client: Swarm, stream: Stream, timeout: float = 30.0) -> dict[str, An
 
 def exchange(client: Swarm, stream: Stream, payload: bytes) -> dict[str, Any]:
     """Write bytes, then read one answer's meta."""
+    return protocol.decode(exchange_frame(client, stream, payload))[1]
+
+
+def exchange_frame(client: Swarm, stream: Stream, payload: bytes) -> bytes:
+    """Write bytes, then read one answer, undecoded."""
     send(client, stream, payload)
-    return answer(client, stream)
+    return answer_frame(client, stream)
 
 
 def error_code(meta: dict[str, Any]) -> protocol.ErrorCode | None:

@@ -151,6 +151,35 @@ def test_sessions_beyond_what_one_relayed_connection_carries_reconnect_with_the_
     assert outputs == [expected] * 6
 
 
+LONG_SESSION_TOKENS = 120  # 4 rows: about 560 KiB of steps to the server, 130 KiB of answers back
+
+
+def test_one_session_beyond_what_one_relayed_connection_carries_resumes_instead_of_replaying(
+        tiny_model: Path, nat_swarm: NatSwarm) -> None:
+    from generation_checks import reference_tokens
+
+    from swarmclient.textgen import load_tokenizer
+
+    # Given one session of 4 rows and 120 new tokens through the relay: its steps alone (hidden states and the
+    # growing attention mask) are several times the 128 KiB one relayed connection carries each way
+    log = nat_swarm.server.log_path
+    before = log.read_text()
+    swarm_file, key = nat_swarm.member_args[1], nat_swarm.member_args[3]
+    done = nat_swarm.lab.exec(nat_swarm.lab.nodes[2], [sys.executable, "-c", SESSIONS, str(tiny_model), swarm_file,
+                                                       key, "1", str(LONG_SESSION_TOKENS), *nat_swarm.peers],
+                              timeout=300, env={"PYTHONPATH": REPO}, input=json.dumps(PROMPTS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    output, _ = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    # Then each reset was followed by a resume of the same session on the server (one session opened, nothing
+    # replayed), and the tokens are local greedy's
+    expected = reference_tokens(tiny_model, load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True),
+                                LONG_SESSION_TOKENS).tolist()
+    assert output == expected
+    new = log.read_text()[len(before):]
+    assert new.count(" opened by ") == 1 and new.count(" resumed by ") >= 2, new[-3000:]
+    assert "Resumed the session on blocks 0:6" in done.stderr and "Replayed" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_client_without_membership_is_refused_by_the_server_behind_the_relay(tiny_model: Path,
                                                                                nat_swarm: NatSwarm) -> None:
     # a stranger's client may ride the relay to a member server, which refuses it as it refuses direct callers
