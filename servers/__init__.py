@@ -10,6 +10,7 @@ Modules:
     memory           CacheBudget: KV-cache tokens reserved per session within --attn-cache-tokens, a share per caller
                      (a member; a caller alone may borrow the rest until another is refused room, then gives it back)
     admission        Slots: forwards admitted and not yet answered, per caller and per server (over: busy)
+    background       the lower-priority thread stateless forwards (checks, embeddings) compute on, behind sessions
     validation       checks on every request before compute
     access           MemberGate: the membership check (swarm file, member credentials) before a request is served;
                      names the member a caller acts for (per-caller limits count per member)

@@ -38,6 +38,7 @@ import torch
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
 from servers.admission import Slots
+from servers.background import background_executor
 from servers.batching import DecodeBatcher, DecodeStep
 from servers.counters import ServerCounters
 from servers.errors import RequestRejected
@@ -115,6 +116,8 @@ class BlockHandler(PushReceiver):
     streams_by_peer: Counter[str] = field(default_factory=Counter)
     stats: ServerCounters = field(default_factory=ServerCounters)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "swarmbatch-compute"))
+    # stateless forwards (other clients' checks, embeddings) compute here, behind inference steps (background.py)
+    background: ThreadPoolExecutor = field(default_factory=background_executor)
     sessions: dict[str, Session] = field(default_factory=dict)
     refused_strangers: set[str] = field(default_factory=set)  # callers refused as no member, logged once each
     pusher: Pusher = field(default_factory=Pusher)
@@ -233,7 +236,7 @@ class BlockHandler(PushReceiver):
             stream.accepted(within=FORWARD_GRACE + limit / FORWARD_MIN_RATE)  # its tensors' time to arrive
             tensors, _ = protocol.decode(await self._receive(stream, reader, writer, limit))
             hidden, mask, positions = validate_forward(tensors, shape, self.limits)
-            output = await self._compute(hidden, mask, positions, None, shape.start, shape.end)
+            output = await self._compute(hidden, mask, positions, None, shape.start, shape.end, self.background)
         return protocol.encode([output])
 
     # ---- inference -------------------------------------------------------------------------------------------
@@ -462,15 +465,17 @@ class BlockHandler(PushReceiver):
             logger.info(SESSION_CLOSED_LOG, session.session_id[:8], session.length)
 
     async def _compute(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                       caches: list[Any] | None, start: int, end: int) -> torch.Tensor:
-        if hidden.shape[1] == 1:
+                       caches: list[Any] | None, start: int, end: int, executor: ThreadPoolExecutor | None = None
+                       ) -> torch.Tensor:
+        if hidden.shape[1] == 1 and executor is None:
             # a decode step is short: running it here saves the thread hand-off (~0.8 ms a hop); the executor
             # has one thread anyway, so no concurrency is lost. Long prefills go to the executor so that the
             # event loop keeps answering pings and announcing meanwhile.
             output = self.span(hidden, mask, positions, caches, start, end)
         else:
             loop = asyncio.get_running_loop()
-            output = await loop.run_in_executor(self.executor, self.span, hidden, mask, positions, caches, start, end)
+            output = await loop.run_in_executor(executor or self.executor, self.span, hidden, mask, positions, caches,
+                                                start, end)
         self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
         return output
 

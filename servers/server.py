@@ -165,6 +165,7 @@ class BlockServer:
         self.state, self.target = ServerState.ONLINE, None
         await self.announcer.announce()
         old.handler.executor.shutdown(wait=False, cancel_futures=True)
+        old.handler.background.shutdown(wait=False, cancel_futures=True)
         logger.info(MOVED_LOG, old.span.start, old.span.end, move.start, move.end, time.perf_counter() - began,
                     ended, move.reason)
         await self._stop_pings()
@@ -278,6 +279,7 @@ class BlockServer:
         except Exception:
             logger.warning("Could not announce OFFLINE; records expire in %.0f s", self.announcer.expiration)
         self.serving.handler.executor.shutdown(wait=False, cancel_futures=True)
+        self.serving.handler.background.shutdown(wait=False, cancel_futures=True)
 
 
 def run_server(config: ServerConfig, on_ready: Callable[[ServerStatus, list[str]], None]) -> None:

@@ -1,6 +1,7 @@
 """A real server validates every request before compute, answers bad ones with an error, and keeps serving."""
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from raw_streams import answer, close, ended, error_code, exchange, framed, open
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
+from servers.background import BACKGROUND_NICE
 from servers.block_loading import load_span
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.session import InferenceSession, ServerSession
@@ -52,6 +54,30 @@ def test_a_remote_forward_equals_the_same_blocks_run_locally(tiny_model: Path, s
     (remote,), meta = forward(client, swarm.servers[0].peer_id, inputs, {"start": 1, "end": 5})
     assert protocol.response_error(meta) is None
     assert torch.equal(remote, load_span(spec, 1, 5)(*inputs))
+
+
+def thread_nice_values(pid: int) -> list[int]:
+    """The nice value of each thread of a process (field 19 of /proc/PID/task/TID/stat)."""
+    values = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            values.append(int(stat.read_text().rsplit(")", 1)[1].split()[16]))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return values
+
+
+def test_forwards_compute_on_a_thread_below_the_sessions_priority(tiny_model: Path, server_and_client) -> None:
+    # Given a server that answered a stateless forward (what other clients' checks and embeddings send)
+    swarm, client = server_and_client
+    server = swarm.servers[0]
+    (_,), meta = forward(client, server.peer_id, good_inputs(ModelSpec.open(tiny_model).hidden_size), {"start": 0, "end": 6})
+    assert protocol.response_error(meta) is None
+    # Then one of its threads runs BACKGROUND_NICE steps below the process, and the rest (sessions' steps) do not
+    base = os.getpriority(os.PRIO_PROCESS, server.pid)
+    values = thread_nice_values(server.pid)
+    assert min(19, base + BACKGROUND_NICE) in values
+    assert values.count(base) >= 2  # the main thread (event loop: decode steps) and the prefill thread among them
 
 
 @pytest.mark.parametrize("case, tensors, meta, message", [
