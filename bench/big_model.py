@@ -6,10 +6,13 @@ tokenizer of our tests (its ids are a subset of the vocabulary). Three servers (
 6:8) serve it on this machine; the script then reports, per server, its resident memory (server process and its p2pd)
 against its share of the weights plus the KV cache it holds (the rest is the process's own: Python, torch,
 transformers, p2pd, about half a GiB whatever the span) (a session is first opened and filled to 3/4 of
-`--attn-cache-tokens`, the most one caller may hold on an idle server), and checks that greedy tokens through the
-swarm equal local transformers generate in bfloat16 on the same machine.
+`--attn-cache-tokens`, the most one caller may hold on an idle server), and compares the swarm with local
+transformers in the same dtype: greedy tokens (equal in float32; in bfloat16 a random model's flat logits flip at
+one rounding step), and the teacher-forced per-token logits of local generate's tokens through the swarm's session
+against transformers' (swarmclient/logit_check.py: relative error per position, and within tolerance or not).
+The local references are computed before the servers start (one model in memory at a time).
 
-usage: python bench/big_model.py [--new-tokens 8] [--cache-tokens 512] [--keep DIR]
+usage: python bench/big_model.py [--new-tokens 8] [--cache-tokens 512] [--dtype bfloat16|float32] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -114,11 +117,12 @@ def main() -> None:
                         help="what the servers, the client's head and local generate compute in")
     parser.add_argument("--keep", type=Path, help="write (or reuse) the model here instead of a temporary dir")
     args = parser.parse_args()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from launch.local_swarm import LocalSwarm
     from servers.block_sizing import kv_bytes_per_token
     from swarmclient.config import ClientConfig
+    from swarmclient.logit_check import compare_logits, load_local, swarm_logits, teacher_forced_reference
     from swarmclient.model import DistributedModelForCausalLM
     from swarmclient.textgen import load_tokenizer
 
@@ -138,6 +142,13 @@ def main() -> None:
         cache_bytes = args.cache_tokens * kv_bytes_per_token(config, itemsize)
         batch = load_tokenizer(model_dir)(PROMPTS, return_tensors="pt", padding=True)
         dtype = getattr(torch, args.dtype)
+        local = load_local(model_dir, dtype, "cpu")
+        with torch.inference_mode():
+            began = time.perf_counter()
+            want = local.generate(**batch, max_new_tokens=args.new_tokens, do_sample=False)[:, batch.input_ids.shape[1]:]
+            local_s = time.perf_counter() - began
+        del local
+        forced = teacher_forced_reference(model_dir, batch.input_ids, batch.attention_mask, dtype, continuation=want)
         server_args = ["--dtype", args.dtype, "--attn-cache-tokens", str(args.cache_tokens), "--num-threads", "2"]
         with LocalSwarm(model_dir, SPANS, server_args=server_args, ready_timeout=900) as swarm:
             filled = args.cache_tokens * 3 // 4
@@ -159,15 +170,17 @@ def main() -> None:
                 got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=args.new_tokens)
                 got = got[:, -args.new_tokens:]
                 swarm_s = time.perf_counter() - began
-        local = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        with torch.inference_mode():
-            began = time.perf_counter()
-            want = local.generate(**batch, max_new_tokens=args.new_tokens, do_sample=False)[:, batch.input_ids.shape[1]:]
-            local_s = time.perf_counter() - began
+                logits = compare_logits(swarm_logits(model, forced), forced)
         print(f"checkpoint {per_layer * (LAYERS + 1) / GIB:.2f} GiB; greedy tokens through 3 servers "
               f"{'EQUAL' if torch.equal(got, want) else 'DIFFER FROM'} local transformers generate ({args.dtype}): "
               f"{got.tolist()} vs {want.tolist()}; {args.new_tokens} tokens x {len(PROMPTS)} rows: swarm {swarm_s:.1f} s, "
               f"local {local_s:.1f} s")
+        print(f"teacher-forced logits of local generate's tokens, swarm vs transformers {args.dtype}: "
+              f"{logits.summary()}")
+        print(f"worst relative error per position ({len(PROMPTS)} rows): {logits.per_step()}")
+        if logits.yardstick is not None:
+            print("transformers {} vs float32, per position: {}".format(
+                args.dtype, ", ".join(f"{'prefill' if s.step == 0 else s.step} {s.yardstick:.1e}" for s in logits.steps)))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA check, run as is on a box with a GPU: the device tests (`pytest -m gpu`, tests/test_gpu.py), then one
-# table: greedy tokens through 2 GPU servers = transformers on the same GPU (float32), bfloat16/float16 logits
-# within tolerance, int8/nf4 servers answer, and tok/s of 64 requests through the swarm vs local generate b64.
+# table: greedy tokens through 2 GPU servers = transformers on the same GPU (float32); teacher-forced per-token logits
+# of bfloat16/float16/float32 servers within swarmclient/logit_check.py's tolerance of transformers in the same dtype
+# (the worst relative error, at most 2x transformers' own error in that dtype vs float32, and per position);
+# int8/nf4 servers answer; and tok/s of 64 requests through the swarm vs local generate b64.
 #
 # It installs nothing: it runs this checkout from PYTHONPATH with the Python found as $PYTHON (default: .venv's
 # after scripts/setup.sh, else python3). Checked to use no API newer than Python 3.12, torch 2.11 and

@@ -29,6 +29,8 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
                      Matryoshka sizes; pool and finish vectors
     model            DistributedModelForCausalLM, the Petals-style entry point
     textgen          prompts in, texts out (tokenizer, chat template)
+    logit_check      teacher-forced per-token logits of the swarm against transformers in the same dtype, within a
+                     tolerance measured against that dtype's own rounding (the bfloat16 / float16 check)
     coverage         the `swarm status` coverage map
     config, errors   ClientConfig; the client's errors (under swarmnet.errors.SwarmError)
 
