@@ -78,8 +78,8 @@ class LieCaught(SwarmError):
     settled its checks must be dropped and generated again (a job: from its last checkpoint)."""
 
     def __init__(self, peer_id: str, step: int) -> None:
-        super().__init__(f"server {peer_id} gave a wrong output at step {step} (banned for good); the tokens since "
-                         "the last checkpoint are discarded")
+        super().__init__(f"server {peer_id} gave a wrong output at step {step} or later (banned for good); the "
+                         "tokens since the last checkpoint are discarded")
         self.peer_id, self.step = peer_id, step
 
 

@@ -9,9 +9,11 @@ requests leave the session); its record says so, and a replay drops the same row
 
 With `verify_fraction` > 0, a sampled fraction of hop steps is checked: the records give the hop's whole input
 history, which a second holder of its blocks recomputes (`verifier`). A server found lying is banned for the rest
-of the process and its hop replayed through others, like a failed one. With `deferred` (a job's lane), the checks
-run beside the generation instead (deferred_checks.py): a caught lie raises LieCaught at the next step or when the
-caller settles the checks, and the caller drops the tokens since it last settled them.
+of the process and its hop replayed through others, like a failed one. With `deferred` (a job's lane), the session
+checks by window instead (deferred_checks.py): when the caller settles its checks, sampled rows of each hop are
+compared at every position since the last settle, beside the generation; a caught lie raises LieCaught at the next
+step or at the settle, and the caller drops the tokens since it last settled them. Each record then also keeps the
+last hop's outputs (the positions a window compares).
 
 A server whose stream was lost (it ended or broke under us: a relay resets a connection after 128 KiB) is first asked
 to resume the session on a new stream (`_reattach`, ClientConfig.reattach_timeout): it kept the session, so the
@@ -27,6 +29,7 @@ from there on are replayed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -43,7 +46,7 @@ from swarmclient.push_audit import Blame, InputClaim, InputRecord, judge_input
 from swarmclient.retry import with_retries
 from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm, wire_hidden
-from swarmclient.verification_policy import Verdict, VerificationTally, sampled, stack_history
+from swarmclient.verification_policy import Verdict, VerificationTally, sampled, sampled_row, stack_history
 from swarmnet.data_structures import RouteHop
 from swarmnet.push_proof import input_digest
 
@@ -99,8 +102,9 @@ class InferenceSession:
         self.verification = verification or VerificationTally()  # checked outputs: counts, shared by a job's lanes
         self._verifier = HopVerifier(swarm, self.verification, uuid.uuid4().hex)
         self._deferred = deferred                          # checks run beside the steps, settled by the caller
+        self._window = (0, 0)                            # deferred: (windows settled, the first step of this one)
         if deferred is not None:
-            deferred.on_caught = self._on_caught
+            deferred.on_caught, deferred.before_settle = self._on_caught, self._start_window_checks
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
@@ -186,12 +190,17 @@ class InferenceSession:
                 config=self.swarm.config, on_failure=self._on_failure)
             inputs[position] = hidden_in
             position = position_next
-        self._record(inputs, attention_mask, position_ids, keep_rows)
+        self._record(inputs, attention_mask, position_ids, keep_rows, hidden)
         return hidden
 
     def _record(self, inputs: dict[int, torch.Tensor], attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                keep_rows: list[int] | None) -> None:
-        """Add a completed step to the history that a replay feeds a replacement server."""
+                keep_rows: list[int] | None, output: torch.Tensor) -> None:
+        """Add a completed step to the history that a replay feeds a replacement server (deferred: and its outputs,
+        after checking the rows it leaves out over their window)."""
+        if self._deferred is not None:
+            if keep_rows is not None:
+                self._check_leaving(keep_rows)
+            inputs = {**inputs, self.swarm.num_blocks: output}
         self._history.append(StepRecord.of(inputs, attention_mask, position_ids, keep_rows, past=self.position))
         if keep_rows is not None:
             self.batch_size = len(keep_rows)
@@ -227,12 +236,9 @@ class InferenceSession:
         except PeerFailed:
             self._broken.add(position)
             raise
-        if sampled(self.swarm.config.verify_fraction, self._verifier.key, len(self._history), position):
-            if self._deferred is not None:
-                await self._deferred.start(session.hop, len(self._history), self._hop_check(
-                    session.hop, hidden, attention_mask, position_ids, keep_rows, output))
-            else:
-                await self._check(session.hop, hidden, attention_mask, position_ids, keep_rows, output)
+        if self._deferred is None and sampled(self.swarm.config.verify_fraction, self._verifier.key,
+                                              len(self._history), position):
+            await self._check(session.hop, hidden, attention_mask, position_ids, keep_rows, output)
         self.swarm.bans.forgive(session.hop.peer_id)
         return output, session.hop.end
 
@@ -246,7 +252,7 @@ class InferenceSession:
 
     def _hop_check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                    keep_rows: list[int] | None, output: torch.Tensor) -> Callable[[], Awaitable[Verdict | None]]:
-        """The check of this hop step, to run now or later: the hop's history is taken as it is now."""
+        """The check of this hop step, to run now: the hop's history and this step."""
         parts = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
         parts.append((hidden, position_ids, None if keep_rows is None else tuple(keep_rows)))
         step = len(self._history)
@@ -254,6 +260,52 @@ class InferenceSession:
         async def check() -> Verdict | None:
             whole, positions = stack_history(parts)
             return await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), step)
+        return check
+
+    # ---- deferred: checks by window (deferred_checks.py) ---------------------------------------------------------------
+    async def _start_window_checks(self) -> None:
+        """Check this window's sampled rows of every hop (the caller settles its checks); the next window begins."""
+        for hop, rows in self._sampled_rows(range(self.batch_size)):
+            await self._start_window_check(hop, len(self._history), rows)
+        self._window = (self._window[0] + 1, len(self._history))
+
+    def _check_leaving(self, keep_rows: list[int]) -> None:
+        """Rows leaving the session at this step: check the sampled ones over the window so far, from here."""
+        leaving = [row for row in range(self.batch_size) if row not in set(keep_rows)]
+        for hop, rows in self._sampled_rows(leaving):
+            assert self._deferred is not None
+            self._deferred.start_now(hop, self._window[1], self._window_check(hop, len(self._history), rows))
+
+    def _sampled_rows(self, rows: Sequence[int]) -> Iterator[tuple[RouteHop, list[int]]]:
+        """Each hop with the rows (of the last step's row set) sampled for it in this window, if any and if the
+        window has steps."""
+        settled, first = self._window
+        if first >= len(self._history):
+            return
+        for hop in self.route:
+            picked = [row for row in rows if sampled_row(self.swarm.config.verify_fraction, self._verifier.key, settled,
+                                                         row, hop.start)]
+            if picked:
+                yield hop, picked
+
+    async def _start_window_check(self, hop: RouteHop, end: int, rows: list[int]) -> None:
+        assert self._deferred is not None
+        await self._deferred.start(hop, self._window[1], self._window_check(hop, end, rows))
+
+    def _window_check(self, hop: RouteHop, end: int, rows: list[int]) -> Callable[[], Awaitable[Verdict | None]]:
+        """The check of `rows` (of step end-1's row set) on `hop` at every position of the steps [window, end)."""
+        history, first = self._history[:end], self._window[1]
+
+        async def check() -> Verdict | None:
+            mask = collections.deque(step_masks(history), maxlen=1)[0]  # the last step's whole mask
+            if any(hop.start not in r.inputs or hop.end not in r.inputs for r in history):
+                self.verification.add(unverified=1)  # the route changed its boundaries: nothing to compare with
+                return None
+            whole, positions = stack_history([(r.inputs[hop.start], r.position_ids, r.keep_rows) for r in history])
+            outputs, _ = stack_history([(r.inputs[hop.end], r.position_ids, r.keep_rows) for r in history[first:]])
+            picked = torch.tensor(rows)
+            return await self._verifier.check(
+                HopCheck(hop, whole[picked], mask[picked], positions[picked], outputs[picked]), first)
         return check
 
     def _on_caught(self, caught: Caught) -> None:
@@ -272,7 +324,8 @@ class InferenceSession:
         self._sent.clear()
         await with_retries(lambda: self._push_attempt(step_id, boundaries, attention_mask, position_ids, keep_rows),
                            config=self.swarm.config, on_failure=self._on_failure)
-        self._record({hop.start: boundaries[hop.start] for hop in self.route}, attention_mask, position_ids, keep_rows)
+        self._record({hop.start: boundaries[hop.start] for hop in self.route}, attention_mask, position_ids, keep_rows,
+                     boundaries[self.swarm.num_blocks])
         return boundaries[self.swarm.num_blocks]
 
     async def _push_attempt(self, step_id: int, boundaries: dict[int, torch.Tensor], attention_mask: torch.Tensor,
@@ -311,12 +364,8 @@ class InferenceSession:
                 if ended > began:  # answers travel separately: one may overtake the one before it
                     self.swarm.observe_step(hop.peer_id, hop.end - hop.start, ended - began)
         for hop in pending:
-            if not sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id, hop.start):
-                pass
-            elif self._deferred is not None:
-                await self._deferred.start(hop, step_id, self._hop_check(
-                    hop, boundaries[hop.start], attention_mask, position_ids, keep_rows, boundaries[hop.end]))
-            else:
+            if self._deferred is None and sampled(self.swarm.config.verify_fraction, self._verifier.key, step_id,
+                                                  hop.start):
                 await self._check_pushed(hop, boundaries, attention_mask, position_ids, keep_rows)
             self.swarm.bans.forgive(hop.peer_id)
 

@@ -56,6 +56,12 @@ def sampled(fraction: float, key: str, step: int, hop_start: int) -> bool:
     return fraction >= 1.0 or (fraction > 0.0 and _unit(key, step, hop_start) < fraction)
 
 
+def sampled_row(fraction: float, key: str, window: int, row: int, hop_start: int) -> bool:
+    """Whether row `row` of the session `key` is checked on the hop starting at `hop_start` over window `window` (the
+    steps between two checkpoints of a job's lane: deferred_checks.py)."""
+    return fraction >= 1.0 or (fraction > 0.0 and _unit(key, "window", window, row, hop_start) < fraction)
+
+
 def verifier_order(peers: Iterable[str], key: str, step: int, hop_start: int) -> list[str]:
     """The holders to ask, in an order that changes with every step: each holder gets to check (and be checked)."""
     return sorted(peers, key=lambda peer: _unit(key, step, hop_start, peer))

@@ -273,3 +273,26 @@ def test_deferred_checks_let_the_session_go_on_then_void_it_and_the_retry_is_ide
                                           params=params, verification=tally, deferred=DeferredChecks(model.swarm.loop))
     assert torch.equal(again, expected)
     assert tally.snapshot().verified > 0 and tally.snapshot().mismatches == 0
+
+
+def test_window_checks_compare_each_leaving_row_when_it_leaves_and_the_rest_at_the_settle(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given two honest holders of each half, and three rows that stop after 4, 8 and 12 tokens (finished rows leave)
+    swarm = local_swarm(tiny_model, [(0, 3), (0, 3), (3, 6), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    expected = reference_tokens(tiny_model, batch, 12)
+    limits = [4, 8, 12]
+    tally = VerificationTally()
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0)) as model:
+        # When the rows are generated in one window with every row sampled
+        got = model.generate_new_tokens(batch["input_ids"], batch["attention_mask"], max_new_tokens=limits,
+                                        params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0), shrink=True,
+                                        verification=tally, deferred=DeferredChecks(model.swarm.loop))
+    # Then each row's tokens are transformers' up to its limit
+    for row, limit in enumerate(limits):
+        assert got[row, :limit].tolist() == expected[row, :limit].tolist()
+    # and each hop was checked once for each row leaving (rows 0 and 1, at different steps) and once at the settle
+    # (row 2): 3 checks x 2 hops, each over the positions of its window, all agreeing
+    counts = tally.snapshot()
+    assert (counts.verified, counts.mismatches, counts.unverified) == (6, 0, 0)
