@@ -264,6 +264,7 @@ def verify_main(args: argparse.Namespace) -> None:
             for label, runtime in runtimes.items():
                 seconds, tokens, outputs[label] = run_job(runtime, str(model_dir), data)
                 rows.append((label, seconds, tokens))
+                print(f"  {label}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s", flush=True)
         checks = {label: tuple(a - b for a, b in zip(checked_steps(runtime), before[label], strict=True))
                   for label, runtime in runtimes.items()}
         for runtime in runtimes.values():

@@ -296,3 +296,37 @@ def test_window_checks_compare_each_leaving_row_when_it_leaves_and_the_rest_at_t
     # (row 2): 3 checks x 2 hops, each over the positions of its window, all agreeing
     counts = tally.snapshot()
     assert (counts.verified, counts.mismatches, counts.unverified) == (6, 0, 0)
+
+
+def test_a_window_check_after_a_failover_compares_only_the_new_servers_outputs(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given a session through a lying server on blocks 0:3, with two honest holders joining after it opened
+    swarm = local_swarm(tiny_model, [])
+    liar = swarm.start_server(0, 3, env=LIAR)
+    swarm.start_server(3, 6)
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    config = ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=config) as model:
+        tally = VerificationTally()
+        session = model.inference_session(batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + NEW_TOKENS,
+                                          verification=tally, deferred=DeferredChecks(model.swarm.loop))
+
+        def on_token(index: int, _: torch.Tensor) -> None:
+            if index == 4:  # When the liar dies in the middle of the window (before any check of it ran)
+                liar.kill()
+
+        with session:
+            assert session.route[0].peer_id == liar.peer_id
+            swarm.start_servers([(0, 3, ()), (0, 3, ())])
+            generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                            max_new_tokens=NEW_TOKENS, params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                            eos_token_ids=model.eos_token_ids, pad_token_id=model.pad_token_id, on_token=on_token)
+            route = session.route
+        # Then the session failed over, and its window check compared the new server's outputs with a recompute,
+        # not the dead liar's outputs recorded before the failover: no honest server is blamed, no lie is reported
+        assert session.failovers == 1 and route[0].peer_id != liar.peer_id
+        banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
+    assert banned == set()
+    counts = tally.snapshot()
+    assert counts.verified >= 1 and counts.mismatches == 0
