@@ -147,21 +147,23 @@ def log(message: str) -> None:
 
 
 def run_bench(bench: Bench, quick: bool, log_dir: Path) -> tuple[list[Row], str]:
-    """Run one sub-benchmark's script, its output to log_dir; (its rows, its command line)."""
+    """Run one sub-benchmark's script, its output to log_dir; (its rows, its command line with its minutes and the
+    machine's load average before and after: other work on a shared machine shows there)."""
     out = log_dir / f"{bench.key}.json"
     command = [sys.executable, str(ROOT / "bench" / bench.script), *(bench.quick if quick else bench.full),
                "--out", str(out)]
     shown = " ".join(["python", f"bench/{bench.script}", *(bench.quick if quick else bench.full)])
     if bench.key == "d" and (reason := netlab_unavailable()) is not None:
-        return [Row(f"WAN ({bench.title})", f"not run: {reason}", "<= 1.1x", None)], shown
+        return [Row(f"WAN ({bench.title})", f"not run: {reason}", "<= 1.1x", None)], f"`{shown}`"
     log(f"{bench.key} ({bench.title}): {shown}  (log {log_dir / f'{bench.key}.log'})")
-    began = time.perf_counter()
+    began, load = time.perf_counter(), os.getloadavg()[0]
     with open(log_dir / f"{bench.key}.log", "wb") as output:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
                                     str(ROOT), os.environ.get("PYTHONPATH"))))})
         code = wait(proc, bench.timeout / (4 if quick else 1))
     log(f"{bench.key}: exit {code} after {time.perf_counter() - began:.0f} s")
+    shown = f"`{shown}`: {(time.perf_counter() - began) / 60:.1f} min, load average {load:.1f} → {os.getloadavg()[0]:.1f}"
     if code != 0 or not out.exists():
         return [Row(bench.title, f"failed: exit {code} (see {log_dir / f'{bench.key}.log'})", "", None)], shown
     return bench.rows(json.loads(out.read_text())), shown
@@ -234,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_table(rows))
     print()
     for key, command in commands.items():
-        print(f"- {key}: `{command}`")
+        print(f"- {key}: {command}")
     print(f"\nlogs: {log_dir}")
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": before,
