@@ -18,8 +18,15 @@ With --verify-fractions 0.02,0.1 it measures the cost of checked outputs instead
 half (so a second server can recompute any hop step), the job with the features on and no checks, then with each
 fraction of hop steps checked (SWARMBATCH_VERIFY_FRACTION), interleaved in the same run; local generate is skipped.
 
+With --user-path it measures the job as a user runs it against local generate (issue 30's first target): the job
+with default settings (no claim or lanes set: the worker sizes them) through 2 servers that are not pinned to cores
+(as `launch.local_swarm.LocalSwarm` starts them for the demo), and local generate of the same prompts (batch 64,
+2 threads), interleaved over reps (the order alternating); the target is job >= 0.9x local.
+
+--out FILE writes every run, the best run per config and the mode's ratios as JSON (bench/perf.py reads it).
+
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
-       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1]
+       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1] [--user-path] [--out FILE]
 """
 from __future__ import annotations
 
@@ -109,7 +116,13 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="default settings vs a sweep of claims and lanes")
     parser.add_argument("--configs", default="", help="--sweep: only these tuned settings, CLAIMxLANES,... (e.g. "
                                                       "64x4,32x2; default: 8/16/32/64 x 2/4/8)")
+    parser.add_argument("--user-path", action="store_true", help="the default job through 2 unpinned servers vs "
+                                                                  "local generate, interleaved")
+    parser.add_argument("--out", type=Path, default=None, help="write the runs and ratios as JSON here")
     args = parser.parse_args()
+    if args.user_path:
+        user_path_main(args)
+        return
     if args.sweep:
         sweep_main(args)
         return
@@ -147,6 +160,9 @@ def main() -> None:
               f"{rate[label] / off:.2f} |")
     same = outputs["features on"] == outputs["features off"]
     print(f"greedy texts identical with the features on and off: {same}")
+    write_out(args, "features", rows, best, ratios={"on_vs_local": rate["swarm job, features on"] / local,
+                                                    "on_vs_off": rate["swarm job, features on"] / off},
+              same_texts=same)
 
 
 def job_runtime(home: Path, label: str, initial_peers: list[str], args: argparse.Namespace,
@@ -202,6 +218,8 @@ def sweep_main(args: argparse.Namespace) -> None:
     for label, (seconds, tokens) in best.items():
         print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / rate[tuned]:.2f} |")
     print(f"defaults vs the best tuned setting ({tuned}): {rate[DEFAULTS] / rate[tuned]:.2f} (target >= 0.9)")
+    write_out(args, "sweep", rows, best, ratios={"defaults_vs_best_tuned": rate[DEFAULTS] / rate[tuned]},
+              best_tuned=tuned)
 
 
 DEFAULTS, TWO_WORKERS = "defaults (sized by the worker)", "defaults, 2 workers on the job"
@@ -234,6 +252,64 @@ def run_job_with_two_workers(first: Runtime, second: Runtime, model: str, data: 
         counts = job_counts(session=session, job_id=job.id)
     assert counts.completed == counts.total, counts
     return seconds, counts.tokens
+
+
+def user_path_main(args: argparse.Namespace) -> None:
+    """The default job through 2 unpinned servers against local generate of the same prompts, interleaved."""
+    home, model_dir = bench_setup(args.model)
+    blocks = ModelSpec.open(model_dir).num_blocks
+    texts = prompts(args.requests)
+    data = batch_file(texts, args.max_tokens)
+    rows: list[tuple[str, float, int]] = []
+    with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=False) as swarm:
+        runtime = job_runtime(home, DEFAULTS, swarm.initial_peers, args, {"worker_batch_size": None}, model_dir, texts)
+        for rep in range(args.reps):  # interleaved, the order alternating, so that drifts hit both alike
+            for which in (("local", "job") if rep % 2 == 0 else ("job", "local")):
+                if which == "local":
+                    seconds, tokens = run_local(model_dir, texts, args.max_tokens)
+                    rows.append((LOCAL, seconds, tokens))
+                else:
+                    seconds, tokens, _ = run_job(runtime, str(model_dir), data)
+                    rows.append((USER_JOB, seconds, tokens))
+                print(f"rep {rep}: {rows[-1][0]}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s",
+                      flush=True)
+        runtime.close()
+    best = best_runs(rows)
+    rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
+    paired = paired_ratios(rows, USER_JOB, LOCAL)
+    print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 2 servers "
+          f"not pinned; the worker's default sizing; best of {args.reps}")
+    print("| config | seconds | tokens | tokens/s | vs local |")
+    print("|---|---|---|---|---|")
+    for label, (seconds, tokens) in best.items():
+        print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / rate[LOCAL]:.2f} |")
+    print(f"job vs local, best runs: {rate[USER_JOB] / rate[LOCAL]:.2f}; per rep: "
+          f"{', '.join(f'{r:.2f}' for r in paired)} (target >= 0.9)")
+    write_out(args, "user-path", rows, best, ratios={"job_vs_local": rate[USER_JOB] / rate[LOCAL]}, paired=paired)
+
+
+USER_JOB = "swarm job, default settings, 2 unpinned servers"
+
+
+def paired_ratios(rows: list[tuple[str, float, int]], label: str, base: str) -> list[float]:
+    """Per rep (the n-th run of each): tokens/s of `label` over tokens/s of `base`."""
+    rates = {name: [tokens / seconds for run, seconds, tokens in rows if run == name] for name in (label, base)}
+    return [a / b for a, b in zip(rates[label], rates[base], strict=False)]
+
+
+def write_out(args: argparse.Namespace, mode: str, rows: list[tuple[str, float, int]],
+              best: dict[str, tuple[float, int]], **extra: object) -> None:
+    """--out: the settings, every run, the best run per config and the mode's own figures, as JSON."""
+    if args.out is None:
+        return
+    tuned = ("batch_size", "lanes") if mode in ("features", "verify") else ()  # the others size their own
+    settings = {key: getattr(args, key) for key in ("model", "requests", "max_tokens", "reps", *tuned)}
+    args.out.write_text(json.dumps({
+        "mode": mode, "settings": settings,
+        "runs": [{"config": label, "seconds": seconds, "tokens": tokens} for label, seconds, tokens in rows],
+        "best": {label: {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+                 for label, (seconds, tokens) in best.items()}, **extra}, indent=1))
+    print(f"wrote {args.out}")
 
 
 def best_runs(rows: list[tuple[str, float, int]]) -> dict[str, tuple[float, int]]:
@@ -282,6 +358,10 @@ def verify_main(args: argparse.Namespace) -> None:
               f"{verified} | {mismatches} | {unverified} |")
     same = all(texts == outputs["no checks"] for texts in outputs.values())
     print(f"greedy texts identical with and without checks: {same}")
+    write_out(args, "verify", rows, best, ratios={label: tokens / seconds / off for label, (seconds, tokens) in best.items()},
+              checks={label: dict(zip(("verified", "mismatches", "unverified"), counts, strict=True))
+                      for label, counts in checks.items()}, same_texts=same,
+              paired={label: paired_ratios(rows, label, "no checks") for label in best})
 
 
 if __name__ == "__main__":
