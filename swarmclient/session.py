@@ -52,6 +52,7 @@ from swarmnet.push_proof import input_digest
 
 logger = logging.getLogger(__name__)
 # one warning per push lie caught (tests read it): the liar's blocks, its peer id, what it did
+RELAYED_STEP_BYTES = 64 << 10  # the most hidden-state bytes of one step to a route with a relayed server
 PUSH_LIE_LOG = "Server on blocks %d:%d, %s, %s; banned for the rest of this process"
 # one line per session resumed on a new stream after its stream was lost (tests read it)
 REATTACHED_LOG = "Resumed the session on blocks %d:%d at server %s on a new stream (%d steps applied there)"
@@ -177,6 +178,9 @@ class InferenceSession:
                          self.batch_size if keep_rows is None else len(keep_rows))
         if self._deferred is not None:
             self._deferred.raise_caught()  # a lie caught since the last step: the session's outputs are void
+        chunk = self._relayed_chunk(hidden)
+        if chunk < hidden.shape[1]:
+            return await self._astep_chunked(hidden, attention_mask, position_ids, keep_rows, chunk)
         hidden = wire_hidden(hidden)
         attention_mask, position_ids = attention_mask.long(), position_ids.long()
         if self.swarm.config.push:
@@ -192,6 +196,25 @@ class InferenceSession:
             position = position_next
         self._record(inputs, attention_mask, position_ids, keep_rows, hidden)
         return hidden
+
+    def _relayed_chunk(self, hidden: torch.Tensor) -> int:
+        """The most tokens of this step one message may carry: all of them, unless a hop is reached through a relay
+        (whose connection is reset after 128 KiB each way: swarmnet/relays.py); then RELAYED_STEP_BYTES of hidden
+        states. A longer step (a long prompt's prefill) goes as several steps, each on a connection resumed if the
+        relay reset the last one."""
+        if not any(hop.peer_id in self.swarm.relayed for hop in self.route):
+            return hidden.shape[1]
+        return max(1, RELAYED_STEP_BYTES // (hidden.shape[0] * hidden.shape[2] * 4))
+
+    async def _astep_chunked(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                             keep_rows: list[int] | None, chunk: int) -> torch.Tensor:
+        """`astep` of a step as consecutive steps of at most `chunk` tokens (a chunked prefill): the same caches."""
+        past, outputs = self.position, []
+        for low in range(0, hidden.shape[1], chunk):
+            high = min(hidden.shape[1], low + chunk)
+            outputs.append(await self.astep(hidden[:, low:high], attention_mask[:, :past + high],
+                                            position_ids[:, low:high], keep_rows if low == 0 else None))
+        return torch.cat(outputs, dim=1)
 
     def _record(self, inputs: dict[int, torch.Tensor], attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 keep_rows: list[int] | None, output: torch.Tensor) -> None:

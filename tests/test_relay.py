@@ -180,6 +180,35 @@ def test_one_session_beyond_what_one_relayed_connection_carries_resumes_instead_
     assert "Resumed the session on blocks 0:6" in done.stderr and "Replayed" not in done.stderr, done.stderr[-2000:]
 
 
+LONG_PROMPTS = [" ".join(f"{word} {i}" for i in range(60)) for word in ("apple", "river", "stone", "cloud")]
+
+
+def test_a_prefill_larger_than_one_relayed_connection_carries_goes_in_chunks_with_local_greedy_tokens(
+        tiny_model: Path, nat_swarm: NatSwarm) -> None:
+    from generation_checks import reference_tokens
+
+    from swarmclient.textgen import load_tokenizer
+
+    # Given 4 prompts of about 180 tokens each through the relay: their prefill alone (4 x ~180 x hidden 64 x 4 bytes,
+    # ~180 KiB) is more than the 128 KiB one relayed connection carries, so it could never pass as one step
+    batch = load_tokenizer(tiny_model)(LONG_PROMPTS, return_tensors="pt", padding=True)
+    assert batch.input_ids.numel() * 64 * 4 > 128 << 10
+    log = nat_swarm.server.log_path
+    before = log.read_text()
+    swarm_file, key = nat_swarm.member_args[1], nat_swarm.member_args[3]
+    done = nat_swarm.lab.exec(nat_swarm.lab.nodes[2], [sys.executable, "-c", SESSIONS, str(tiny_model), swarm_file,
+                                                       key, "1", "8", *nat_swarm.peers],
+                              timeout=300, env={"PYTHONPATH": REPO}, input=json.dumps(LONG_PROMPTS))
+    assert done.returncode == 0, done.stderr[-2000:]
+    output, _ = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    # Then the client sent it as several steps of at most 64 KiB (resuming the session when the relay reset its
+    # connection): one session, nothing replayed, and the tokens are local greedy's
+    assert output == reference_tokens(tiny_model, batch, 8).tolist()
+    new = log.read_text()[len(before):]
+    assert new.count(" opened by ") == 1, new[-3000:]
+    assert "Replayed" not in done.stderr, done.stderr[-2000:]
+
+
 def test_a_client_without_membership_is_refused_by_the_server_behind_the_relay(tiny_model: Path,
                                                                                nat_swarm: NatSwarm) -> None:
     # a stranger's client may ride the relay to a member server, which refuses it as it refuses direct callers
