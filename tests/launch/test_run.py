@@ -155,9 +155,10 @@ def test_run_writes_each_line_s_result_once_and_stops_every_process_it_started(t
 @pytest.mark.swarm
 def test_ctrl_c_stops_every_child_keeps_the_job_and_the_same_command_resumes_it(tiny_model: Path,
                                                                                tmp_path: Path) -> None:
-    # Given a run of a file long enough to be interrupted (40 lines of 128 tokens)
+    # Given a run of a file long enough to be interrupted (40 lines of 384 tokens: the job takes well over the
+    # moment between its first checkpoint and the Ctrl-C, even at ~600 tok/s)
     folder = decoy_folder(tmp_path)
-    ids = write_batch(folder / "in.jsonl", 40, max_tokens=128)
+    ids = write_batch(folder / "in.jsonl", 40, max_tokens=384)
     args, home = ["in.jsonl", "--model", str(tiny_model)], tmp_path / "home"
     run = Run(args, cwd=folder, home=home, logs=tmp_path / "run1")
     try:
