@@ -33,7 +33,9 @@ def make_engine(settings: Settings) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    connect_args = {"connect_timeout": CONNECT_TIMEOUT} if url.startswith("postgresql") else {}
+    # client_encoding: a database created with SQL_ASCII (initdb under the C locale) would otherwise make the driver
+    # encode text as ASCII, and a generated "–" would fail the checkpoint; UTF-8 goes through either way
+    connect_args = {"connect_timeout": CONNECT_TIMEOUT, "client_encoding": "utf8"} if url.startswith("postgresql") else {}
     return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
 
 

@@ -12,7 +12,8 @@ if [ ! -s "$PGDATA/PG_VERSION" ]; then
   : "${POSTGRES_PASSWORD:?the postgres stand-in needs POSTGRES_PASSWORD}"
   pwfile=$(mktemp)
   printf '%s\n' "$POSTGRES_PASSWORD" > "$pwfile"
-  initdb -D "$PGDATA" -U "$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256
+  initdb -D "$PGDATA" -U "$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 \
+    --encoding=UTF8 --locale=C.UTF-8  # as the official image (en_US.utf8): never SQL_ASCII
   rm -f "$pwfile"
   echo "host all all all scram-sha-256" >> "$PGDATA/pg_hba.conf"
   db=${POSTGRES_DB:-$user}

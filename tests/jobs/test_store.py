@@ -863,3 +863,37 @@ def test_a_line_of_n_choices_is_completed_once_all_are_and_failed_once_one_is(ru
         counts = store.job_counts(session=session, job_id=job_id)
     # Then a is one completed line and b one failed line
     assert (counts.total, counts.completed, counts.failed, counts.pending, counts.in_progress) == (2, 1, 1, 0, 0)
+
+
+def test_text_beyond_ascii_is_stored_in_a_sql_ascii_postgres_database(empty_postgres_url: str) -> None:
+    # Given a PostgreSQL database created with SQL_ASCII (what initdb under the C locale makes), migrated to head
+    from sqlalchemy import create_engine
+    from sqlalchemy import text as sql
+
+    from jobs.db import make_engine
+    from jobs.migrate import upgrade
+    from jobs.settings import Settings
+
+    admin = create_engine(empty_postgres_url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
+    name = empty_postgres_url.rsplit("/", 1)[1] + "_ascii"
+    with admin.connect() as connection:
+        connection.execute(sql(f'CREATE DATABASE "{name}" ENCODING \'SQL_ASCII\' LC_COLLATE \'C\' LC_CTYPE \'C\' '
+                               "TEMPLATE template0"))
+    url = empty_postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        upgrade(url)
+        # When the store's engine writes and reads back a text with an en dash and other non-ASCII characters
+        engine = make_engine(Settings(database_url=url))
+        try:
+            with engine.begin() as connection:
+                connection.execute(sql("CREATE TABLE probe (value text)"))
+                connection.execute(sql("INSERT INTO probe VALUES (:value)"), {"value": "a – b, café, 東京"})
+                stored = connection.execute(sql("SELECT value FROM probe")).scalar_one()
+        finally:
+            engine.dispose()
+        # Then it comes back as written (the driver sends UTF-8 whatever the database's encoding)
+        assert stored == "a – b, café, 東京"
+    finally:
+        with admin.connect() as connection:
+            connection.execute(sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

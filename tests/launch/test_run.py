@@ -34,8 +34,10 @@ class Run:
         logs.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = logs / "run.out", logs / "run.err"
         with self.out_path.open("w") as out, self.err_path.open("w") as err:
+            # Ctrl-C as in a terminal: SIGINT at its default even when pytest was started with it ignored (`cmd &`)
             self.proc = subprocess.Popen(cli_command("run", *args), cwd=cwd, env=env, stdout=out, stderr=err,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL,
+                                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.descendants: set[int] = set()
         self._watcher = threading.Thread(target=self._record, daemon=True)
         self._watcher.start()
@@ -155,10 +157,9 @@ def test_run_writes_each_line_s_result_once_and_stops_every_process_it_started(t
 @pytest.mark.swarm
 def test_ctrl_c_stops_every_child_keeps_the_job_and_the_same_command_resumes_it(tiny_model: Path,
                                                                                tmp_path: Path) -> None:
-    # Given a run of a file long enough to be interrupted (40 lines of 384 tokens: the job takes well over the
-    # moment between its first checkpoint and the Ctrl-C, even at ~600 tok/s)
+    # Given a run of a file long enough to be interrupted (40 lines of 128 tokens)
     folder = decoy_folder(tmp_path)
-    ids = write_batch(folder / "in.jsonl", 40, max_tokens=384)
+    ids = write_batch(folder / "in.jsonl", 40, max_tokens=128)
     args, home = ["in.jsonl", "--model", str(tiny_model)], tmp_path / "home"
     run = Run(args, cwd=folder, home=home, logs=tmp_path / "run1")
     try:
