@@ -268,35 +268,26 @@ class InferenceSession:
     async def _check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor,
                      position_ids: torch.Tensor, keep_rows: list[int] | None, output: torch.Tensor) -> None:
         """Have another holder recompute this hop step; raises WrongOutput if the hop's server is found lying."""
-        verdict = await self._hop_check(hop, hidden, attention_mask, position_ids, keep_rows, output)()
+        history = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
+        whole, positions = stack_history([*history, (hidden, position_ids, None if keep_rows is None else tuple(keep_rows))])
+        verdict = await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), len(self._history))
         if verdict is Verdict.CHECKED_FAULTY:
             self._broken.add(hop.start)
             raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
 
-    def _hop_check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                   keep_rows: list[int] | None, output: torch.Tensor) -> Callable[[], Awaitable[Verdict | None]]:
-        """The check of this hop step, to run now: the hop's history and this step."""
-        parts = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
-        parts.append((hidden, position_ids, None if keep_rows is None else tuple(keep_rows)))
-        step = len(self._history)
-
-        async def check() -> Verdict | None:
-            whole, positions = stack_history(parts)
-            return await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), step)
-        return check
-
     # ---- deferred: checks by window (deferred_checks.py) ---------------------------------------------------------------
     async def _start_window_checks(self) -> None:
         """Check this window's sampled rows of every hop (the caller settles its checks); the next window begins."""
+        assert self._deferred is not None
         for hop, rows in self._sampled_rows(range(self.batch_size)):
-            await self._start_window_check(hop, len(self._history), rows)
+            await self._deferred.start(hop, self._window[1], self._window_check(hop, len(self._history), rows))
         self._window = (self._window[0] + 1, len(self._history))
 
     def _check_leaving(self, keep_rows: list[int]) -> None:
         """Rows leaving the session at this step: check the sampled ones over the window so far, from here."""
-        leaving = [row for row in range(self.batch_size) if row not in set(keep_rows)]
-        for hop, rows in self._sampled_rows(leaving):
-            assert self._deferred is not None
+        assert self._deferred is not None
+        kept = set(keep_rows)
+        for hop, rows in self._sampled_rows([row for row in range(self.batch_size) if row not in kept]):
             self._deferred.start_now(hop, self._window[1], self._window_check(hop, len(self._history), rows))
 
     def _sampled_rows(self, rows: Sequence[int]) -> Iterator[tuple[RouteHop, list[int]]]:
@@ -311,19 +302,15 @@ class InferenceSession:
             if picked:
                 yield hop, picked
 
-    async def _start_window_check(self, hop: RouteHop, end: int, rows: list[int]) -> None:
-        assert self._deferred is not None
-        await self._deferred.start(hop, self._window[1], self._window_check(hop, end, rows))
-
     def _window_check(self, hop: RouteHop, end: int, rows: list[int]) -> Callable[[], Awaitable[Verdict | None]]:
         """The check of `rows` (of step end-1's row set) on `hop` at every position of the steps [window, end)."""
         history, first = self._history[:end], self._window[1]
 
         async def check() -> Verdict | None:
-            mask = collections.deque(step_masks(history), maxlen=1)[0]  # the last step's whole mask
             if any(hop.start not in r.inputs or hop.end not in r.inputs for r in history):
                 self.verification.add(unverified=1)  # the route changed its boundaries: nothing to compare with
                 return None
+            mask = collections.deque(step_masks(history), maxlen=1)[0]  # the last step's whole mask
             whole, positions = stack_history([(r.inputs[hop.start], r.position_ids, r.keep_rows) for r in history])
             outputs, _ = stack_history([(r.inputs[hop.end], r.position_ids, r.keep_rows) for r in history[first:]])
             picked = torch.tensor(rows)
@@ -333,8 +320,12 @@ class InferenceSession:
 
     def _on_caught(self, caught: Caught) -> None:
         """A deferred check caught a lie: the liar's hop and every later one computed on it are replaced."""
+        self._break_from(caught.hop.start)
+
+    def _break_from(self, start: int) -> None:
+        """The hops from block `start` on are marked broken: each is replaced (and replayed) before its next step."""
         for hop in self.route:
-            if hop.start >= caught.hop.start:
+            if hop.start >= start:
                 self._broken.add(hop.start)
 
     # ---- push: the client sends a step to the first hop only; each server pushes its outputs to the next -------------
@@ -439,9 +430,7 @@ class InferenceSession:
 
     def _redo_from(self, start: int, boundaries: dict[int, torch.Tensor]) -> None:
         """The hops from block `start` on computed this step from a wrong input: their sessions are replaced."""
-        for later in self.route:
-            if later.start >= start:
-                self._broken.add(later.start)
+        self._break_from(start)
         for block in [b for b in boundaries if b > start]:
             del boundaries[block]
 
@@ -473,11 +462,7 @@ class InferenceSession:
         try:
             await self._check(hop, boundaries[hop.start], attention_mask, position_ids, keep_rows, boundaries[hop.end])
         except WrongOutput:
-            for later in self.route:
-                if later.start >= hop.start:
-                    self._broken.add(later.start)
-            for block in [b for b in boundaries if b > hop.start]:
-                del boundaries[block]
+            self._redo_from(hop.start, boundaries)
             raise
 
     async def _on_failure(self, exc: BaseException) -> None:
