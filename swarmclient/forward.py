@@ -51,7 +51,7 @@ async def _hop(swarm: Swarm, verifier: HopVerifier, start: int, hidden: torch.Te
     hop = (await swarm.route(start, swarm.num_blocks))[0]
     output = await swarm.forward_hidden(hop.peer_id, hop.start, hop.end, hidden, mask, positions)
     if sampled(swarm.config.verify_fraction, verifier.key, 0, hop.start):
-        verdict = await verifier.check(HopCheck(hop, hidden, mask, positions, output), 0)
+        verdict = await verifier.check(hop, 0, lambda: HopCheck(hop, hidden, mask, positions, output))
         if verdict is Verdict.CHECKED_FAULTY:
             raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
     swarm.bans.forgive(hop.peer_id)

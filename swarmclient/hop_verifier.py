@@ -8,7 +8,7 @@ process (`BanList.ban_for_good`); the caller replays the hop elsewhere when it w
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,15 +65,19 @@ class HopVerifier:
     def __init__(self, swarm: Swarm, tally: VerificationTally, key: str) -> None:
         self.swarm, self.tally, self.key = swarm, tally, key
 
-    async def check(self, check: HopCheck, step: int) -> Verdict | None:
-        """Recompute the step on another holder of the same precision and compare; None when none could (counted
-        as unverified)."""
-        holders = await self._holders(check.hop)
-        checked = holders.pop(check.hop.peer_id, None)
+    async def check(self, hop: RouteHop, step: int, build: Callable[[], HopCheck]) -> Verdict | None:
+        """Recompute the hop's step on another holder of the same precision and compare; None when none could
+        (counted as unverified). `build` gathers the check's tensors, only once some holder could recompute them."""
+        holders = await self._holders(hop)
+        checked = holders.pop(hop.peer_id, None)
         peers = [] if checked is None else [p for p, s in holders.items() if comparable(s.info, checked.info)]
-        order = iter([holders[p] for p in verifier_order(peers, self.key, step, check.hop.start)])
+        if checked is None or not peers:
+            self.tally.add(unverified=1)
+            return None
+        check = build()
+        order = iter([holders[p] for p in verifier_order(peers, self.key, step, hop.start)])
         second = await self._recompute(order, check)
-        if checked is None or second is None:
+        if second is None:
             self.tally.add(unverified=1)
             return None
         limit = tolerance(checked.info, second.span.info)

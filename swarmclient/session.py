@@ -94,6 +94,16 @@ def step_masks(history: Sequence[StepRecord]) -> Iterator[torch.Tensor]:
         yield mask
 
 
+def window_inputs(hop: RouteHop, history: Sequence[StepRecord], first: int, rows: list[int]) -> HopCheck:
+    """The check of `rows` (of the last step's row set) on `hop` over the steps [first, end of `history`): the rows'
+    whole input to the hop, and the hop's recorded outputs at every position of the window."""
+    mask = collections.deque(step_masks(history), maxlen=1)[0]  # the last step's whole mask
+    whole, positions = stack_history([(r.inputs[hop.start], r.position_ids, r.keep_rows) for r in history])
+    outputs, _ = stack_history([(r.inputs[hop.end], r.position_ids, r.keep_rows) for r in history[first:]])
+    picked = torch.tensor(rows)
+    return HopCheck(hop, whole[picked], mask[picked], positions[picked], outputs[picked])
+
+
 class InferenceSession:
     """A chain of server sessions covering blocks [0, num_blocks) that survives server failures."""
 
@@ -268,9 +278,12 @@ class InferenceSession:
     async def _check(self, hop: RouteHop, hidden: torch.Tensor, attention_mask: torch.Tensor,
                      position_ids: torch.Tensor, keep_rows: list[int] | None, output: torch.Tensor) -> None:
         """Have another holder recompute this hop step; raises WrongOutput if the hop's server is found lying."""
-        history = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
-        whole, positions = stack_history([*history, (hidden, position_ids, None if keep_rows is None else tuple(keep_rows))])
-        verdict = await self._verifier.check(HopCheck(hop, whole, attention_mask, positions, output), len(self._history))
+        def build() -> HopCheck:
+            history = [(record.inputs[hop.start], record.position_ids, record.keep_rows) for record in self._history]
+            kept = None if keep_rows is None else tuple(keep_rows)
+            whole, positions = stack_history([*history, (hidden, position_ids, kept)])
+            return HopCheck(hop, whole, attention_mask, positions, output)
+        verdict = await self._verifier.check(hop, len(self._history), build)
         if verdict is Verdict.CHECKED_FAULTY:
             self._broken.add(hop.start)
             raise WrongOutput(hop.peer_id, "its output differs from other servers' (banned for good)")
@@ -310,12 +323,7 @@ class InferenceSession:
             if any(hop.start not in r.inputs or hop.end not in r.inputs for r in history):
                 self.verification.add(unverified=1)  # the route changed its boundaries: nothing to compare with
                 return None
-            mask = collections.deque(step_masks(history), maxlen=1)[0]  # the last step's whole mask
-            whole, positions = stack_history([(r.inputs[hop.start], r.position_ids, r.keep_rows) for r in history])
-            outputs, _ = stack_history([(r.inputs[hop.end], r.position_ids, r.keep_rows) for r in history[first:]])
-            picked = torch.tensor(rows)
-            return await self._verifier.check(
-                HopCheck(hop, whole[picked], mask[picked], positions[picked], outputs[picked]), first)
+            return await self._verifier.check(hop, first, lambda: window_inputs(hop, history, first, rows))
         return check
 
     def _on_caught(self, caught: Caught) -> None:
