@@ -8,7 +8,8 @@ chat_template_missing, invalid_parameter, unsupported_parameter, max_tokens_too_
 missing_input, invalid_input (responses and embeddings lines: jobs.line_responses, jobs.line_embeddings).
 
 A line's `body.model` may be the batch's model or any alias of it (SWARMBATCH_MODEL_ALIASES, resolved by the caller).
-Messages (jobs.line_checks): roles system, developer (as system), user, assistant; content a string or text parts.
+Messages (jobs.line_checks): roles system, developer (as system), user, assistant; content a string or text parts;
+`name` where the model's chat template renders it (a line error where it does not: it would change nothing).
 Defaults of omitted (or null) body parameters: max_tokens 256 (lowered to the cap and to what the model's
 context leaves after the prompt); OpenAI's sampling defaults, temperature 1.0 and top_p 1.0 (send temperature 0
 for greedy decoding); a seed drawn at random and stored with the request; stop [], n 1 (up to MAX_CHOICES choices,
@@ -18,7 +19,9 @@ presence_penalty, logit_bias; vLLM's top_k, min_p, repetition_penalty).
 A chat line's `response_format` (json_object, json_schema: jobs.line_format) is checked, its schema compiled.
 No parameter is silently ignored: a body key this service does not honour (`tools`, `functions`…) is an
 `unsupported_parameter` line error naming it, unless its value is the one that changes nothing (`stream: false`,
-`tools: []`…; see NEUTRAL_VALUES). `user` is kept (it names the caller's end user and changes no output).
+`tools: []`, `service_tier: "auto"`, `modalities: ["text"]`…; see NEUTRAL_VALUES); tool keys say that tool calling
+is not supported. Kept, as they change no output: `user`, `safety_identifier`, `prompt_cache_key` (strings) and a
+chat line's `metadata` (jobs.line_checks.check_kept).
 
 A prompt too long for the context by its character count alone is refused (context_length_exceeded) before it is
 tokenized: tokenizing costs about 1 s and 160 MB of memory per million characters, so a 100 MB line would
@@ -41,8 +44,10 @@ from jobs.line_checks import (
     CHAT_URL,
     COMPLETIONS_URL,
     EMBEDDINGS_URL,
+    NO_TOOLS,
     RESPONSES_URL,
     LineProblem,
+    check_kept,
     invalid,
     is_int,
     json_type,
@@ -247,6 +252,7 @@ def _parse_request(number: int, custom_id: str, line: dict[str, Any], context: _
     url = _url(line, context.endpoint)
     body = _body(line, context)
     _refuse_unsupported(body, url)
+    check_kept(body)
     if url == EMBEDDINGS_URL:
         return _parse_embedding(number, custom_id, body, context)
     if url == RESPONSES_URL:
@@ -280,7 +286,8 @@ def _parse_generation(number: int, custom_id: str, url: str, body: dict[str, Any
 
 def _parse_embedding(number: int, custom_id: str, body: dict[str, Any], context: _Context) -> ParsedRequest:
     """An embeddings line: one request per input, nothing to generate."""
-    inputs = line_embeddings.input_ids(body, context.tokenizer, context.limits.context_length, context.chars_per_token)
+    inputs = line_embeddings.input_ids(body, context.tokenizer, context.limits.context_length, context.chars_per_token,
+                                       context.limits.embedding.pooling)
     line_embeddings.check_options(body, context.limits.embedding)
     return ParsedRequest(number, custom_id, EMBEDDINGS_URL, body, inputs[0], 0, 0.0, 1.0, 0, [], n=len(inputs),
                          inputs=inputs)
@@ -330,10 +337,12 @@ def _body(line: dict[str, Any], context: _Context) -> dict[str, Any]:
     return body
 
 
-# body keys honoured by endpoint (`user` names the caller's end user: kept, it changes no output)
+# body keys honoured by endpoint (`user`, `safety_identifier` and `prompt_cache_key` name the caller's end user or
+# cache, `metadata` is the caller's: kept, they change no output)
 COMMON_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
                "logit_bias", *EXTRAS}
-BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "response_format"},
+BODY_KEYS = {CHAT_URL: COMMON_KEYS | {"messages", "logprobs", "top_logprobs", "response_format", "metadata",
+                                      "safety_identifier", "prompt_cache_key"},
              COMPLETIONS_URL: COMMON_KEYS | {"prompt", "logprobs"},
              EMBEDDINGS_URL: line_embeddings.BODY_KEYS, RESPONSES_URL: line_responses.BODY_KEYS}
 # parameters we do not honour, accepted only with the value that asks for nothing (null is accepted for any key)
@@ -341,8 +350,9 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
     "function_call": ("none",), "response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
     "suffix": ("",), "parallel_tool_calls": (False, True), "store": (False, True), "truncation": ("disabled",),
-    "background": (False,), "include": ([],),
+    "background": (False,), "include": ([],), "service_tier": ("auto", "default"), "modalities": (["text"],),
 }
+TOOL_KEYS = ("tools", "functions", "tool_choice", "function_call")  # what only tool calling would use
 
 
 def _refuse_unsupported(body: dict[str, Any], url: str) -> None:
@@ -350,6 +360,9 @@ def _refuse_unsupported(body: dict[str, Any], url: str) -> None:
     for key, value in body.items():
         if key in BODY_KEYS[url] or value is None or _is_neutral(key, value):
             continue
+        if key in TOOL_KEYS:
+            raise LineProblem("unsupported_parameter", f"body.{key} is given ({show(value)}): {NO_TOOLS}; remove it",
+                              f"body.{key}")
         raise LineProblem("unsupported_parameter", f"body.{key} is not supported by this service (got "
                                                     f"{show(value)}); remove it, or send the value that changes "
                                                     f"nothing", f"body.{key}")
@@ -430,6 +443,19 @@ def _chat_text(chat: list[dict[str, str]], tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise LineProblem("chat_template_missing", f"this model's tokenizer has no chat template; "
                                                     f"send the prompt as text to {COMPLETIONS_URL}")
+    text = _render(chat, tokenizer)
+    for role in dict.fromkeys(m["role"] for m in chat if "name" in m):  # each role whose messages have names
+        unnamed = [{k: v for k, v in m.items() if k != "name"} if m["role"] == role else m for m in chat]
+        if _render(unnamed, tokenizer) == text:
+            index = next(i for i, m in enumerate(chat) if m["role"] == role and "name" in m)
+            raise LineProblem("invalid_messages", f"messages[{index}].name is {show(chat[index]['name'])}, but this "
+                                                   f"model's chat template does not render the names of {role} "
+                                                   f"messages; remove it, or put the name in the content",
+                              f"body.messages[{index}].name")
+    return text
+
+
+def _render(chat: list[dict[str, str]], tokenizer: Any) -> str:
     try:
         return str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     except Exception as exc:  # a chat template is arbitrary Jinja that may raise on messages it refuses

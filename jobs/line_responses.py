@@ -27,13 +27,15 @@ Parsed = TypeVar("Parsed", bound=DataclassInstance)  # jobs.batch_input.ParsedRe
 
 # body keys honoured; the ones echoed in the response object are stored with the line
 BODY_KEYS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "user",
-             "seed", "logit_bias", *EXTRAS}
+             "safety_identifier", "prompt_cache_key", "seed", "logit_bias", *EXTRAS}
 ECHOED = ("instructions", "max_output_tokens", "text", "metadata")
 PASSED = ("model", "temperature", "top_p", "user", "seed", "logit_bias", *EXTRAS)  # the same in a chat body
 TEXT_PARTS = ("input_text", "output_text")
 INPUT_MEDIA = ("input_image", "input_file", "input_audio", *MEDIA_PARTS)
-# chat's names for what the Responses API names otherwise, in the problems the chat path reports
+# chat's names for what the Responses API names otherwise, in the problems the chat path reports (in this order: a
+# json_schema's keys sit directly in text.format)
 RENAMED = (("body.max_tokens", "body.max_output_tokens"), ("max_tokens", "max_output_tokens"),
+           ("body.response_format.json_schema", "body.text.format"), ("response_format.json_schema", "text.format"),
            ("body.response_format", "body.text.format"), ("response_format", "text.format"),
            ("body.messages", "body.input"))
 

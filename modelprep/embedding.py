@@ -17,10 +17,12 @@ ALL_FLAGS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode
 
 
 def write_tiny_embedding_model(out: Path, *, pooling: str = "mean", normalize: bool = True,
-                               matryoshka_dimensions: list[int] | None = None, **tiny: Any) -> Path:
+                               matryoshka_dimensions: list[int] | None = None, max_seq_length: int | None = None,
+                               do_lower_case: bool = False, **tiny: Any) -> Path:
     """A tiny random model (write_tiny_model's options in `tiny`) laid out as a sentence-transformers model with
     `pooling` (mean, cls or lasttoken) and, if `normalize`, a Normalize module; `matryoshka_dimensions` goes into
-    config.json (the sizes `dimensions` may ask for). Returns the directory."""
+    config.json (the sizes `dimensions` may ask for); a `max_seq_length` (the longest input embedded) writes
+    sentence_bert_config.json with it and `do_lower_case`. Returns the directory."""
     if pooling not in POOLING_FLAGS:
         raise ModelPrepError(f"pooling must be one of {', '.join(POOLING_FLAGS)} (got {pooling!r})")
     out = write_tiny_model(out, **tiny)
@@ -35,6 +37,9 @@ def write_tiny_embedding_model(out: Path, *, pooling: str = "mean", normalize: b
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
         (out / "2_Normalize").mkdir(exist_ok=True)
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    if max_seq_length is not None:
+        (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                   "do_lower_case": do_lower_case}, indent=2))
     (out / "1_Pooling").mkdir(exist_ok=True)
     flags = {name: name == POOLING_FLAGS[pooling] for name in ALL_FLAGS}
     (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, **flags,

@@ -6,6 +6,11 @@ module's folder (e.g. `1_Pooling/config.json`) names the mode (`pooling_mode_mea
 `modules.json` (a plain causal LM) the default is what a decoder model's embedding is taken as by vLLM and the
 recent decoder embedders: the last token's state, normalized.
 
+`sentence_bert_config.json` (the Transformer module's settings), when present: its `max_seq_length` is the longest
+input the model embeds (sentence-transformers truncates longer ones silently; jobs.line_embeddings refuses them, as
+OpenAI refuses an input over its model's limit), and `do_lower_case: true` means inputs are lowercased before they
+are tokenized, as sentence-transformers does.
+
 `dimensions` (OpenAI's parameter) truncates the pooled vector to its first d values before it is normalized; it is
 allowed only where the model says it was trained for it (Matryoshka): config.json's `matryoshka_dimensions` (the
 sizes allowed) or `is_matryoshka: true` (any size up to the hidden size), the keys vLLM reads.
@@ -16,13 +21,14 @@ import json
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swarmnet.errors import ModelDirError
 
 if TYPE_CHECKING:  # torch loads where vectors are pooled: the API reads a Pooling without it
     import torch
 
+SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
 POOLING_TYPE = "sentence_transformers.models.Pooling"
 NORMALIZE_TYPE = "sentence_transformers.models.Normalize"
 
@@ -49,6 +55,8 @@ class Pooling:
     normalize: bool = True
     matryoshka: tuple[int, ...] | None = None  # None: `dimensions` is refused; (): any size up to the hidden size
     source: str = "default"  # where the recipe came from, for messages and docs
+    max_seq_length: int | None = None  # sentence_bert_config.json's: the most tokens of an input (None: the context)
+    lower_case: bool = False           # sentence_bert_config.json's do_lower_case: inputs are lowercased first
 
     def dimensions_problem(self, dimensions: int, hidden_size: int) -> str | None:
         """Why `dimensions` cannot be asked of this model (None when it can)."""
@@ -66,18 +74,34 @@ def read_pooling(model_dir: str | Path, config: object | None = None) -> Pooling
     """The model's Pooling: its sentence-transformers modules when present, else the default; raises ModelDirError."""
     root = Path(model_dir)
     matryoshka = _matryoshka(config)
+    inputs = _input_settings(root / SENTENCE_BERT_CONFIG)
     modules_file = root / "modules.json"
     if not modules_file.is_file():
-        return Pooling(matryoshka=matryoshka)
+        return Pooling(matryoshka=matryoshka, **inputs)
     modules = _json(modules_file)
     if not isinstance(modules, list):
         raise ModelDirError(f"{modules_file} must be a list of modules, as sentence-transformers writes it")
     types = [str(m.get("type")) for m in modules if isinstance(m, dict)]
     pooling = next((m for m in modules if isinstance(m, dict) and m.get("type") == POOLING_TYPE), None)
     if pooling is None:
-        return Pooling(normalize=NORMALIZE_TYPE in types, matryoshka=matryoshka, source=str(modules_file))
+        return Pooling(normalize=NORMALIZE_TYPE in types, matryoshka=matryoshka, source=str(modules_file), **inputs)
     config_file = root / str(pooling.get("path", "")) / "config.json"
-    return Pooling(_mode(config_file), NORMALIZE_TYPE in types, matryoshka, str(config_file))
+    return Pooling(_mode(config_file), NORMALIZE_TYPE in types, matryoshka, str(config_file), **inputs)
+
+
+def _input_settings(config_file: Path) -> dict[str, Any]:
+    """sentence_bert_config.json's `max_seq_length` and `do_lower_case`, as Pooling's fields (none without it)."""
+    if not config_file.is_file():
+        return {}
+    settings = _json(config_file)
+    if not isinstance(settings, dict):
+        raise ModelDirError(f"{config_file} must be a JSON object")
+    length, lower = settings.get("max_seq_length"), settings.get("do_lower_case", False)
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+        raise ModelDirError(f"{config_file}: max_seq_length must be a positive integer (got {length!r})")
+    if not isinstance(lower, bool):
+        raise ModelDirError(f"{config_file}: do_lower_case must be true or false (got {lower!r})")
+    return {"max_seq_length": length, "lower_case": lower}
 
 
 def _mode(config_file: Path) -> PoolingMode:

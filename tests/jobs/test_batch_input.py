@@ -550,3 +550,117 @@ def test_a_strict_schema_using_keywords_that_cannot_be_enforced_says_to_drop_the
     error = only_error(tokenizer, chat("bad", response_format=json_schema(schema, strict=True)))
     assert error.message.endswith("remove those keywords, or set strict to false to have them ignored")
     assert parse(tokenizer, jsonl(chat("ok", response_format=json_schema(schema, strict=False)))).errors == []
+
+
+# ---- fields of real OpenAI batch files that change no output; messages' other keys; tools ----------------------------
+@pytest.mark.parametrize("field", [{"metadata": {"team": "docs", "run": "7"}}, {"service_tier": "auto"},
+                                   {"service_tier": "default"}, {"modalities": ["text"]}, {"prompt_cache_key": "k-1"},
+                                   {"safety_identifier": "user-hash-1"}, {"user": "u-1"}, {"store": True},
+                                   {"store": False}, {"metadata": {}}],
+                         ids=lambda field: "-".join(f"{k}={v}" for k, v in field.items()))
+def test_a_field_that_changes_no_output_is_accepted_and_the_line_is_the_same_without_it(tokenizer: Any,
+                                                                                      field: dict[str, Any]) -> None:
+    batch = parse(tokenizer, jsonl(chat("with", temperature=0, **field), chat("without", temperature=0)))
+    assert batch.errors == []
+    [with_field, without] = batch.requests
+    assert (with_field.prompt_ids, with_field.max_tokens, with_field.temperature) == (
+        without.prompt_ids, without.max_tokens, without.temperature)
+    assert {key: with_field.body[key] for key in field} == field
+
+
+@pytest.mark.parametrize(("field", "code", "param"), [
+    ({"modalities": ["text", "audio"]}, "unsupported_parameter", "body.modalities"),  # audio output changes it
+    ({"modalities": ["audio"]}, "unsupported_parameter", "body.modalities"),
+    ({"service_tier": "flex"}, "unsupported_parameter", "body.service_tier"),
+    ({"service_tier": "priority"}, "unsupported_parameter", "body.service_tier"),
+    ({"metadata": {"n": 1}}, "invalid_parameter", "body.metadata"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "invalid_parameter", "body.metadata"),
+    ({"metadata": "team=docs"}, "invalid_parameter", "body.metadata"),
+    ({"prompt_cache_key": 5}, "invalid_parameter", "body.prompt_cache_key"),
+    ({"safety_identifier": {"id": 1}}, "invalid_parameter", "body.safety_identifier"),
+    ({"user": 3}, "invalid_parameter", "body.user"),
+], ids=["text-audio", "audio", "flex", "priority", "metadata-number", "metadata-17", "metadata-string",
+        "cache-key", "safety", "user"])
+def test_a_value_of_those_fields_that_would_change_the_output_or_is_malformed_is_a_line_error_naming_it(
+        tokenizer: Any, field: dict[str, Any], code: str, param: str) -> None:
+    error = only_error(tokenizer, chat("bad", **field))
+    assert (error.code, error.param, error.custom_id) == (code, param, "bad")
+    assert param in error.message and "\n" not in error.message
+
+
+def test_completions_lines_do_not_take_chats_metadata(tokenizer: Any) -> None:
+    error = only_error(tokenizer, completion("bad", metadata={"team": "docs"}))
+    assert (error.code, error.param) == ("unsupported_parameter", "body.metadata")
+
+
+NAMED = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": "ada"}]
+# a template that renders the names of user messages (as a multi-user chat model's may), not of others
+NAME_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] }}"
+                 "{% if message.name and message.role == 'user' %}{{ ' ' + message.name }}{% endif %}"
+                 "{{ '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_message_name_the_chat_template_does_not_render_is_a_line_error_naming_it(tokenizer: Any) -> None:
+    # the tiny model's template renders role and content only: the name would change nothing, so it is refused
+    error = only_error(tokenizer, chat("named", messages=NAMED))
+    assert (error.code, error.param) == ("invalid_messages", "body.messages[1].name")
+    assert '"ada"' in error.message and "does not render" in error.message
+    # a null name is no name
+    nameless = [NAMED[0], {**NAMED[1], "name": None}]
+    assert parse(tokenizer, jsonl(chat("null", messages=nameless))).errors == []
+
+
+def test_a_message_name_is_given_to_a_chat_template_that_renders_it(tiny_model: Path) -> None:
+    naming = load_tokenizer(tiny_model)
+    naming.chat_template = NAME_TEMPLATE
+    unnamed = [NAMED[0], {"role": "user", "content": "Hi"}]
+    batch = parse(naming, jsonl(chat("named", messages=NAMED), chat("unnamed", messages=unnamed)))
+    assert batch.errors == []
+    [named, plain] = batch.requests
+    assert naming.decode(named.prompt_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user ada\n")
+    assert named.prompt_ids != plain.prompt_ids
+    # and the name of a message whose role the template does not name is still refused
+    error = only_error(naming, chat("system-named", messages=[{**NAMED[0], "name": "boss"}, NAMED[1]]))
+    assert (error.code, error.param) == ("invalid_messages", "body.messages[0].name")
+    error = only_error(naming, chat("empty-name", messages=[NAMED[0], {**NAMED[1], "name": ""}]))
+    assert (error.code, error.param) == ("invalid_messages", "body.messages[1].name")
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "user", "content": "Hi", "weight": 1}, "body.messages[1].weight"),
+    ({"role": "user", "content": "Hi", "audio": {"id": "a1"}}, "body.messages[1].audio"),
+    ({"role": "assistant", "content": "Hi", "refusal": "no"}, "body.messages[1].refusal"),
+], ids=["unknown", "audio", "refusal"])
+def test_any_other_message_key_is_a_line_error_naming_it(tokenizer: Any, message: dict[str, Any], param: str
+                                                         ) -> None:
+    error = only_error(tokenizer, chat("bad", messages=[CHAT[0], message]))
+    assert (error.code, error.param) == ("invalid_messages", param)
+    assert param.rsplit(".", 1)[1] in error.message and "\n" not in error.message
+    # null, as OpenAI's own outputs carry them (an assistant's refusal: null, tool_calls: []), changes nothing
+    replayed = [CHAT[0], {"role": "assistant", "content": "Hello.", "refusal": None, "tool_calls": [],
+                          "audio": None}, CHAT[1]]
+    assert parse(tokenizer, jsonl(chat("ok", messages=replayed))).errors == []
+
+
+@pytest.mark.parametrize(("line", "code", "param"), [
+    (chat(tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]),
+     "unsupported_parameter", "body.tools"),
+    (chat(functions=[{"name": "lookup"}]), "unsupported_parameter", "body.functions"),
+    (chat(tool_choice="required"), "unsupported_parameter", "body.tool_choice"),
+    (chat(messages=[*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}]),
+     "invalid_messages", "body.messages[2].tool_calls"),
+    (chat(messages=[*CHAT, {"role": "assistant", "content": "", "function_call": {"name": "lookup",
+                                                                                   "arguments": "{}"}}]),
+     "invalid_messages", "body.messages[2].function_call"),
+    (chat(messages=[*CHAT, {"role": "tool", "tool_call_id": "call_1", "content": "42"}]),
+     "invalid_messages", "body.messages[2].role"),
+    (chat(messages=[*CHAT, {"role": "function", "name": "lookup", "content": "42"}]),
+     "invalid_messages", "body.messages[2].role"),
+], ids=["tools", "functions", "tool-choice", "tool-calls", "function-call", "tool-role", "function-role"])
+def test_tool_calling_is_a_line_error_saying_in_one_line_that_this_service_does_not_support_it(
+        tokenizer: Any, line: dict[str, Any], code: str, param: str) -> None:
+    error = only_error(tokenizer, {**line, "custom_id": "tools"})
+    assert (error.code, error.param, error.custom_id) == (code, param, "tools")
+    assert "tool calling is not supported by this service" in error.message and "\n" not in error.message

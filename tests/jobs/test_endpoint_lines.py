@@ -11,9 +11,11 @@ import pytest
 from jobs import store
 from jobs.batch_input import InputLimits, ParsedBatch, parse_batch_file
 from jobs.line_embeddings import EmbeddingModel
+from modelprep import write_tiny_embedding_model
 from swarmclient.pooling import Pooling, PoolingMode, read_pooling
 from swarmclient.textgen import load_tokenizer
 from swarmnet.errors import ModelDirError
+from swarmnet.model_spec import ModelSpec
 
 MODEL = "tiny-llama"
 MATRYOSHKA = EmbeddingModel(64, Pooling(PoolingMode.mean, True, (16, 32)))
@@ -83,6 +85,57 @@ def test_dimensions_are_refused_for_a_model_that_declares_no_matryoshka_sizes(to
     assert "not trained for shorter embeddings" in batch.errors[0].message
 
 
+def test_an_input_longer_than_the_models_sentence_transformers_max_seq_length_is_a_line_error_naming_it(
+        tmp_path: Path) -> None:
+    # Given the tiny embedding model with a sentence_bert_config.json whose max_seq_length (8) is below its context
+    model_dir = write_tiny_embedding_model(tmp_path / "short-embedder", layers=1, max_seq_length=8)
+    spec = ModelSpec.open(model_dir)
+    pooling = read_pooling(model_dir, spec.config)
+    assert (pooling.max_seq_length, pooling.lower_case) == (8, False) and spec.max_length > 8
+    tokenizer = load_tokenizer(model_dir)
+    limits = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=512, context_length=spec.max_length,
+                         embedding=EmbeddingModel(spec.config.hidden_size, pooling))
+    fits = "Rain fell"
+    too_long = "Rain fell on the valley all night and into the morning"
+    assert len(tokenizer(fits).input_ids) <= 8 < len(tokenizer(too_long).input_ids)
+    # When lines embed texts and token ids under and over it
+    batch = parse(tokenizer, line("fits", "/v1/embeddings", input=fits),
+                  line("text", "/v1/embeddings", input=["ok", too_long]),
+                  line("ids", "/v1/embeddings", input=list(range(5, 14))),
+                  line("eight", "/v1/embeddings", input=list(range(5, 13))), limits=limits)
+    # Then the inputs over 8 tokens are refused (sentence-transformers would truncate them silently), naming the limit
+    assert [r.custom_id for r in batch.requests] == ["fits", "eight"]
+    assert errors(batch) == [("text", "context_length_exceeded", "body.input[1]"),
+                             ("ids", "context_length_exceeded", "body.input")]
+    assert all("at most 8 tokens (max_seq_length in its sentence_bert_config.json)" in e.message
+               for e in batch.errors)
+
+
+def test_do_lower_case_in_sentence_bert_config_lowercases_inputs_before_they_are_tokenized(tmp_path: Path) -> None:
+    model_dir = write_tiny_embedding_model(tmp_path / "lower-embedder", layers=1, max_seq_length=64,
+                                           do_lower_case=True)
+    pooling = read_pooling(model_dir)
+    assert pooling.lower_case
+    tokenizer = load_tokenizer(model_dir)
+    limits = InputLimits(max_file_bytes=100_000, max_lines=100, max_tokens_cap=512, context_length=64,
+                         embedding=EmbeddingModel(64, pooling))
+    [request] = parse(tokenizer, line("upper", "/v1/embeddings", input="Rain Fell ON the Valley"),
+                      limits=limits).requests
+    assert request.inputs == [tokenizer("rain fell on the valley").input_ids]
+    assert request.inputs != [tokenizer("Rain Fell ON the Valley").input_ids]
+
+
+@pytest.mark.parametrize(("settings", "says"), [({"max_seq_length": 0}, "max_seq_length must be a positive integer"),
+                                                ({"max_seq_length": "8"}, "max_seq_length must be a positive integer"),
+                                                ({"do_lower_case": "yes"}, "do_lower_case must be true or false"),
+                                                ([8], "must be a JSON object")])
+def test_a_malformed_sentence_bert_config_refuses_the_model_with_one_line(tmp_path: Path, settings: Any, says: str
+                                                                         ) -> None:
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ModelDirError, match=says):
+        read_pooling(tmp_path)
+
+
 def test_embeddings_and_generations_never_share_a_batch_the_minority_kind_is_a_line_error(tokenizer: Any) -> None:
     batch = parse(tokenizer, line("e1", "/v1/embeddings", input="a"), line("e2", "/v1/embeddings", input="b"),
                   line("c", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}]))
@@ -121,8 +174,11 @@ def test_a_responses_line_is_the_chat_it_amounts_to_with_the_echoed_fields_kept(
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "invalid_parameter", "body.text.format"),
     ({"input": "x", "previous_response_id": "resp_1"}, "unsupported_parameter", "body.previous_response_id"),
     ({"input": "x", "n": 2}, "unsupported_parameter", "body.n"),
+    ({"input": "x", "metadata": {"run": 7}}, "invalid_parameter", "body.metadata"),  # echoed: strings, as OpenAI's
+    ({"input": "x", "service_tier": "flex"}, "unsupported_parameter", "body.service_tier"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "unsupported_parameter", "body.tools"),
 ], ids=["empty", "image", "tool-output", "tool-role", "instructions", "zero-tokens", "over-cap", "format",
-        "previous", "n"])
+        "previous", "n", "metadata", "service-tier", "tools"])
 def test_a_bad_responses_line_is_an_error_in_the_responses_names(tokenizer: Any, body: dict[str, Any], code: str,
                                                                    param: str) -> None:
     batch = parse(tokenizer, line("good", "/v1/responses", input="fine"), line("bad", "/v1/responses", **body))
@@ -130,19 +186,40 @@ def test_a_bad_responses_line_is_an_error_in_the_responses_names(tokenizer: Any,
     assert "max_tokens " not in batch.errors[0].message and "body.messages" not in batch.errors[0].message
 
 
+def test_a_responses_line_keeps_the_fields_that_change_no_output(tokenizer: Any) -> None:
+    kept = {"service_tier": "auto", "prompt_cache_key": "k-1", "safety_identifier": "s-1", "user": "u-1",
+            "store": True, "metadata": {"team": "docs"}}
+    batch = parse(tokenizer, line("kept", "/v1/responses", input="Hi", temperature=0, **kept),
+                  line("plain", "/v1/responses", input="Hi", temperature=0))
+    assert batch.errors == []
+    [with_fields, plain] = batch.requests
+    assert (with_fields.prompt_ids, with_fields.max_tokens) == (plain.prompt_ids, plain.max_tokens)
+
+
 def test_a_json_text_format_is_passed_on_as_chats_response_format(tokenizer: Any) -> None:
-    # Given a json_schema text format (the Responses' flat shape)
+    # Given json_schema and json_object text formats (the Responses' flat shape)
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     batch = parse(tokenizer, line("good", "/v1/responses", input="fine"),
                   line("json", "/v1/responses", input="x", text={"format": {"type": "json_schema", "name": "a",
-                                                                             "schema": schema, "strict": True}}))
-    served = any(r.custom_id == "json" for r in batch.requests)
-    if served:  # chat's response_format is served: the line carries it in chat's shape
-        [request] = [r for r in batch.requests if r.custom_id == "json"]
-        assert request.body["response_format"] == {"type": "json_schema", "json_schema": {
-            "name": "a", "schema": schema, "strict": True}}
-    else:  # not yet: a line error under the Responses' name
-        assert errors(batch) == [("json", "unsupported_parameter", "body.text.format")]
+                                                                             "schema": schema, "strict": True}}),
+                  line("object", "/v1/responses", input="x", text={"format": {"type": "json_object"}}))
+    # Then each line is served, carrying chat's response_format in chat's shape, and its text format to echo
+    assert batch.errors == [] and [r.custom_id for r in batch.requests] == ["good", "json", "object"]
+    [_, as_schema, as_object] = batch.requests
+    assert as_schema.body["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": schema, "strict": True}}
+    assert as_schema.body["text"] == {"format": {"type": "json_schema", "name": "a", "schema": schema,
+                                                 "strict": True}}
+    assert as_object.body["response_format"] == {"type": "json_object"}
+    # and a schema or name the chat path refuses is a line error naming where it is in the Responses' shape (the
+    # json_schema's keys sit directly in text.format)
+    bad = parse(tokenizer, line("good", "/v1/responses", input="fine"),
+                line("schema", "/v1/responses", input="x", text={"format": {"type": "json_schema", "name": "a",
+                                                                             "schema": {"type": "strng"}}}),
+                line("name", "/v1/responses", input="x", text={"format": {"type": "json_schema", "name": "a b"}}))
+    assert errors(bad) == [("schema", "invalid_parameter", "body.text.format.schema"),
+                           ("name", "invalid_parameter", "body.text.format.name")]
+    assert all("json_schema" not in e.message and "response_format" not in e.message for e in bad.errors)
 
 
 # ---- the model's embedding recipe -----------------------------------------------------------------------------------

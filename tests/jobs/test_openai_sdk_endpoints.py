@@ -10,18 +10,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import torch
 from factories import new_key
 from jobs_support import requests_of, start_api
 from openai import OpenAI
 from openai.types import Batch, CreateEmbeddingResponse
-from openai.types.responses import Response
+from openai.types.responses import Response, ResponseFormatTextJSONSchemaConfig
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from jobs.runtime import Runtime
 from launch.local_swarm import LocalSwarm
 from launch.local_worker import start_local_worker
 
+# a strict schema as OpenAI's docs write them (every property required, no others), bounded so that the longest answer
+# (71 characters) finishes within max_output_tokens even spelled one character per token
+RIVER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["river", "length_km", "countries"],
+                "properties": {"river": {"type": "string", "enum": ["Nile", "Amazon", "Danube", "Rhine"]},
+                               "length_km": {"type": "integer", "minimum": 1, "maximum": 9999},
+                               "countries": {"type": "array", "maxItems": 2, "items": {
+                                   "type": "string", "pattern": "^[A-Z][a-z]{1,7}$"}}}}
 TEXTS = ["The city council voted", "Once upon a time there was a library", "Rain fell on the valley"]
 ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -162,6 +170,10 @@ def test_a_responses_batch_answers_response_objects_equal_to_the_chat_they_amoun
              "body": {**greedy, "instructions": "You are a helpful assistant.", "max_output_tokens": 200,
                       "metadata": {"team": "docs"}, "text": {"format": {"type": "text"}},
                       "input": [{"role": "user", "content": [{"type": "input_text", "text": "Name a river."}]}]}},
+            {"custom_id": "json", "method": "POST", "url": "/v1/responses",
+             "body": {**greedy, "max_output_tokens": 100, "input": "Describe a river as JSON.",
+                      "text": {"format": {"type": "json_schema", "name": "river", "strict": True,
+                                          "schema": RIVER_SCHEMA}}}},
             {"custom_id": "image", "method": "POST", "url": "/v1/responses",
              "body": {**greedy, "input": [{"role": "user", "content": [
                  {"type": "input_image", "image_url": "https://example.com/a.png"}]}]}}]
@@ -171,13 +183,13 @@ def test_a_responses_batch_answers_response_objects_equal_to_the_chat_they_amoun
 
         # Then it completes, and the image part is a line error naming it
         assert batch.status == "completed" and batch.request_counts is not None, batch
-        assert batch.request_counts.completed == 2
+        assert batch.request_counts.completed == 3
         assert batch.errors is not None and [(e.line, e.code, e.param) for e in batch.errors.data or []] == [
-            (3, "unsupported_content", "body.input[0].content[0].type")]
+            (4, "unsupported_content", "body.input[0].content[0].type")]
         results = outputs(client, batch.output_file_id)
         bodies = {cid: Response.model_validate_json(json.dumps(r["response"]["body"]), strict=True)
                   for cid, r in results.items()}
-        assert list(bodies) == ["plain", "items"]
+        assert list(bodies) == ["plain", "items", "json"]
         # each a Responses object with one assistant message, its text what the chat it amounts to generates locally
         text, prompt, new = greedy_chat(tiny_model, [{"role": "user", "content": "Once upon a time"}], 6)
         plain = bodies["plain"]
@@ -194,6 +206,14 @@ def test_a_responses_batch_answers_response_objects_equal_to_the_chat_they_amoun
         assert items.output_text == text and items.usage is not None and items.usage.input_tokens == prompt
         assert items.instructions == "You are a helpful assistant." and items.metadata == {"team": "docs"}
         assert items.status == ("completed" if new < 200 else "incomplete")
+        # a strict JSON schema text format: the answer ended by itself as JSON the schema validates, and the format is
+        # echoed as the SDK's own JSON-schema config
+        structured = bodies["json"]
+        assert structured.status == "completed" and structured.incomplete_details is None
+        jsonschema.validate(json.loads(structured.output_text), RIVER_SCHEMA)
+        echoed = structured.text.format if structured.text else None
+        assert isinstance(echoed, ResponseFormatTextJSONSchemaConfig)
+        assert (echoed.name, echoed.strict, echoed.schema_) == ("river", True, RIVER_SCHEMA)
         assert batch.usage is not None and batch.usage.input_tokens == sum(
             b.usage.input_tokens for b in bodies.values() if b.usage)
         client.close()
