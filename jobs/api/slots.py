@@ -5,7 +5,8 @@ request finding none of its key's slots free gets 429 with Retry-After at once, 
 answer is streamed. Submissions have a process-wide bound too (SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS), taken only
 once the body is in (jobs.api.limits bounds its size and time): it bounds the work of storing bodies (the lines are
 checked by workers, jobs.ingest), so a key trickling a body holds its own slot and nobody else's. A download's slot
-is held until its last byte is sent (or the client goes), an upload's and a submission's until the route returns.
+is held until its last byte is sent (or the client goes, or takes nothing for SWARMBATCH_SEND_DEADLINE_SECONDS:
+jobs.api.send_deadline), an upload's and a submission's until the route returns.
 
 The counts live in this process's memory: with several API processes (uvicorn workers, replicas) a key may hold
 the bound in each (docs/security.md "API limits"). They need no broker and cannot leak across a crash.
