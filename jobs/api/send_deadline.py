@@ -30,13 +30,25 @@ SEND_DEADLINE_LOG = "%s %r: the client took nothing of the answer for %g s (SWAR
                     "connection aborted"
 
 
+ABORT = "swarmbatch.abort_connection"  # the scope's key of the request's connection-abort
+
+
+def abort_connection(scope: Scope) -> bool:
+    """Reset the request's connection, for an answer that started and cannot go on (the file it streams was
+    deleted); whether that could be done here (else the caller raises, and the server closes the connection)."""
+    abort = scope.get(ABORT)
+    return bool(abort is not None and abort())
+
+
 class SendTimedOut(Exception):
     """Raised from `send` when a piece waited past the deadline and the connection could not be aborted here."""
 
 
 def deadline_send(scope: Scope, send: Send, seconds: float) -> Send:
-    """`send` for one HTTP request, under the deadline: a piece still waiting after `seconds` aborts the connection."""
+    """`send` for one HTTP request, under the deadline: a piece still waiting after `seconds` aborts the connection.
+    The scope gets the means to abort it from inside the app too (`abort_connection`)."""
     aborted = False
+    scope[ABORT] = lambda: _abort(send)
 
     async def timed_send(message: Message) -> None:
         nonlocal aborted
