@@ -130,6 +130,9 @@ def check_lines(runtime: Runtime, job_id: str, *, lines_per_commit: int = LINES_
     except InvalidJob as e:
         _fail(runtime, job_id, cursor.offset, code="model_not_found", message=str(e), param="body.model")
         return Ingested(ran=True)
+    except FileNotFound:  # deleted while the scan read it
+        _fail(runtime, job_id, cursor.offset, code="file_not_found", message=_deleted(cursor.input_file_id))
+        return Ingested(ran=True)
     seen, next_index = _resume_point(runtime, job_id)
     checker = LineChecker(tokenizer=tokenizer, model_name=model, limits=limits, endpoint=cursor.endpoint or None,
                           model_aliases=runtime.settings.aliases_of(model), seen=seen)
@@ -145,10 +148,8 @@ def check_lines(runtime: Runtime, job_id: str, *, lines_per_commit: int = LINES_
             if time.monotonic() - began > seconds:
                 logger.info("Job %s: lines checked up to %d in this slice; the rest in the next", job_id, chunk.line)
                 return Ingested(ran=True, more=True)
-    except FileNotFound:
-        _fail(runtime, job_id, offset, code="file_not_found",
-              message=f"the input file {row.id} was deleted before its lines were checked; upload it again and "
-                      f"create a new batch")
+    except FileNotFound:  # deleted while its lines were read
+        _fail(runtime, job_id, offset, code="file_not_found", message=_deleted(row.id))
         return Ingested(ran=True)
     return Ingested(ran=True, requests=_finish(runtime, job_id, model, offset))
 
@@ -171,10 +172,14 @@ def _input_file(runtime: Runtime, cursor: _Cursor) -> StoredFile:
     with runtime.session() as session:
         row = session.get(StoredFile, cursor.input_file_id) if cursor.input_file_id else None
         if row is None:
-            raise BatchFileRejected(f"the input file {cursor.input_file_id} was deleted before its lines were "
-                                    f"checked; upload it again and create a new batch", code="file_not_found")
+            raise BatchFileRejected(_deleted(cursor.input_file_id), code="file_not_found")
         session.expunge(row)
         return row
+
+
+def _deleted(file_id: str | None) -> str:
+    """The one error of a batch whose input file was deleted before all its lines were checked."""
+    return f"the input file {file_id} was deleted before its lines were checked; upload it again and create a new batch"
 
 
 def _scan(runtime: Runtime, row: StoredFile, cursor: _Cursor) -> str:

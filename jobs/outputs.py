@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from jobs import liveness
 from jobs.batch_input import CHAT_URL, EMBEDDINGS_URL, RESPONSES_URL
 from jobs.db import SessionScope
+from jobs.errors import OutputsExpired
 from jobs.models import Job, JobKind, Request, RequestStatus
 from jobs.store import JobCounts, job_counts, job_usage
 
@@ -167,7 +168,10 @@ def _lines(sessions: SessionScope, job: Job, statuses: tuple[RequestStatus, ...]
     """The requests of the job's lines that have one in `statuses`, a line's choices together, in input order.
 
     Read ROWS_PER_READ at a time, each page after the last index of the one before (keyset) in a session of its
-    own from `sessions`: a client that stops reading holds no connection, and memory stays one page.
+    own from `sessions`: a client that stops reading holds no connection, and memory stays one page. OutputsExpired
+    when the outputs are deleted meanwhile (their file deleted, their retention passed): a download ends short
+    rather than going on with emptied lines. (The job's mark is read after the page: a deletion that emptied the
+    page had committed before that read.)
     """
     wanted = select(Request.custom_id).where(Request.job_id == job.id, Request.status.in_(statuses))
     query = (select(Request).where(Request.job_id == job.id, Request.custom_id.in_(wanted)).order_by(Request.index)
@@ -177,6 +181,8 @@ def _lines(sessions: SessionScope, job: Job, statuses: tuple[RequestStatus, ...]
     while True:
         with sessions() as session:
             page = list(session.scalars(query.where(Request.index > after)))
+            if session.scalar(select(Job.outputs_expired_at).where(Job.id == job.id)) is not None:
+                raise OutputsExpired(f"the outputs of batch {job.id} were deleted while they were read")
         for request in page:
             if line and request.custom_id != line[0].custom_id:
                 yield line

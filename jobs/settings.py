@@ -61,6 +61,9 @@ class Settings(BaseSettings):
                                        "errors) of one API key streaming at once in one API process; more get 429")
     body_deadline_seconds: float = Field(default=300.0, gt=0, description="a request body not received whole "
                                          "this many seconds after its request's head is cut off with 408")
+    send_deadline_seconds: float = Field(default=300.0, gt=0, description="a client that takes no more of an answer "
+                                         "for this many seconds (one piece of a download, at most 1 MiB, not taken "
+                                         "from the server's buffer) loses its connection, and its download slot")
     max_files_per_key: int = Field(default=10_000, ge=1, description="files one API key may keep (as GET /v1/files "
                                    "lists them: uploads, batch inputs, outputs); an upload or submission beyond gets "
                                    "429 insufficient_quota")

@@ -475,7 +475,7 @@ class InferenceSession:
 
     async def _on_failure(self, exc: BaseException) -> None:
         if isinstance(exc, PushReported):  # not its fault yet: the step goes to it directly next
-            logger.info("Server %s: %s; sending the step to it directly", exc.peer_id[-8:], exc.reason)
+            logger.info("Server %s: %r; sending the step to it directly", exc.peer_id[-8:], exc.reason)
             return
         if isinstance(exc, PeerFailed) and not isinstance(exc, WrongOutput):  # the verifier banned it for good
             duration = self.swarm.ban(exc)
@@ -493,7 +493,7 @@ class InferenceSession:
         try:
             applied = await session.reattach(timeout, len(self._history))
         except PeerFailed as e:
-            logger.info("Server %s did not resume the session (%s); failing over", session.hop.peer_id[-8:], e.reason)
+            logger.info("Server %s did not resume the session (%r); failing over", session.hop.peer_id[-8:], e.reason)
             return False
         if applied not in (len(self._history), len(self._history) + 1):
             logger.info("Server %s resumed the session at step %d, not %d; failing over", session.hop.peer_id[-8:],

@@ -276,12 +276,14 @@ from jobs.runtime import Runtime  # noqa: E402
 
 @pytest.fixture
 def serve() -> Iterator[Callable[[Runtime], str]]:
-    """Start make_app(runtime) under uvicorn in a thread; returns its base URL. Every server is stopped after."""
+    """Start make_app(runtime) under uvicorn in a thread (its event loop: uvicorn's `loop`, uvloop when "auto");
+    returns its base URL. Every server is stopped after."""
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(runtime: Runtime) -> str:
+    def start(runtime: Runtime, loop: str = "auto") -> str:
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(make_app(runtime), host="127.0.0.1", port=port, log_level="warning",
+                                               loop=loop))
         thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
         thread.start()
         running.append((server, thread))

@@ -90,3 +90,63 @@ def heading_anchors(page: Path) -> set[str]:
     """The anchors Python-Markdown's toc gives a page's headings (code spans reduced to their text)."""
     headings = re.findall(r"^#{1,6} (.+)$", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
     return {slugify(heading.replace("`", ""), "-") for heading in headings}
+
+
+# ---- the TLS proxy example of docs/deploying.md ---------------------------------------------------------------------
+DEPLOYING = ROOT / "docs" / "deploying.md"
+CADDY_DURATION = re.compile(r"^(\d+)(s|m|h)$")
+CADDY_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def test_the_tls_proxy_example_sets_the_timeouts_that_the_api_leaves_to_the_proxy() -> None:
+    from jobs.settings import Settings
+
+    # the Caddyfile of "TLS in front of the API": a global options block first, then the site
+    blocks = caddy_blocks(fenced_block(DEPLOYING, "### TLS in front of the API"))
+    assert blocks[0][0] == (), "the global options block (`{ ... }`) must come first"
+    timeouts = {line[0]: line[1:] for line in blocks_at(blocks, ("", "servers", "timeouts"))}
+    seconds = {name: caddy_seconds(value) for name, value in timeouts.items()}
+    assert set(seconds) == {"read_header", "read_body", "write", "idle"}, timeouts
+    # a request head is short; a body may take as long as the API's own body deadline (its 408 comes first)
+    assert 0 < seconds["read_header"] <= 60
+    assert seconds["read_body"] >= Settings.model_fields["body_deadline_seconds"].default
+    assert seconds["write"] > 0 and 0 < seconds["idle"] <= 300
+    assert ["reverse_proxy", "127.0.0.1:8000"] in blocks_at(blocks, ("batch.example.internal",))
+
+
+def fenced_block(page: Path, heading: str) -> str:
+    """The first fenced code block after `heading` on `page`."""
+    text = page.read_text(encoding="utf-8")
+    assert heading in text, f"{page.name} has no heading {heading!r}"
+    found = re.search(r"^```[^\n]*\n(.*?)^```", text[text.index(heading):], flags=re.MULTILINE | re.DOTALL)
+    assert found, f"no code block under {heading!r}"
+    return found.group(1)
+
+
+def caddy_blocks(caddyfile: str) -> list[tuple[tuple[str, ...], list[str]]]:
+    """Each directive line of a Caddyfile with the path of blocks it sits in (a global options block is "")."""
+    path: list[str] = []
+    lines: list[tuple[tuple[str, ...], list[str]]] = []
+    for raw in caddyfile.splitlines():
+        words = raw.split("#", 1)[0].split()
+        if words[-1:] == ["{"]:
+            path.append(" ".join(words[:-1]))
+            lines.append((tuple(path[:-1]), words[:-1]))
+        elif words == ["}"]:
+            assert path, "a } closes no block"
+            path.pop()
+        elif words:
+            lines.append((tuple(path), words))
+    assert not path, f"unclosed blocks: {path}"
+    return lines
+
+
+def blocks_at(blocks: list[tuple[tuple[str, ...], list[str]]], path: tuple[str, ...]) -> list[list[str]]:
+    """The directive lines directly inside the block at `path`."""
+    return [line for where, line in blocks if where == path]
+
+
+def caddy_seconds(value: list[str]) -> int:
+    """A Caddyfile duration (one word: 10s, 5m, 1h) in seconds."""
+    assert len(value) == 1 and (match := CADDY_DURATION.match(value[0])), value
+    return int(match.group(1)) * CADDY_UNITS[match.group(2)]

@@ -4,7 +4,9 @@
     error_body.py      OpenAI's error body {"error": {message, type, param, code}}, for every 4xx and 5xx
     deps.py            Annotated dependencies: RuntimeDep, SessionDep (one per request), ApiKeyDep (Bearer key, never
                        cached: a revoked key fails at once); the operator's guards: the metrics token, the served models
-    limits.py          BodyLimit middleware (413 before or while reading a body), submission slots (429)
+    limits.py          BodyLimit middleware (413 before or while reading a body, 408 past its deadline)
+    slots.py           per-key slots of submissions, uploads and downloads (429)
+    send_deadline.py   the send deadline: a client that takes nothing of an answer for a while loses its connection
     batch_request.py   the body of POST /v1/batches: OpenAI's {input_file_id, endpoint, ...}, or ours (a multipart JSONL
                        upload or a JSON body of requests), as one Submission
     metrics.py         a Prometheus collector that reads job/request counts and tokens from SQL (two GROUP BY

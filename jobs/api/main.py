@@ -7,12 +7,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from jobs.api.docs import add_docs
 from jobs.api.error_body import error_response
 from jobs.api.limits import BODY_OVERHEAD_BYTES, ApiRefusal, BodyLimit
 from jobs.api.metrics import make_registry
 from jobs.api.routes import batches, files, health, models, swarm
+from jobs.api.send_deadline import deadline_send
 from jobs.api.slots import ApiSlots
 from jobs.api.ui import add_ui
 from jobs.errors import (
@@ -48,9 +50,23 @@ STATUS_CODES: dict[type[JobsError], int] = {FileTooLarge: 413, JobNotFound: 404,
 HTTP_KINDS = {401: "Unauthorized", 404: "NotFound", 405: "MethodNotAllowed"}
 
 
+class ApiApp(FastAPI):
+    """The FastAPI app whose every HTTP answer is sent under a deadline (jobs.api.send_deadline): the wrapper sits
+    outside all of Starlette's middleware, on the server's own `send`."""
+
+    send_deadline_seconds: float | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every HTTP request with its `send` under the deadline (make_app sets it)."""
+        if scope["type"] == "http" and self.send_deadline_seconds is not None:
+            send = deadline_send(scope, send, self.send_deadline_seconds)
+        await super().__call__(scope, receive, send)
+
+
 def make_app(runtime: Runtime) -> FastAPI:
     """The app serving `runtime`'s store; the caller owns the runtime (and closes it)."""
-    app = FastAPI(title="swarmbatch", version="0.1.0", description=DESCRIPTION, docs_url=None, redoc_url=None)
+    app = ApiApp(title="swarmbatch", version="0.1.0", description=DESCRIPTION, docs_url=None, redoc_url=None)
+    app.send_deadline_seconds = runtime.settings.send_deadline_seconds
     app.state.runtime = runtime
     app.state.metrics_registry = make_registry(runtime)
     app.state.slots = ApiSlots.of(runtime.settings)

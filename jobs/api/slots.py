@@ -5,13 +5,19 @@ request finding none of its key's slots free gets 429 with Retry-After at once, 
 answer is streamed. Submissions have a process-wide bound too (SWARMBATCH_MAX_CONCURRENT_SUBMISSIONS), taken only
 once the body is in (jobs.api.limits bounds its size and time): it bounds the work of storing bodies (the lines are
 checked by workers, jobs.ingest), so a key trickling a body holds its own slot and nobody else's. A download's slot
-is held until its last byte is sent (or the client goes), an upload's and a submission's until the route returns.
+is held until its last byte is sent (or the client goes, or takes nothing for SWARMBATCH_SEND_DEADLINE_SECONDS:
+jobs.api.send_deadline), an upload's and a submission's until the route returns. A download whose file is deleted
+(or whose outputs expire) while it streams has its connection aborted: the client sees an incomplete answer, never
+a short one that looks whole.
 
 The counts live in this process's memory: with several API processes (uvicorn workers, replicas) a key may hold
 the bound in each (docs/security.md "API limits"). They need no broker and cannot leak across a crash.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -24,9 +30,15 @@ from starlette.types import Receive, Scope, Send
 
 from jobs.api.deps import ApiKeyDep
 from jobs.api.limits import ApiRefusal
+from jobs.api.send_deadline import abort_connection
+from jobs.errors import JobsError
 from jobs.settings import Settings
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_SECONDS = 5
+DISCONNECT_WAIT_SECONDS = 5.0
+CUT_SHORT_LOG = "%s %r: what the answer streams went while it was sent (%s); connection aborted, the answer cut short"
 
 
 @dataclass(frozen=True)
@@ -166,8 +178,22 @@ class _SlotResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except JobsError as gone:  # what it streams went meanwhile (the file deleted, the outputs expired)
+            if not abort_connection(scope):
+                raise
+            logger.warning(CUT_SHORT_LOG, scope.get("method", "?"), scope.get("path", ""), type(gone).__name__)
+            await _disconnected(receive)
         finally:
             self.slot.release()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Until the server has seen the aborted connection go (it then takes the unfinished answer for the client's
+    leaving, not for the app's fault); a few seconds at most."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DISCONNECT_WAIT_SECONDS):
+            while (await receive())["type"] != "http.disconnect":
+                pass
 
 
 async def download_slot(request: Request, key: ApiKeyDep) -> AsyncIterator[DownloadSlot]:

@@ -2,10 +2,12 @@
 
 The attacker holds downloads open without reading them and trickles submission bodies; meanwhile anyone's
 `/healthz`, another key's list and another key's submission must answer within a second (issue 28, N3 + N8).
+Nor can a caller forge lines in the logs: what it sends is logged escaped (N11).
 """
 from __future__ import annotations
 
 import json
+import logging
 import select
 import socket
 import time
@@ -16,10 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from factories import new_key
-from jobs_support import start_api
+from jobs_support import ApiClient, check_lines, start_api
 from sqlalchemy import text
 from tiers import process_fixture
 
+from jobs import store
+from jobs.models import RequestStatus
 from jobs.runtime import Runtime
 
 PROBE_TIMEOUT = 5.0  # seconds; before the fix a probe waited 30 s for a pooled connection, then got a 500
@@ -136,3 +140,30 @@ def idle_in_transaction(runtime: Runtime) -> int:
         return int(connection.execute(text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
             "AND state = 'idle in transaction'")).scalar_one())
+
+
+def test_a_custom_id_with_a_line_break_reaches_the_workers_log_escaped(
+        make_runtime: Callable[..., Runtime], redis_url: str, client: ApiClient, tiny_model: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Given a batch whose line's custom_id carries a line break and a forged log line
+    runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)])
+    api = client(runtime, new_key(runtime))
+    forged = "a\nINFO jobs.store: FORGED line: API key 1 (alice) revoked"
+    created = api.post("/v1/batches", json={"model": str(tiny_model), "requests": [
+        {"custom_id": forged, "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}]})
+    assert created.status_code == 200, created.text
+
+    # When a worker checks its lines, claims the request and ends it (the store logs each request that ends)
+    caplog.set_level(logging.INFO)
+    check_lines(runtime, created.json()["id"])
+    with runtime.session() as session:
+        token, [row] = store.claim_requests(session=session, job_id=created.json()["id"], worker="test", limit=1,
+                                            lease_seconds=60, max_attempts=5)
+        assert store.finish_request(session=session, request_id=row.id, token=token, status=RequestStatus.completed,
+                                    generated=[5], finish_reason="length", output_text="x")
+        session.commit()
+
+    # Then the custom_id is in the log escaped, on the line of its request, and no line of the log is forged
+    [ended] = [r.getMessage() for r in caplog.records if "in_progress -> completed" in r.getMessage()]
+    assert repr(forged) in ended and "\n" not in ended, ended
+    assert not [r for r in caplog.records if "\nINFO" in r.getMessage()], caplog.text

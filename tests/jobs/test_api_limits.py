@@ -7,7 +7,9 @@ the openai SDK.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import platform
 import select
 import socket
@@ -28,6 +30,7 @@ from typer.testing import CliRunner
 
 import cli
 from jobs import store
+from jobs.api.send_deadline import SEND_DEADLINE_LOG, SendTimedOut, deadline_send
 from jobs.api.slots import ALL_SUBMISSIONS, Slots
 from jobs.models import FileChunk, Job, Request, RequestStatus, StoredFile, utcnow
 from jobs.runtime import Runtime
@@ -236,6 +239,111 @@ def test_a_body_trickling_in_is_cut_off_at_its_deadline_with_408_and_holds_nobod
     # and alice's slot is hers again
     assert upload(as_alice, b"a").status_code == 200
     assert as_alice.post("/v1/batches", json=batch(tiny_model)).status_code == 200
+
+
+# ---- the send deadline ---------------------------------------------------------------------------------------------
+def read_all(sock: socket.socket) -> tuple[int, str]:
+    """How many bytes come on `sock` until the server closes it, and how it ended ("eof" or "reset")."""
+    sock.settimeout(10)
+    count = 0
+    try:
+        while chunk := sock.recv(65536):
+            count += len(chunk)
+    except ConnectionResetError:
+        return count, "reset"
+    return count, "eof"
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # `swarmbatch api` runs uvloop; their transports differ
+def test_a_download_that_stops_reading_loses_its_connection_at_the_send_deadline_and_frees_its_slot(
+        make_runtime: Callable[..., Runtime], redis_url: str, serve: Callable[..., str], tiny_model: Path,
+        caplog: pytest.LogCaptureFixture, loop: str) -> None:
+    # Given a 1 s send deadline, two downloads per key (the default), and alice's 8 MB file
+    runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], send_deadline_seconds=1.0)
+    alice = new_key(runtime, "alice")
+    as_alice = httpx.Client(base_url=serve(runtime, loop=loop), headers={"Authorization": f"Bearer {alice}"},
+                            timeout=60)
+    file_id = upload(as_alice, b"a" * BIG).json()["id"]
+
+    # When alice opens two downloads and stops reading each after its first bytes
+    started = time.monotonic()
+    with stalled_download(as_alice, alice, file_id) as first, stalled_download(as_alice, alice, file_id) as second:
+        # Then a third is refused while they hold her slots
+        assert_refused(as_alice.get(f"/v1/files/{file_id}/content"), 429, "TooManyDownloads",
+                       "SWARMBATCH_MAX_DOWNLOADS_PER_KEY")
+        # and about a second later (the deadline) it is served whole: the stalled two gave their slots back
+        whole = eventually(lambda: as_alice.get(f"/v1/files/{file_id}/content"), 200, within=10)
+        freed_after = time.monotonic() - started
+        assert len(whole.content) == BIG and 1.0 <= freed_after < 6, freed_after
+        # and the stalled connections were reset: neither gets the whole file
+        for stalled in (first, second):
+            received, ended = read_all(stalled)
+            assert ended == "reset" and received + 64 < BIG, (received, ended)
+    # and the API said so in one line each, and nothing else went wrong
+    aborted = [r for r in caplog.records if r.msg == SEND_DEADLINE_LOG]
+    assert len(aborted) == 2 and all(r.getMessage() == f"GET '/v1/files/{file_id}/content': the client took "
+                                     f"nothing of the answer for 1 s (SWARMBATCH_SEND_DEADLINE_SECONDS); "
+                                     f"connection aborted" for r in aborted), [r.getMessage() for r in aborted]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    as_alice.close()
+
+
+def test_a_send_past_the_deadline_under_a_server_without_a_transport_to_abort_fails_the_answer() -> None:
+    # Given a server whose send never returns (its client reads nothing) and shows no transport
+    async def stuck_send(message: dict[str, Any]) -> None:
+        await asyncio.Event().wait()
+
+    async def two_sends() -> float:
+        send = deadline_send({"type": "http", "method": "GET", "path": "/x"}, stuck_send, 0.2)
+        started = time.monotonic()
+        with pytest.raises(SendTimedOut):
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        await send({"type": "http.response.body", "body": b"y", "more_body": True})  # after that, sends are dropped
+        return time.monotonic() - started
+
+    # Then the first send fails at the deadline (the server closes the connection), and the next returns at once
+    assert 0.2 <= asyncio.run(two_sends()) < 1.0
+
+
+def test_a_slow_download_that_keeps_reading_outlasts_the_send_deadline(
+        make_runtime: Callable[..., Runtime], redis_url: str, client: ApiClient, tiny_model: Path) -> None:
+    # Given a 1.5 s send deadline and alice's 8 MB file
+    runtime = make_runtime(broker_url=redis_url, api_models=[str(tiny_model)], send_deadline_seconds=1.5)
+    alice = new_key(runtime, "alice")
+    as_alice = client(runtime, alice)
+    file_id = upload(as_alice, b"a" * BIG).json()["id"]
+
+    # When she reads it at about 2 MB/s (64 KiB every 30 ms: about 4 s in all, each 1 MiB piece about 0.5 s)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    sock.settimeout(10)
+    sock.connect((as_alice.base_url.host, as_alice.base_url.port))
+    started = time.monotonic()
+    with sock:
+        sock.sendall(f"GET /v1/files/{file_id}/content HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer {alice}\r\n"
+                     f"Connection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+            time.sleep(0.03)
+    elapsed = time.monotonic() - started
+
+    # Then she gets all of it, though it took longer than the deadline
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and elapsed > 1.5, (head[:40], elapsed)
+    assert dechunk(body) == b"a" * BIG
+
+
+def dechunk(body: bytes) -> bytes:
+    """The payload of a chunked transfer-coding body."""
+    out, rest = bytearray(), body
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(out)
+        out += rest[:size]
+        rest = rest[size + 2:]
 
 
 # ---- quotas --------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ faulty after a few (issue 28, N14). The server here is a real stream's other end
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -131,6 +132,39 @@ def test_a_push_failure_steers_the_client_only_when_it_names_the_reporters_next_
         server.write(push_failed(0, "stranger-peer"))
         await settle(server)
         assert first._answers.broken is not None and "not its next hop" in first._answers.broken
+        for session in (first, second):
+            assert session._answers is not None
+            session._answers.close()
+        server.close()
+    run(test)
+
+
+def test_a_servers_push_failure_reason_reaches_the_clients_log_escaped(caplog: pytest.LogCaptureFixture) -> None:
+    async def test() -> None:
+        # Given a client's chain of two push sessions, whose client waits for the second's answer to step 0
+        swarm = Swarm(None, None, None, model_id="tiny", num_blocks=6, config=ClientConfig())  # type: ignore[arg-type]
+        inference = InferenceSession(swarm, batch_size=1, max_length=8)
+        first, second = (ServerSession(swarm, RouteHop(peer, start, end), batch_size=1, max_length=8, push=True,
+                                       on_push_failure=inference._push_failed)
+                         for peer, start, end in (("first-peer", 0, 3), ("second-peer", 3, 6)))
+        inference._sessions = {0: first, 3: second}
+        first._answers, server = await reader_and_server(
+            lambda step_id, peer, reason: inference._push_failed(first, step_id, peer, reason))
+        second._answers, _ = await reader_and_server()
+        second.expect(torch.Size((1, 1, 4)), 0)
+        waiting = asyncio.ensure_future(second.answer(0, torch.Size((1, 1, 4))))
+        # When the first server reports a failed push whose reason forges a log line
+        forged = "broken\nWARNING swarmclient.session: FORGED line: Server 12345678 failed; banned"
+        server.write(protocol.length_prefixed(protocol.encode([], {"step_id": 0, "push_failed": {
+            "peer": "second-peer", "reason": forged}})))
+        with pytest.raises(PushReported) as reported:
+            await asyncio.wait_for(waiting, 5)
+        # and the client handles the failure (it logs it, and sends the step to the second server directly)
+        caplog.set_level(logging.INFO, logger="swarmclient.session")
+        await inference._on_failure(reported.value)
+        # Then the reason is in the log escaped, on one line
+        [logged] = [r.getMessage() for r in caplog.records if "sending the step to it directly" in r.getMessage()]
+        assert "\n" not in logged and "broken\\nWARNING swarmclient.session: FORGED line" in logged, logged
         for session in (first, second):
             assert session._answers is not None
             session._answers.close()
