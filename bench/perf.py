@@ -4,8 +4,9 @@ Run:  .venv/bin/python bench/perf.py [--only a,b,c,d] [--quick] [--out perf.json
 
 Each row runs an existing benchmark script as a subprocess (its raw output and JSON go to the log dir, printed
 first) and reads its JSON back; every ratio is measured side by side in that script's run:
-  a  the user's default job against local generate: `bench/throughput.py --user-path` (SmolLM2, 64 chat requests x
-     64 new tokens, mixed prompt lengths, the worker's default sizing, 2 unpinned servers) against transformers
+  a  the user's default job against local generate: `bench/throughput.py --cli-path` (SmolLM2, 64 chat requests x
+     64 new tokens, mixed prompt lengths, a `swarmbatch worker` process with default settings (Celery, embedded
+     broker), 2 unpinned servers; `--user-path` runs the worker's code in process instead) against transformers
      generate of the same prompts at batch 64 with 2 threads, interleaved; job tok/s / local tok/s >= 0.9
   b  checked outputs: `bench/throughput.py --verify-fractions 0.02` (4 servers, two holders of each half);
      cost = 1 - tok/s with F = 0.02 / tok/s without checks <= 3 %
@@ -60,8 +61,9 @@ class Bench:
 
 def user_path_rows(data: dict[str, Any]) -> list[Row]:
     """Row a: the default job against local generate (best runs, and the per-rep ratios)."""
-    job = data["best"]["swarm job, default settings, 2 unpinned servers"]["tokens_per_s"]
-    local = data["best"]["local transformers generate, whole batch, 2 threads"]["tokens_per_s"]
+    local_label = "local transformers generate, whole batch, 2 threads"
+    job = next(best["tokens_per_s"] for label, best in data["best"].items() if label != local_label)
+    local = data["best"][local_label]["tokens_per_s"]
     ratio = job / local
     paired = ", ".join(f"{r:.2f}" for r in data["paired"])
     return [Row("default job vs local generate b64", f"**{ratio:.2f}x** (job {job:.1f} vs local {local:.1f} tok/s, "
@@ -126,8 +128,8 @@ def wan_rows(data: list[dict[str, Any]]) -> list[Row]:
 
 
 BENCHES = (
-    Bench("a", "default job vs local generate", "throughput.py", ("--user-path", "--reps", "3"),
-          ("--user-path", "--requests", "8", "--max-tokens", "8", "--reps", "1"), user_path_rows, 1800),
+    Bench("a", "default job vs local generate", "throughput.py", ("--cli-path", "--reps", "3"),
+          ("--cli-path", "--requests", "8", "--max-tokens", "8", "--reps", "1"), user_path_rows, 1800),
     Bench("b", "checked outputs", "throughput.py", ("--verify-fractions", "0.02", "--max-tokens", "32", "--reps", "3"),
           ("--verify-fractions", "0.02", "--requests", "8", "--max-tokens", "8", "--batch-size", "8", "--reps", "1"),
           verify_rows, 1800),

@@ -21,12 +21,14 @@ fraction of hop steps checked (SWARMBATCH_VERIFY_FRACTION), interleaved in the s
 With --user-path it measures the job as a user runs it against local generate (issue 30's first target): the job
 with default settings (no claim or lanes set: the worker sizes them) through 2 servers that are not pinned to cores
 (as `launch.local_swarm.LocalSwarm` starts them for the demo), and local generate of the same prompts (batch 64,
-2 threads), interleaved over reps (the order alternating); the target is job >= 0.9x local.
+2 threads), interleaved over reps (the order alternating); the target is job >= 0.9x local. The job runs the
+worker's code in this process. With --cli-path a `swarmbatch worker` process runs it instead (Celery on the embedded
+broker, as a user starts it after `swarmbatch submit`), timed from its submission to its last line.
 
 --out FILE writes every run, the best run per config and the mode's ratios as JSON (bench/perf.py reads it).
 
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
-       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1] [--user-path] [--out FILE]
+       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1] [--user-path | --cli-path] [--out FILE]
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,7 +50,11 @@ from jobs.assembly import build_runtime  # noqa: E402
 from jobs.migrate import upgrade  # noqa: E402
 from jobs.runtime import Runtime  # noqa: E402
 from jobs.settings import Settings  # noqa: E402
+from jobs.store import job_counts  # noqa: E402
+from jobs.submission import submit_batch  # noqa: E402
+from launch.embedded import worker_settings  # noqa: E402
 from launch.local_swarm import LocalSwarm  # noqa: E402
+from launch.local_worker import require_running, start_local_worker  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 LOCAL = "local transformers generate, whole batch, 2 threads"
@@ -118,9 +126,11 @@ def main() -> None:
                                                       "64x4,32x2; default: 8/16/32/64 x 2/4/8)")
     parser.add_argument("--user-path", action="store_true", help="the default job through 2 unpinned servers vs "
                                                                   "local generate, interleaved")
+    parser.add_argument("--cli-path", action="store_true", help="the default job run by a `swarmbatch worker` process "
+                                                                 "(Celery, embedded broker) vs local generate")
     parser.add_argument("--out", type=Path, default=None, help="write the runs and ratios as JSON here")
     args = parser.parse_args()
-    if args.user_path:
+    if args.user_path or args.cli_path:
         user_path_main(args)
         return
     if args.sweep:
@@ -166,15 +176,17 @@ def main() -> None:
 
 
 def job_runtime(home: Path, label: str, initial_peers: list[str], args: argparse.Namespace,
-                options: dict[str, object], model_dir: Path, texts: list[str]) -> Runtime:
-    """A runtime of its own store for one config, warmed up (swarm join, routes) by a 2-request job."""
-    options = {"worker_batch_size": args.batch_size, **options}
+                options: dict[str, object], model_dir: Path, texts: list[str], *, warm: bool = True) -> Runtime:
+    """A runtime of its own store for one config, warmed up (swarm join, routes) by a 2-request job run in this
+    process (`warm`)."""
+    options = {"worker_batch_size": args.batch_size, "broker_url": "memory://", **options}
     settings = Settings(home=home / "".join(c if c.isalnum() else "_" for c in label), initial_peers=initial_peers,
-                        broker_url="memory://", **options)  # type: ignore[arg-type]
+                        **options)  # type: ignore[arg-type]
     settings.home.mkdir(parents=True, exist_ok=True)
     upgrade(settings.resolved_database_url)
     runtime = build_runtime(settings)
-    run_job(runtime, str(model_dir), batch_file(texts[:2], 4))
+    if warm:
+        run_job(runtime, str(model_dir), batch_file(texts[:2], 4))
     return runtime
 
 
@@ -262,33 +274,68 @@ def user_path_main(args: argparse.Namespace) -> None:
     data = batch_file(texts, args.max_tokens)
     rows: list[tuple[str, float, int]] = []
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=False) as swarm:
-        runtime = job_runtime(home, DEFAULTS, swarm.initial_peers, args, {"worker_batch_size": None}, model_dir, texts)
-        for rep in range(args.reps):  # interleaved, the order alternating, so that drifts hit both alike
-            for which in (("local", "job") if rep % 2 == 0 else ("job", "local")):
-                if which == "local":
-                    seconds, tokens = run_local(model_dir, texts, args.max_tokens)
-                    rows.append((LOCAL, seconds, tokens))
-                else:
-                    seconds, tokens, _ = run_job(runtime, str(model_dir), data)
-                    rows.append((USER_JOB, seconds, tokens))
-                print(f"rep {rep}: {rows[-1][0]}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s",
-                      flush=True)
+        options: dict[str, object] = {"worker_batch_size": None, **({"broker_url": None} if args.cli_path else {})}
+        runtime = job_runtime(home, DEFAULTS, swarm.initial_peers, args, options, model_dir, texts, warm=not args.cli_path)
+        with worker_of(runtime, swarm, home / "logs", cli=args.cli_path) as job_in:
+            if args.cli_path:
+                job_in(str(model_dir), batch_file(texts[:2], 4))  # warm-up: the worker joins the swarm, finds routes
+            for rep in range(args.reps):  # interleaved, the order alternating, so that drifts hit both alike
+                for which in (("local", "job") if rep % 2 == 0 else ("job", "local")):
+                    if which == "local":
+                        seconds, tokens = run_local(model_dir, texts, args.max_tokens)
+                        rows.append((LOCAL, seconds, tokens))
+                    else:
+                        seconds, tokens = job_in(str(model_dir), data)
+                        rows.append((CLI_JOB if args.cli_path else USER_JOB, seconds, tokens))
+                    print(f"rep {rep}: {rows[-1][0]}: {tokens} tokens in {seconds:.1f} s = "
+                          f"{tokens / seconds:.1f} tok/s", flush=True)
         runtime.close()
     best = best_runs(rows)
     rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
-    paired = paired_ratios(rows, USER_JOB, LOCAL)
+    job_label = CLI_JOB if args.cli_path else USER_JOB
+    paired = paired_ratios(rows, job_label, LOCAL)
     print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 2 servers "
           f"not pinned; the worker's default sizing; best of {args.reps}")
     print("| config | seconds | tokens | tokens/s | vs local |")
     print("|---|---|---|---|---|")
     for label, (seconds, tokens) in best.items():
         print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / rate[LOCAL]:.2f} |")
-    print(f"job vs local, best runs: {rate[USER_JOB] / rate[LOCAL]:.2f}; per rep: "
+    print(f"job vs local, best runs: {rate[job_label] / rate[LOCAL]:.2f}; per rep: "
           f"{', '.join(f'{r:.2f}' for r in paired)} (target >= 0.9)")
-    write_out(args, "user-path", rows, best, ratios={"job_vs_local": rate[USER_JOB] / rate[LOCAL]}, paired=paired)
+    write_out(args, "cli-path" if args.cli_path else "user-path", rows, best,
+              ratios={"job_vs_local": rate[job_label] / rate[LOCAL]}, paired=paired)
 
 
 USER_JOB = "swarm job, default settings, 2 unpinned servers"
+CLI_JOB = "swarm job run by a `swarmbatch worker` process, default settings, 2 unpinned servers"
+JobIn = Callable[[str, bytes], tuple[float, int]]
+
+
+@contextmanager
+def worker_of(runtime: Runtime, swarm: LocalSwarm, log_dir: Path, *, cli: bool) -> Iterator[JobIn]:
+    """How a job runs: in this process (the worker's code, batch after batch), or with `cli` by a `swarmbatch worker`
+    process (Celery on the embedded broker, as a user starts it), submitted as `swarmbatch submit` stores it and
+    timed from its submission to its last line."""
+    if not cli:
+        yield lambda model, data: run_job(runtime, model, data)[:2]
+        return
+    worker = start_local_worker(worker_settings(runtime.settings, swarm), log_dir=log_dir)
+    try:
+        def job_in(model: str, data: bytes) -> tuple[float, int]:
+            began = time.perf_counter()
+            job = submit_batch(runtime, data, model=model)
+            while True:
+                require_running(worker)
+                with runtime.session() as session:
+                    counts = job_counts(session=session, job_id=job.id)
+                if counts.completed + counts.failed >= counts.total:
+                    break
+                time.sleep(0.1)
+            assert counts.completed == counts.total, counts
+            return time.perf_counter() - began, counts.tokens
+        yield job_in
+    finally:
+        worker.terminate()
 
 
 def paired_ratios(rows: list[tuple[str, float, int]], label: str, base: str) -> list[float]:

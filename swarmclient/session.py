@@ -479,7 +479,7 @@ class InferenceSession:
             return
         if isinstance(exc, PeerFailed) and not isinstance(exc, WrongOutput):  # the verifier banned it for good
             duration = self.swarm.ban(exc)
-            logger.warning("Server %s %s (%s); %s for %.0f s, routing around it", exc.peer_id[-8:],
+            logger.warning("Server %s %s (%r); %s for %.0f s, routing around it", exc.peer_id[-8:],
                            *(("has no room", exc.reason, "skipped") if isinstance(exc, NoRoom) else
                              ("failed", exc.reason, "banned")), duration)
 
