@@ -1,6 +1,7 @@
 """Reading the DHT: which servers hold which blocks. The only client module that talks to the DHT."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
@@ -11,13 +12,25 @@ from swarmnet.data_structures import PROTOCOL_VERSION, RemoteSpanInfo, ServerInf
 logger = logging.getLogger(__name__)
 
 BlockServers = dict[str, ServerInfo]  # peer id -> what it announced for one block
+LOOKUPS_AT_ONCE = 16  # block keys looked up concurrently, each on its own
 
 
 async def get_remote_module_infos(node: DHTNode, model_id: str, num_blocks: int) -> list[BlockServers]:
-    """For each block 0..num_blocks-1, the servers that announced it (any state), with their infos."""
+    """For each block 0..num_blocks-1, the servers that announced it (any state), with their infos.
+
+    Each block key is looked up on its own (LOOKUPS_AT_ONCE at a time), never several in one find: a node answers a
+    find with at most `dht_storage.ANSWER_BYTES` of records, split among the keys asked, so a find of one key gets
+    the whole budget (every record of up to 3 KiB, `dht_storage`), and a key flooded with strangers' records can
+    neither crowd another key's records out of an answer nor make the answer fail for both.
+    """
     keys = [block_uid(model_id, i) for i in range(num_blocks)]
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))
-    return [_parse_block_record(found.get(key)) for key in keys]
+    limit = asyncio.Semaphore(LOOKUPS_AT_ONCE)
+
+    async def lookup(key: str) -> object:
+        async with limit:
+            found = await node.get_many([key], sufficient_expiration_time=float("inf"))
+        return found.get(key)
+    return [_parse_block_record(record) for record in await asyncio.gather(*(lookup(key) for key in keys))]
 
 
 def _parse_block_record(record: object) -> BlockServers:

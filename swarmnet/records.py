@@ -32,6 +32,8 @@ every honest record from them. Members are peer ids (servers and DHT nodes); cli
 Two more ways one peer could hide honest records from a reader are closed by `GuardedDHTNode`, the DHT node every
 swarmbatch process runs: a node answers finds from all it stores (its cache keeps nothing, see `NoCache`), and an
 answer's expiration time is the latest of its records' (one claiming "never" would end a reader's search at once).
+In an open swarm, where anyone's self-signed records are stored, a node keeps at most 1024 records per key and
+answers within p2pd's message limit (`swarmnet.dht_storage`).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
 from swarmnet.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
+from swarmnet.dht_storage import BoundedStorage, answer_finds_within
 from swarmnet.identity import Identity, accepted_public_key, peer_id_of_public_key, verify
 
 logger = logging.getLogger(__name__)
@@ -248,9 +251,13 @@ class GuardedDHTNode(DHTNode):
 
     @classmethod
     async def create(cls, *args: Any, **kwargs: Any) -> GuardedDHTNode:
-        """`DHTNode.create`, caching nothing (`NoCache`): readers want the latest records, not the nearest copy."""
+        """`DHTNode.create`, caching nothing (`NoCache`): readers want the latest records, not the nearest copy;
+        storing and answering within bounds (`BoundedStorage`, `answer_finds_within`)."""
         node = await super().create(*args, cache_locally=False, cache_nearest=0, cache_on_store=False, **kwargs)
         node.protocol.cache = NoCache()
+        storage = node.protocol.storage = BoundedStorage.taking_over(node.protocol.storage)
+        if not node.protocol.client_mode:
+            await answer_finds_within(node.protocol, storage)
         assert isinstance(node, GuardedDHTNode)
         return node
 

@@ -18,9 +18,10 @@ from launch.local_swarm import LocalSwarm
 from swarmnet.data_structures import PROTOCOL_VERSION, ServerInfo, ServerState
 from swarmnet.identity import Identity
 from swarmnet.network import LoopThread
-from swarmnet.records import record_payload
+from swarmnet.records import MAX_VALUE_BYTES, record_payload
 
 FIND_HANDLER = "DHTProtocol.rpc_find"  # hivemind's handler name for finds
+ENVELOPE_OVERHEAD = 560  # bytes a signed envelope adds to its value: an RSA-2048 key (294), a signature (256), headers
 
 
 class Outsider:
@@ -49,11 +50,18 @@ class Outsider:
         """Keep a record in the outsider's own storage: it answers finds with it."""
         assert self.node.protocol.storage.store(DHTID.generate(source=key), value, expiration_time, subkey=subkey)
 
+    def store_many_at(self, peer_id: str, records: list[tuple[str, str, bytes, float]]) -> list[bool]:
+        """Ask one node to store several records (key, subkey, value on the wire, expiration) in one request."""
+        keys, subkeys, values, expirations = zip(*records, strict=True)
+        result = self.loop.run(self.node.protocol.call_store(
+            PeerID.from_base58(peer_id), keys=[DHTID.generate(source=key) for key in keys], values=list(values),
+            expiration_time=list(expirations), subkeys=list(subkeys)), timeout=60)
+        assert result is not None, f"{peer_id} did not answer the store"
+        return [bool(ok) for ok in result]
+
     def sign(self, key: str, subkey: str, value: bytes, expiration_time: float) -> bytes:
         """`value` in an envelope signed with the outsider's own key, whatever the subkey."""
-        record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), value, expiration_time)
-        signature = self.identity.sign(record_payload(record, value))
-        return msgpack.packb([value, self.identity.public_key_der, signature], use_bin_type=True)
+        return signed_by(self.identity, key, subkey, value, expiration_time)
 
     def answer_finds_with_an_endless_empty_record(self) -> None:
         """From now on, answer every find with an empty dictionary that expires never (and true neighbours).
@@ -80,6 +88,19 @@ class Outsider:
             self.loop.run(stop(), timeout=10)
         finally:
             self.loop.stop()
+
+
+def signed_by(identity: Identity, key: str, subkey: str, value: bytes, expiration_time: float) -> bytes:
+    """`value` in an envelope signed with `identity`'s key, whatever the subkey (valid when the subkey is its peer id)."""
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey), value, expiration_time)
+    signature = identity.sign(record_payload(record, value))
+    return msgpack.packb([value, identity.public_key_der, signature], use_bin_type=True)
+
+
+def biggest_junk() -> bytes:
+    """A valid msgpack value (not an announcement) whose signed envelope is exactly MAX_VALUE_BYTES: the most a
+    stranger can make honest nodes store per record."""
+    return MSGPackSerializer.dumps(b"\0" * (MAX_VALUE_BYTES - ENVELOPE_OVERHEAD - 3))
 
 
 def honest_peers(swarm: LocalSwarm) -> list[str]:
