@@ -17,8 +17,9 @@ a second, and a 4 MiB one (p2pd's message limit) several, before being refused.
 Every DHT node we run (`GuardedDHTNode.create`, swarmnet/records.py) sets `BoundedSerializer` as its protocol's
 `serializer` (an instance attribute: hivemind reads `self.serializer` in all three places above, and
 `self.protocol.serializer` in node.py). It checks a buffer's length before unpacking it, accepts ext type 0x50 only
-as a whole answer (never nested) and parses that dictionary by its known shape, item by item, under the caps below;
-any other ext type is refused. It encodes exactly as hivemind does.
+as a whole dictionary (never nested) and parses that by its known shape, item by item, under the caps below; any
+other ext type is refused. It encodes exactly as hivemind does. Find answers are read by `GuardedDHTNode._find`,
+which checks their shape and decodes their dictionaries with `decode_dictionary`.
 
 `GuardedDHTNode` also answers store requests through `store_request_refusal` first, on every full node (open swarms
 too): a request of more than MAX_STORE_BYTES bytes is refused unparsed, one of more than MAX_STORE_RECORDS records (a
@@ -63,26 +64,36 @@ class Undecodable(ValueError):
 class BoundedSerializer(MSGPackSerializer):
     """hivemind's serializer for DHT values with every decode bounded; encodes exactly as `MSGPackSerializer`.
 
-    `loads` takes either a whole dictionary (ext 0x50, what finds answer and whole-dictionary stores carry) or one
-    record's value or subkey (at most MAX_VALUE_BYTES, no ext types at all). Anything else, or over a cap, raises
-    `Undecodable` (a ValueError), which hivemind treats as a bad answer (the peer's whole answer is dropped) or a failed store.
+    `loads` takes either a whole dictionary (ext 0x50, what whole-dictionary stores carry) or one record's value or
+    subkey (at most MAX_VALUE_BYTES, no ext types at all), and reads anything else -- over a cap, malformed, another
+    ext type -- as None, never raising: hivemind also decodes each validated record's value with it
+    (`_SearchState.finish_search`), where an exception would leave the reader's whole lookup unfinished until it
+    times out, and a record's value is whatever its signer chose (a stranger's own record, in an open swarm). None
+    is no announcement to our readers (`ServerInfo.from_wire`). Find answers are decoded by `decode_dictionary`
+    instead, which raises: a malformed answer is dropped whole (`GuardedDHTNode._find`).
     """
 
     @classmethod
     def loads(cls, buf: bytes) -> object:
-        """Decode a DHT value from a peer, within the caps (Undecodable otherwise)."""
-        if buf[:1] and buf[0] in EXT_MARKERS:
-            return _dictionary(buf)
-        if len(buf) > MAX_VALUE_BYTES:
-            raise Undecodable(f"a DHT value of {len(buf)} bytes (limit {MAX_VALUE_BYTES})")
+        """Decode a DHT value from a peer, within the caps; None for anything else."""
         try:
-            return msgpack.unpackb(buf, raw=False, ext_hook=_no_ext, max_bin_len=MAX_VALUE_BYTES,
-                                   max_str_len=MAX_VALUE_BYTES, max_array_len=MAX_VALUE_BYTES,
-                                   max_map_len=MAX_VALUE_BYTES, max_ext_len=0)
+            return decode_dictionary(buf) if buf[:1] and buf[0] in EXT_MARKERS else decode_value(buf)
         except Undecodable:
-            raise
-        except Exception as e:  # msgpack raises several unrelated types on malformed input
-            raise Undecodable(f"an undecodable DHT value ({type(e).__name__}: {e})") from e
+            return None
+
+
+def decode_value(buf: bytes) -> object:
+    """One record's value or subkey: at most MAX_VALUE_BYTES of msgpack with no ext type (Undecodable otherwise)."""
+    if len(buf) > MAX_VALUE_BYTES:
+        raise Undecodable(f"a DHT value of {len(buf)} bytes (limit {MAX_VALUE_BYTES})")
+    try:
+        return msgpack.unpackb(buf, raw=False, ext_hook=_no_ext, max_bin_len=MAX_VALUE_BYTES,
+                               max_str_len=MAX_VALUE_BYTES, max_array_len=MAX_VALUE_BYTES,
+                               max_map_len=MAX_VALUE_BYTES, max_ext_len=0)
+    except Undecodable:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types on malformed input
+        raise Undecodable(f"an undecodable DHT value ({type(e).__name__}: {e})") from e
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -90,8 +101,9 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise Undecodable(f"ext type {code} inside a DHT value")
 
 
-def _dictionary(buf: bytes) -> DictionaryDHTValue:
-    """A whole DictionaryDHTValue from a peer (its items, as hivemind's `DictionaryDHTValue.unpackb` stores them)."""
+def decode_dictionary(buf: bytes) -> DictionaryDHTValue:
+    """A whole DictionaryDHTValue from a peer (its items, as hivemind's `DictionaryDHTValue.unpackb` stores them);
+    Undecodable when over a cap or of another shape."""
     dictionary = DictionaryDHTValue()
     with dictionary.freeze():  # as hivemind: items are kept as sent, expired or not; the validator judges them
         for subkey, value, expiration in _dictionary_items(buf):

@@ -69,6 +69,7 @@ from swarmnet.dht_wire import (  # the caps on what peers send live with the dec
     MAX_VALUE_BYTES,
     BoundedSerializer,
     Undecodable,
+    decode_dictionary,
     find_answer_refusal,
     find_request_refusal,
     store_request_refusal,
@@ -399,7 +400,7 @@ class GuardedDHTNode(DHTNode):
                                                                         dict[DHTID, PeerID]]] | None:
         """hivemind 1.1.12's `DHTProtocol.call_find`, with the peer's answer checked for shape before any of it is
         decoded (`find_answer_refusal`: a result per key, at most a bucket of neighbours each), dictionaries decoded
-        by `BoundedSerializer`, and a bad answer counted as none (the peer leaves the routing table), as hivemind
+        by `decode_dictionary`, and a bad answer counted as none (the peer leaves the routing table), as hivemind
         does when decoding one raises. For each key: its value (None if not found or refused), its neighbours."""
         protocol, keys = self.protocol, list(keys)
         request = dht_pb2.FindRequest(keys=[key.to_bytes() for key in keys], peer=protocol.node_info)
@@ -432,9 +433,7 @@ class GuardedDHTNode(DHTNode):
                 return None
             return ValueWithExpiration(result.value, result.expiration_time)
         if result.type == dht_pb2.FOUND_DICTIONARY:
-            dictionary = protocol.serializer.loads(result.value)  # Undecodable drops the whole answer, as hivemind
-            if not isinstance(dictionary, DictionaryDHTValue):
-                raise Undecodable("a dictionary answer that holds no dictionary")
+            dictionary = decode_dictionary(result.value)  # Undecodable drops the whole answer, as hivemind does
             if not protocol._validate_dictionary(key, dictionary):
                 return None
             return ValueWithExpiration(dictionary, result.expiration_time)

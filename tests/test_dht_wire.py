@@ -22,7 +22,7 @@ from dht_outsider import FIND_HANDLER, Outsider, honest_peers, wire
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import dht_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from loop_watch import LoopWatch
 from tiers import process_fixture
 
@@ -167,6 +167,34 @@ def test_a_find_request_of_150000_keys_gets_an_empty_answer_at_once(open_node: O
         few = dht_pb2.FindRequest(keys=keys[:MAX_FIND_KEYS], peer=stranger.node.protocol.node_info)
         assert len(stranger.loop.run(stub.rpc_find(few, timeout=30), timeout=40).results) == MAX_FIND_KEYS
     finally:
+        stranger.close()
+
+
+def test_a_strangers_valid_record_whose_value_does_not_decode_leaves_readers_lookups_whole(
+        open_node: OpenNode, tmp_path: Path) -> None:
+    stranger = Outsider(open_node.maddrs, tmp_path / "stranger.key")
+    loop = LoopThread("reader")
+    try:
+        expiration, me = get_dht_time() + 30, open_node.peer_id.to_base58()
+        announcement = MSGPackSerializer.loads(wire(ServerState.ONLINE, 0, 3))
+        # Given under each of 3 block keys the node's own record and a stranger's, correctly signed by the stranger,
+        # whose value is not msgpack, an ext type hivemind knows (0x51), or a dictionary's ext type over nothing
+        for index, inner in enumerate((b"\xc1", b"\xd4\x51\x00", b"\xd4\x50\x00")):
+            key = block_uid("odd", index)
+            assert open_node.loop.run(open_node.node.store(key, announcement, expiration, subkey=me), timeout=30)
+            value = stranger.sign(key, stranger.identity.peer_id, inner, expiration)
+            assert stranger.store_at(me, key, stranger.identity.peer_id, value, expiration)
+        # When a reader looks the blocks up (before: the undecodable value raised inside hivemind's search, and the
+        # lookup never finished)
+        p2p, node = loop.run(start_dht_node(open_node.maddrs, NetworkOptions(), client_mode=True), timeout=60)
+        try:
+            infos = loop.run(get_remote_module_infos(node, "odd", 3), timeout=20)
+        finally:
+            loop.run(stop_dht_node(p2p, node), timeout=20)
+        # Then it finds the node's record on every block, and nothing of the stranger's
+        assert [set(block) for block in infos] == [{me}] * 3, infos
+    finally:
+        loop.stop()
         stranger.close()
 
 
