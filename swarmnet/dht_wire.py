@@ -30,7 +30,10 @@ find of 150,000 keys held a node's loop 0.9 s), and reads peers' find answers on
 gives them (`find_answer_refusal`).
 
 The caps follow from what a legitimate record can be (MAX_KEY_BYTES, MAX_SUBKEY_BYTES, MAX_VALUE_BYTES, checked
-again per record by `records.size_refusal`): a signed announcement is about 1.3 KB.
+again per record by `records.size_refusal`; a signed announcement is about 1.3 KB) and from what an honest node
+answers a find of one key with (`dht_storage`: at most MAX_SUBKEYS_PER_KEY records, ANSWER_BYTES of them). Decoding
+the largest such answer takes a few milliseconds; validating it, at most MAX_SUBKEYS_PER_KEY signature checks of
+records not seen before (about 35 ms with RSA-2048 keys, 100 ms with RSA-3072 ones).
 """
 from __future__ import annotations
 
@@ -41,16 +44,18 @@ from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer
 
+from swarmnet.dht_storage import ANSWER_BYTES, MAX_SUBKEYS_PER_KEY  # what an honest node keeps and answers with
+
 MAX_KEY_BYTES = 64         # a DHTID is 20 bytes
 MAX_SUBKEY_BYTES = 128     # a msgpack-serialized peer id is about 50
 MAX_VALUE_BYTES = 8192     # a signed announcement is about 1.3 KB: its ServerInfo, a 294-byte key, a 256-byte signature
 MAX_PEER_ID_CHARS = 100    # a base58 RSA peer id has 46
-MAX_ANSWER_SUBKEYS = 64    # records of one key in one find answer or one stored dictionary (servers of one block)
+MAX_ANSWER_SUBKEYS = MAX_SUBKEYS_PER_KEY  # records of one key in a find answer or a stored dictionary (1024)
 MAX_STORE_RECORDS = 64     # records in one store request; a server stores its blocks in batches of this many
-MAX_FIND_KEYS = 256        # keys in one find request (a reader asks for its model's blocks, in one or a few finds)
-ITEM_OVERHEAD = 32         # msgpack framing of a dictionary item and its expiration time, protobuf tags of a record
-MAX_DICTIONARY_BYTES = MAX_ANSWER_SUBKEYS * (MAX_SUBKEY_BYTES + MAX_VALUE_BYTES + ITEM_OVERHEAD) + 64  # 522 KiB
-MAX_STORE_BYTES = MAX_STORE_RECORDS * (MAX_KEY_BYTES + MAX_SUBKEY_BYTES + MAX_VALUE_BYTES + ITEM_OVERHEAD) + 1024  # 527 KiB
+MAX_FIND_KEYS = 256        # keys in one find request (discovery asks one block key per find, hivemind's bootstrap one)
+RECORD_OVERHEAD = 32       # msgpack framing of a dictionary item and its expiration time, protobuf tags of a record
+MAX_DICTIONARY_BYTES = ANSWER_BYTES + 1024  # a find answer holds at most ANSWER_BYTES of records (3 MiB) per key
+MAX_STORE_BYTES = MAX_STORE_RECORDS * (MAX_KEY_BYTES + MAX_SUBKEY_BYTES + MAX_VALUE_BYTES + RECORD_OVERHEAD) + 1024  # 527 KiB
 MAX_FIND_BYTES = MAX_FIND_KEYS * (MAX_KEY_BYTES + 4) + 1024  # 18 KiB (a key is 20 bytes on the wire)
 DICTIONARY_EXT = 0x50      # hivemind's ext type code of DictionaryDHTValue (hivemind/dht/storage.py)
 EXT_MARKERS = frozenset((0xc7, 0xc8, 0xc9, 0xd4, 0xd5, 0xd6, 0xd7, 0xd8))  # first bytes of msgpack ext objects

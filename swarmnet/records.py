@@ -43,7 +43,7 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -58,7 +58,7 @@ from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarmnet.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
-from swarmnet.dht_storage import BoundedStorage, answer_finds_within
+from swarmnet.dht_storage import BoundedStorage, find_answerer
 from swarmnet.dht_wire import (  # the caps on what peers send live with the decoder that enforces them first
     MAX_FIND_BYTES,
     MAX_KEY_BYTES,
@@ -286,7 +286,8 @@ class GuardedDHTNode(DHTNode):
         """`DHTNode.create`, guarded before it meets any peer: caching nothing (`NoCache`: readers want the latest
         records, not the nearest copy), decoding peers' values within bounds (`BoundedSerializer`), and, on a full
         node, answering store requests through `guard_stores` (with `writers`, a private swarm's members only) and
-        find requests through `guard_finds`. Peers' find answers are read by `_find` (a bounded `call_find`).
+        find requests through `guard_finds`, from a `BoundedStorage` and within its answer budget
+        (`dht_storage.find_answerer`). Peers' find answers are read by `_find` (a bounded `call_find`).
 
         hivemind would bootstrap inside `DHTNode.create`, before any of that is in place; the node is created alone
         and joins `initial_peers` afterwards (`_join`, hivemind's own three stages).
@@ -300,7 +301,7 @@ class GuardedDHTNode(DHTNode):
         protocol.serializer = BoundedSerializer  # an instance attribute: only this node's protocol decodes this way
         if not protocol.client_mode:
             await node.guard_stores(protocol.p2p, writers)
-            await answer_finds_within(protocol, storage)
+            await node.guard_finds(protocol.p2p, find_answerer(protocol, storage))
         if initial_peers:
             await node._join(initial_peers, validate=ensure_bootstrap_success, timeout=wait_timeout)
         return node
@@ -366,9 +367,11 @@ class GuardedDHTNode(DHTNode):
         await p2p.remove_protobuf_handler(name)
         await p2p.add_protobuf_handler(name, store_within_limits, UnparsedRequest)  # type: ignore[arg-type]
 
-    async def guard_finds(self, p2p: P2P) -> None:
-        """Answer find requests of at most MAX_FIND_KEYS keys (measured before parsing: MAX_FIND_BYTES); others get
-        an empty answer, which hivemind's reader counts as none. Replaces the find handler hivemind registered."""
+    async def guard_finds(self, p2p: P2P, answer: Callable[[dht_pb2.FindRequest, P2PContext],
+                                                           Awaitable[dht_pb2.FindResponse]]) -> None:
+        """Answer find requests of at most MAX_FIND_KEYS keys (measured before parsing: MAX_FIND_BYTES) with `answer`
+        (`dht_storage.find_answerer`); others get an empty answer, which hivemind's reader counts as none. Replaces
+        the find handler hivemind registered on `p2p`."""
         protocol = self.protocol
         name = DHTProtocol._get_handle_name(None, DHTProtocol.rpc_find.__name__)
 
@@ -378,7 +381,7 @@ class GuardedDHTNode(DHTNode):
             request = dht_pb2.FindRequest.FromString(raw.data)
             if find_request_refusal(request) is not None:
                 return dht_pb2.FindResponse(peer=protocol.node_info)
-            return await protocol.rpc_find(request, context)
+            return await answer(request, context)
 
         await p2p.remove_protobuf_handler(name)
         await p2p.add_protobuf_handler(name, find_within_limits, UnparsedRequest)  # type: ignore[arg-type]
