@@ -21,6 +21,8 @@ Modules:
     addresses        NetworkOptions: what a P2P node listens on and announces (--host, --port, --announce-host): no loopback
                      for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
     records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
+    dht_wire         what a DHT node accepts from peers, bounded before decoding: BoundedSerializer, the caps on store
+                     and find requests and on find answers
     membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
     relays           circuit relays for servers behind NAT: RelayRole (relay / behind_nat / dial), p2pd's options for
                      each, RelayGuard (a private swarm's relay cuts off non-members' reservations)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hivemind.dht.protocol import DHTProtocol
@@ -122,9 +123,17 @@ def _subset(held: DictionaryDHTValue, subkeys: list[Any]) -> DictionaryDHTValue:
 
 
 async def answer_finds_within(protocol: DHTProtocol, storage: BoundedStorage) -> None:
-    """Answer finds from `storage` with at most `storage.answer_bytes` of records per answer, split evenly among the
-    keys asked (`BoundedStorage.answer`); otherwise as hivemind answers them (records found, then the nearest
-    neighbours known). Replaces the find handler hivemind registered on the protocol's p2p (a full node's)."""
+    """Answer finds with `find_answerer`. Replaces the find handler hivemind registered on the protocol's p2p (a full
+    node's). (`GuardedDHTNode` registers `find_answerer` behind its own size checks instead, `records.guard_finds`.)"""
+    await protocol.p2p.remove_protobuf_handler(FIND_HANDLER)
+    await protocol.p2p.add_protobuf_handler(FIND_HANDLER, find_answerer(protocol, storage), dht_pb2.FindRequest)
+
+
+def find_answerer(protocol: DHTProtocol, storage: BoundedStorage
+                  ) -> Callable[[dht_pb2.FindRequest, P2PContext], Awaitable[dht_pb2.FindResponse]]:
+    """A find handler answering from `storage` with at most `storage.answer_bytes` of records per answer, split evenly
+    among the keys asked (`BoundedStorage.answer`); otherwise as hivemind answers them (records found, then the
+    nearest neighbours known)."""
 
     pings: set[asyncio.Task[Any]] = set()
 
@@ -153,5 +162,4 @@ async def answer_finds_within(protocol: DHTProtocol, storage: BoundedStorage) ->
             response.results.append(result)
         return response
 
-    await protocol.p2p.remove_protobuf_handler(FIND_HANDLER)
-    await protocol.p2p.add_protobuf_handler(FIND_HANDLER, bounded_find, dht_pb2.FindRequest)
+    return bounded_find

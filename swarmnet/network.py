@@ -44,6 +44,8 @@ async def start_dht_node(
     only checks what it reads.
 
     writers: whose records a full node stores (a private swarm's `Membership.allows`); None stores everyone's.
+    Every node decodes peers' values within bounds and every full node refuses oversized store requests whole
+    (swarmnet/dht_wire.py), from before it meets its first peer.
     """
     plan = options.plan()
     for level, note in plan.notes(options.host):
@@ -73,13 +75,12 @@ async def start_dht_node(
         node = await GuardedDHTNode.create(
             p2p=p2p, initial_peers=list(initial_peers), client_mode=client_mode,
             ensure_bootstrap_success=bool(initial_peers), wait_timeout=3, record_validator=validator,
+            writers=writers,
         )
     except Exception as e:  # hivemind raises RuntimeError/P2P errors when bootstrap fails
         await p2p.shutdown()
         raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
                              "Start 'swarmbatch dht' or fix --initial-peers") from e
-    if writers is not None and not client_mode:
-        await node.admit_writers(p2p, writers)
     return p2p, node
 
 

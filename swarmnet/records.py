@@ -17,7 +17,9 @@ What a stranger controls costs a node little: sizes are checked before anything 
 MAX_SUBKEY_BYTES, MAX_VALUE_BYTES; an announcement is about 1 KB), msgpack unpacks under limits that fit a peer id or an
 envelope and nothing bigger, only RSA-2048/3072 keys with e = 65537 are verified (`identity.usable_key`), and the cache
 of verified records keeps successes only, keyed by a digest (`VerifiedRecords`): a flood of refused records leaves
-nothing behind.
+nothing behind. Before any record reaches the validator, what hivemind decodes from peers (whole dictionaries in
+find answers and store requests) is bounded too, and a store request of more than MAX_STORE_RECORDS records is
+refused whole: see swarmnet/dht_wire.py.
 
 hivemind drops a peer's whole answer for a key when one of its entries is invalid. A forged entry thus hides only
 the answer of the node that keeps it; honest nodes refuse it on store, so their answers stay whole and readers
@@ -25,7 +27,7 @@ still get every honest record from them. That holds only if readers never refuse
 reader whose clock is behind would refuse a record stored at the edge of the limit and drop the storing node's whole
 answer, so read-only nodes accept READ_CLOCK_TOLERANCE seconds more (see `reader_validator`).
 
-In a private swarm a full node stores records from members only (`GuardedDHTNode.admit_writers`): a stranger who
+In a private swarm a full node stores records from members only (`GuardedDHTNode.guard_stores`): a stranger who
 reaches its port can neither fill its storage nor swell its answers past p2pd's 4 MiB message limit, which would drop
 every honest record from them. Members are peer ids (servers and DHT nodes); client-mode nodes never store.
 
@@ -37,10 +39,11 @@ answers within p2pd's message limit (`swarmnet.dht_storage`).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -52,19 +55,31 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarmnet.data_structures import MAX_RECORD_TTL, RECORD_TTL_SLACK
-from swarmnet.dht_storage import BoundedStorage, answer_finds_within
+from swarmnet.dht_storage import BoundedStorage, find_answerer
+from swarmnet.dht_wire import (  # the caps on what peers send live with the decoder that enforces them first
+    MAX_FIND_BYTES,
+    MAX_KEY_BYTES,
+    MAX_PEER_ID_CHARS,
+    MAX_STORE_BYTES,
+    MAX_STORE_RECORDS,
+    MAX_SUBKEY_BYTES,
+    MAX_VALUE_BYTES,
+    BoundedSerializer,
+    Undecodable,
+    decode_dictionary,
+    find_answer_refusal,
+    find_request_refusal,
+    store_request_refusal,
+)
 from swarmnet.identity import Identity, accepted_public_key, peer_id_of_public_key, verify
 
 logger = logging.getLogger(__name__)
 
 SIGNATURE_DOMAIN = "swarmbatch/dht-record/1"  # signatures by the same key over other data can never pass as records
 READ_CLOCK_TOLERANCE = RECORD_TTL_SLACK  # read-only nodes accept a record this much further ahead (clock skew)
-MAX_KEY_BYTES = 64         # a DHTID is 20 bytes
-MAX_SUBKEY_BYTES = 128     # a msgpack-serialized peer id is about 50
-MAX_VALUE_BYTES = 8192     # a signed announcement is about 1 KB: its ServerInfo, a 294-byte key, a 256-byte signature
-MAX_PEER_ID_CHARS = 100    # a base58 RSA peer id has 46
 VERIFIED_CACHE_SIZE = 4096  # digests of verified records kept (32 bytes each)
 MAX_LOGGED_STRANGERS = 100  # refused writers logged by name (one line each); more are refused silently
 
@@ -240,8 +255,23 @@ class NoCache(DHTLocalStorage):
         return False
 
 
+class UnparsedRequest:
+    """A request's bytes, unparsed: the input type `guard_stores` registers its handler with, so that it can measure a
+    request before protobuf parses it. hivemind 1.1.12's unary handler wrapper (`P2P._add_protobuf_unary_handler`)
+    makes its handler's argument with `input_protobuf_type.FromString(bytes)`; here that keeps the bytes."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def FromString(cls, data: bytes) -> UnparsedRequest:  # noqa: N802 (protobuf's name)
+        """Keep `data` as it came."""
+        return cls(data)
+
+
 class GuardedDHTNode(DHTNode):
-    """hivemind's DHTNode, with no cache and with the expiration time of every answer recomputed from its records.
+    """hivemind's DHTNode, with no cache, bounded decoding, guarded stores, and the expiration time of every answer
+    recomputed from its records.
 
     A reader looking for the latest of every record (sufficient_expiration_time=inf) stops searching at the first
     answer claiming to expire no earlier than that; an answer's own expiration time is the answering peer's word,
@@ -250,16 +280,54 @@ class GuardedDHTNode(DHTNode):
     """
 
     @classmethod
-    async def create(cls, *args: Any, **kwargs: Any) -> GuardedDHTNode:
-        """`DHTNode.create`, caching nothing (`NoCache`): readers want the latest records, not the nearest copy;
-        storing and answering within bounds (`BoundedStorage`, `answer_finds_within`)."""
-        node = await super().create(*args, cache_locally=False, cache_nearest=0, cache_on_store=False, **kwargs)
-        node.protocol.cache = NoCache()
-        storage = node.protocol.storage = BoundedStorage.taking_over(node.protocol.storage)
-        if not node.protocol.client_mode:
-            await answer_finds_within(node.protocol, storage)
+    async def create(cls, *args: Any, initial_peers: Sequence[str] = (), writers: Callable[[str], bool] | None = None,
+                     ensure_bootstrap_success: bool = True, wait_timeout: float = 3, **kwargs: Any
+                     ) -> GuardedDHTNode:
+        """`DHTNode.create`, guarded before it meets any peer: caching nothing (`NoCache`: readers want the latest
+        records, not the nearest copy), decoding peers' values within bounds (`BoundedSerializer`), and, on a full
+        node, answering store requests through `guard_stores` (with `writers`, a private swarm's members only) and
+        find requests through `guard_finds`, from a `BoundedStorage` and within its answer budget
+        (`dht_storage.find_answerer`). Peers' find answers are read by `_find` (a bounded `call_find`).
+
+        hivemind would bootstrap inside `DHTNode.create`, before any of that is in place; the node is created alone
+        and joins `initial_peers` afterwards (`_join`, hivemind's own three stages).
+        """
+        node = await super().create(*args, initial_peers=None, wait_timeout=wait_timeout, cache_locally=False,
+                                    cache_nearest=0, cache_on_store=False, **kwargs)
         assert isinstance(node, GuardedDHTNode)
+        protocol = node.protocol
+        protocol.cache = NoCache()
+        storage = protocol.storage = BoundedStorage.taking_over(protocol.storage)
+        protocol.serializer = BoundedSerializer  # an instance attribute: only this node's protocol decodes this way
+        if not protocol.client_mode:
+            await node.guard_stores(protocol.p2p, writers)
+            await node.guard_finds(protocol.p2p, find_answerer(protocol, storage))
+        if initial_peers:
+            await node._join(initial_peers, validate=ensure_bootstrap_success, timeout=wait_timeout)
         return node
+
+    async def _join(self, initial_peers: Sequence[str], *, validate: bool, timeout: float) -> None:
+        """hivemind 1.1.12's bootstrap from `DHTNode.create` (strict=True): ping the initial peers (raise if none
+        answers, when `validate`), then look up this node's own id to fill the routing table, within `timeout`."""
+        began = get_dht_time()
+        peers = {PeerID.from_base58(Multiaddr(item)["p2p"]) for item in initial_peers}
+        pings = {asyncio.create_task(self.protocol.call_ping(peer, validate=validate, strict=True)) for peer in peers}
+        answered, pending = await asyncio.wait(pings, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            in_time, late = await asyncio.wait(pending, timeout=timeout - get_dht_time() + began)
+            for ping in late:
+                ping.cancel()
+            answered |= in_time
+        if all(ping.result() is None for ping in answered):  # result() raises what a strict ping raised
+            message = "DHTNode bootstrap failed: none of the initial_peers responded to a ping."
+            if validate:
+                raise RuntimeError(f"{message} (set ensure_bootstrap_success=False to ignore)")
+            logger.warning(message)
+        for ping in answered:
+            ping.result()
+        await asyncio.wait([asyncio.create_task(self.find_nearest_nodes([self.node_id])),
+                            asyncio.create_task(asyncio.sleep(timeout - get_dht_time() + began))],
+                           return_when=asyncio.FIRST_COMPLETED)
 
     @property
     def identity(self) -> Identity | None:
@@ -267,30 +335,112 @@ class GuardedDHTNode(DHTNode):
         validator = self.protocol.record_validator
         return validator.identity if isinstance(validator, SignedRecordValidator) else None
 
-    async def admit_writers(self, p2p: P2P, allows: Callable[[str], bool]) -> None:
-        """Store records only from peers `allows` admits (a private swarm's members); others' stores are refused whole,
-        before any record is looked at. Replaces the store handler hivemind registered on `p2p`."""
+    async def guard_stores(self, p2p: P2P, writers: Callable[[str], bool] | None) -> None:
+        """Answer store requests only within `dht_wire`'s caps and, with `writers`, only from peers it admits (a
+        private swarm's members); others are refused whole, before any record is decoded or any signature verified.
+        A request over MAX_STORE_BYTES is refused unparsed. Replaces the store handler hivemind registered on `p2p`.
+        """
         protocol = self.protocol
         name = DHTProtocol._get_handle_name(None, DHTProtocol.rpc_store.__name__)
-        refused: set[str] = set()
+        logged: set[str] = set()
 
-        async def store_from_members(request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
-            writer = context.remote_id.to_base58()
-            if not allows(writer):
-                if writer not in refused and len(refused) < MAX_LOGGED_STRANGERS:  # a line per stranger, bounded
-                    refused.add(writer)
-                    logger.info("Refused DHT records from %s: not a member of this swarm", writer[-8:])
-                return dht_pb2.StoreResponse(store_ok=[False] * len(request.keys), peer=protocol.node_info)
+        def refuse(writer: str, why: str, count: int = 0) -> dht_pb2.StoreResponse:
+            if writer not in logged and len(logged) < MAX_LOGGED_STRANGERS:  # a line per writer, bounded
+                logged.add(writer)
+                logger.info("Refused DHT records from %s: %s", writer[-8:], why)
+            # a verdict per record where they were counted and are few; else none (hivemind reads that as refused)
+            return dht_pb2.StoreResponse(store_ok=[False] * count if count <= MAX_STORE_RECORDS else [],
+                                         peer=protocol.node_info)
+
+        async def store_within_limits(raw: UnparsedRequest, context: P2PContext) -> dht_pb2.StoreResponse:
+            writer, size = context.remote_id.to_base58(), len(raw.data)
+            request = dht_pb2.StoreRequest.FromString(raw.data) if size <= MAX_STORE_BYTES else None
+            if writers is not None and not writers(writer):
+                return refuse(writer, "not a member of this swarm", 0 if request is None else len(request.keys))
+            if request is None:
+                return refuse(writer, f"a store request of {size} bytes (limit {MAX_STORE_BYTES})")
+            refusal = store_request_refusal(request)
+            if refusal is not None:
+                return refuse(writer, refusal, len(request.keys))
             return await protocol.rpc_store(request, context)
 
         await p2p.remove_protobuf_handler(name)
-        await p2p.add_protobuf_handler(name, store_from_members, dht_pb2.StoreRequest)
+        await p2p.add_protobuf_handler(name, store_within_limits, UnparsedRequest)  # type: ignore[arg-type]
+
+    async def guard_finds(self, p2p: P2P, answer: Callable[[dht_pb2.FindRequest, P2PContext],
+                                                           Awaitable[dht_pb2.FindResponse]]) -> None:
+        """Answer find requests of at most MAX_FIND_KEYS keys (measured before parsing: MAX_FIND_BYTES) with `answer`
+        (`dht_storage.find_answerer`); others get an empty answer, which hivemind's reader counts as none. Replaces
+        the find handler hivemind registered on `p2p`."""
+        protocol = self.protocol
+        name = DHTProtocol._get_handle_name(None, DHTProtocol.rpc_find.__name__)
+
+        async def find_within_limits(raw: UnparsedRequest, context: P2PContext) -> dht_pb2.FindResponse:
+            if len(raw.data) > MAX_FIND_BYTES:
+                return dht_pb2.FindResponse(peer=protocol.node_info)
+            request = dht_pb2.FindRequest.FromString(raw.data)
+            if find_request_refusal(request) is not None:
+                return dht_pb2.FindResponse(peer=protocol.node_info)
+            return await answer(request, context)
+
+        await p2p.remove_protobuf_handler(name)
+        await p2p.add_protobuf_handler(name, find_within_limits, UnparsedRequest)  # type: ignore[arg-type]
 
     async def _call_find_with_blacklist(self, peer_id: PeerID, keys: Any) -> Any:
-        response = await super()._call_find_with_blacklist(peer_id, keys)
+        """hivemind 1.1.12's (skip blacklisted peers, drop blacklisted neighbours), over `_find` instead of
+        `DHTProtocol.call_find`, and with each dictionary answer's expiration recomputed from its records."""
+        if peer_id in self.blacklist:
+            return None
+        response = await self._find(peer_id, keys)
         if not response:
-            return response
-        return {key: (expiring_when_its_records_do(found), nearest) for key, (found, nearest) in response.items()}
+            self.blacklist.register_failure(peer_id)
+            return None
+        self.blacklist.register_success(peer_id)
+        return {key: (expiring_when_its_records_do(found), self._filter_blacklisted(nearest))
+                for key, (found, nearest) in response.items()}
+
+    async def _find(self, peer: PeerID, keys: Any) -> dict[DHTID, tuple[ValueWithExpiration[Any] | None,
+                                                                        dict[DHTID, PeerID]]] | None:
+        """hivemind 1.1.12's `DHTProtocol.call_find`, with the peer's answer checked for shape before any of it is
+        decoded (`find_answer_refusal`: a result per key, at most a bucket of neighbours each), dictionaries decoded
+        by `decode_dictionary`, and a bad answer counted as none (the peer leaves the routing table), as hivemind
+        does when decoding one raises. For each key: its value (None if not found or refused), its neighbours."""
+        protocol, keys = self.protocol, list(keys)
+        request = dht_pb2.FindRequest(keys=[key.to_bytes() for key in keys], peer=protocol.node_info)
+        try:
+            async with protocol.rpc_semaphore:
+                response = await protocol.get_stub(peer).rpc_find(request, timeout=protocol.wait_timeout)
+            refusal = find_answer_refusal(len(keys), response, protocol.bucket_size)
+            if refusal is not None:
+                raise Undecodable(refusal)
+            if response.peer and response.peer.node_id:
+                asyncio.create_task(protocol.update_routing_table(DHTID.from_bytes(response.peer.node_id), peer,
+                                                                  responded=True))
+            output: dict[DHTID, tuple[ValueWithExpiration[Any] | None, dict[DHTID, PeerID]]] = {}
+            for key, result in zip(keys, response.results, strict=True):
+                nearest = dict(zip(map(DHTID.from_bytes, result.nearest_node_ids), map(PeerID, result.nearest_peer_ids),
+                                   strict=True))
+                output[key] = self._found(key.to_bytes(), result), nearest
+            return output
+        except Exception as e:
+            logger.debug("No answer from %s to a find: %s", peer, e)
+            asyncio.create_task(protocol.update_routing_table(protocol.routing_table.get(peer_id=peer), peer,
+                                                              responded=False))
+            return None
+
+    def _found(self, key: bytes, result: dht_pb2.FindResult) -> ValueWithExpiration[Any] | None:
+        """One result's value if it holds a valid one (hivemind's `call_find`, per result)."""
+        protocol = self.protocol
+        if result.type == dht_pb2.FOUND_REGULAR:
+            if not protocol._validate_record(key, protocol.IS_REGULAR_VALUE, result.value, result.expiration_time):
+                return None
+            return ValueWithExpiration(result.value, result.expiration_time)
+        if result.type == dht_pb2.FOUND_DICTIONARY:
+            dictionary = decode_dictionary(result.value)  # Undecodable drops the whole answer, as hivemind does
+            if not protocol._validate_dictionary(key, dictionary):
+                return None
+            return ValueWithExpiration(dictionary, result.expiration_time)
+        return None  # NOT_FOUND
 
 
 def expiring_when_its_records_do(found: Any) -> Any:
