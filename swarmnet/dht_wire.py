@@ -27,7 +27,10 @@ dictionary counts its items) before any record is decoded or any signature verif
 at most MAX_STORE_RECORDS RSA verifications (each about 0.03-0.05 ms for RSA-2048, 0.1 ms for RSA-3072, see
 `identity.usable_key`). It answers find requests of at most MAX_FIND_KEYS keys (`find_request_refusal`: a 3.3 MB
 find of 150,000 keys held a node's loop 0.9 s), and reads peers' find answers only in the shape an honest node
-gives them (`find_answer_refusal`).
+gives them (`find_answer_refusal`). Each writer (by its libp2p-proven peer id) may have a node check at most
+STORE_RECORDS_PER_SECOND records a second (STORE_RECORDS_BURST at once, `WriterBudget`); beyond that its requests are
+refused before any record is verified, so one stranger flooding an open swarm's node with small requests of badly
+signed records costs it at most that many verifications a second (about 9 ms of CPU a second with RSA-2048 keys).
 
 The caps follow from what a legitimate record can be (MAX_KEY_BYTES, MAX_SUBKEY_BYTES, MAX_VALUE_BYTES, checked
 again per record by `records.size_refusal`; a signed announcement is about 1.3 KB) and from what an honest node
@@ -37,6 +40,9 @@ records not seen before (about 35 ms with RSA-2048 keys, 100 ms with RSA-3072 on
 """
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -52,6 +58,9 @@ MAX_VALUE_BYTES = 8192     # a signed announcement is about 1.3 KB: its ServerIn
 MAX_PEER_ID_CHARS = 100    # a base58 RSA peer id has 46
 MAX_ANSWER_SUBKEYS = MAX_SUBKEYS_PER_KEY  # records of one key in a find answer or a stored dictionary (1024)
 MAX_STORE_RECORDS = 64     # records in one store request; a server stores its blocks in batches of this many
+STORE_RECORDS_PER_SECOND = 256  # records one writer may have a node check per second, on average (WriterBudget)
+STORE_RECORDS_BURST = 1024  # ... and at once: a server of 80 blocks announcing at a 1 s period stays far within both
+MAX_TRACKED_WRITERS = 4096  # writers whose budgets a node remembers (the longest unseen is forgotten first)
 MAX_FIND_KEYS = 256        # keys in one find request (discovery asks one block key per find, hivemind's bootstrap one)
 RECORD_OVERHEAD = 32       # msgpack framing of a dictionary item and its expiration time, protobuf tags of a record
 MAX_DICTIONARY_BYTES = ANSWER_BYTES + 1024  # a find answer holds at most ANSWER_BYTES of records (3 MiB) per key
@@ -207,3 +216,30 @@ def store_request_refusal(request: dht_pb2.StoreRequest) -> str | None:
     if records > MAX_STORE_RECORDS:
         return f"a store request of {records} records (limit {MAX_STORE_RECORDS})"
     return None
+
+
+class WriterBudget:
+    """A token bucket of record checks per writer: `take(writer, records)` is False once a writer's requests outrun
+    `rate` records a second beyond a `burst`. It remembers MAX_TRACKED_WRITERS writers (a forgotten one starts again
+    with a full burst: a new peer id costs its sender a libp2p connection and handshake)."""
+
+    def __init__(self, rate: float = STORE_RECORDS_PER_SECOND, burst: float = STORE_RECORDS_BURST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # writer -> (tokens, when counted)
+
+    def take(self, writer: str, records: int) -> bool:
+        now = self.clock()
+        tokens, counted = self._buckets.pop(writer, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - counted) * self.rate)
+        allowed = tokens >= records
+        self._buckets[writer] = (tokens - records if allowed else tokens, now)
+        while len(self._buckets) > MAX_TRACKED_WRITERS:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+def store_request_charge(request: dht_pb2.StoreRequest) -> int:
+    """What a store request (already within `store_request_refusal`'s caps) costs its writer's budget: a record per
+    key, or the most a request may carry when it stores whole dictionaries (their items were counted, not kept)."""
+    return MAX_STORE_RECORDS if IS_DICTIONARY in request.subkeys else len(request.keys)

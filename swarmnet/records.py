@@ -67,11 +67,14 @@ from swarmnet.dht_wire import (  # the caps on what peers send live with the dec
     MAX_STORE_RECORDS,
     MAX_SUBKEY_BYTES,
     MAX_VALUE_BYTES,
+    STORE_RECORDS_PER_SECOND,
     BoundedSerializer,
     Undecodable,
+    WriterBudget,
     decode_dictionary,
     find_answer_refusal,
     find_request_refusal,
+    store_request_charge,
     store_request_refusal,
 )
 from swarmnet.identity import Identity, accepted_public_key, peer_id_of_public_key, verify
@@ -336,13 +339,15 @@ class GuardedDHTNode(DHTNode):
         return validator.identity if isinstance(validator, SignedRecordValidator) else None
 
     async def guard_stores(self, p2p: P2P, writers: Callable[[str], bool] | None) -> None:
-        """Answer store requests only within `dht_wire`'s caps and, with `writers`, only from peers it admits (a
-        private swarm's members); others are refused whole, before any record is decoded or any signature verified.
+        """Answer store requests only within `dht_wire`'s caps and each writer's record budget (`WriterBudget`) and,
+        with `writers`, only from peers it admits (a private swarm's members); others are refused whole, before any
+        record is decoded or any signature verified.
         A request over MAX_STORE_BYTES is refused unparsed. Replaces the store handler hivemind registered on `p2p`.
         """
         protocol = self.protocol
         name = DHTProtocol._get_handle_name(None, DHTProtocol.rpc_store.__name__)
         logged: set[str] = set()
+        budget = WriterBudget()  # record checks per writer and second
 
         def refuse(writer: str, why: str, count: int = 0) -> dht_pb2.StoreResponse:
             if writer not in logged and len(logged) < MAX_LOGGED_STRANGERS:  # a line per writer, bounded
@@ -362,6 +367,8 @@ class GuardedDHTNode(DHTNode):
             refusal = store_request_refusal(request)
             if refusal is not None:
                 return refuse(writer, refusal, len(request.keys))
+            if not budget.take(writer, store_request_charge(request)):
+                return refuse(writer, f"over {STORE_RECORDS_PER_SECOND} records a second", len(request.keys))
             return await protocol.rpc_store(request, context)
 
         await p2p.remove_protobuf_handler(name)

@@ -13,6 +13,7 @@ The decoder's own cases, without processes: tests/swarmnet/test_bounded_decoding
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,9 +32,10 @@ from servers.announcer import Announcer
 from servers.counters import ServerCounters
 from servers.memory import CacheBudget
 from servers.status import ServerStatus, SpanStatus
+from swarmnet import records
 from swarmnet.addresses import NetworkOptions
 from swarmnet.data_structures import PROTOCOL_VERSION, ServerState, block_uid
-from swarmnet.dht_wire import DICTIONARY_EXT, MAX_FIND_KEYS, MAX_STORE_RECORDS
+from swarmnet.dht_wire import DICTIONARY_EXT, MAX_FIND_KEYS, MAX_STORE_RECORDS, WriterBudget, store_request_charge
 from swarmnet.discovery import get_remote_module_infos
 from swarmnet.model_spec import ModelSpec
 from swarmnet.network import LoopThread, start_dht_node, stop_dht_node, visible_maddrs
@@ -232,6 +234,62 @@ def test_an_open_nodes_store_requests_cost_at_most_their_capped_signature_checks
         assert open_node.node.protocol.storage.get(keys[0]) is None
     finally:
         stranger.close()
+
+
+SMALL_RATE, SMALL_BURST = 8, 128  # a budget small enough that this machine cannot outrun the flood with its own pace
+
+
+@process_fixture()
+def budgeted_open_node(monkeypatch: pytest.MonkeyPatch) -> Iterator[OpenNode]:
+    """An open node whose writers' record budget is SMALL_RATE a second, SMALL_BURST at once."""
+    monkeypatch.setattr(records, "WriterBudget", lambda: WriterBudget(rate=SMALL_RATE, burst=SMALL_BURST))
+    node = OpenNode()
+    yield node
+    node.close()
+
+
+def test_a_stranger_flooding_an_open_node_with_small_store_requests_gets_only_its_budget_of_checks(
+        budgeted_open_node: OpenNode, tmp_path: Path) -> None:
+    node = budgeted_open_node
+    stranger = Outsider(node.maddrs, tmp_path / "stranger.key")
+    other = Outsider(node.maddrs, tmp_path / "other.key")
+    try:
+        expiration = get_dht_time() + 30
+
+        def store(sender: Outsider) -> list[bool]:  # 64 records under the sender's own key, badly signed
+            keys, values, me = *badly_signed(sender, MAX_STORE_RECORDS), sender.identity.peer_id
+            got = sender.loop.run(sender.node.protocol.call_store(
+                node.peer_id, keys, values, expiration, subkeys=[me] * len(keys)), timeout=60)
+            assert got is not None
+            return list(got)
+
+        # When one stranger sends 20 requests of 64 badly signed records back to back
+        before, began = VERIFIED.verifications, time.monotonic()
+        answers = [store(stranger) for _ in range(20)]
+        checked, seconds = VERIFIED.verifications - before, time.monotonic() - began
+        # Then all are refused, and only its budget's worth was verified: the rest were refused unchecked
+        assert all(answer == [False] * MAX_STORE_RECORDS for answer in answers)
+        assert checked <= SMALL_BURST + SMALL_RATE * seconds + MAX_STORE_RECORDS, (checked, seconds)
+        assert checked < 20 * MAX_STORE_RECORDS // 2, (checked, seconds)
+        # And another writer still has its records checked, from a budget of its own
+        before = VERIFIED.verifications
+        assert store(other) == [False] * MAX_STORE_RECORDS
+        assert VERIFIED.verifications - before == MAX_STORE_RECORDS
+    finally:
+        stranger.close()
+        other.close()
+
+
+def test_a_writers_budget_refills_at_its_rate_up_to_its_burst_and_forgets_the_longest_unseen() -> None:
+    now = [0.0]
+    budget = WriterBudget(rate=10, burst=100, clock=lambda: now[0])
+    assert budget.take("a", 64) and not budget.take("a", 64) and budget.take("b", 64)  # each writer its own burst
+    now[0] = 3.0  # 36 left + 30 refilled
+    assert not budget.take("a", 67) and budget.take("a", 66) and not budget.take("a", 1)
+    now[0] = 1000.0
+    assert budget.take("a", 100) and not budget.take("a", 1)  # refilled to the burst, never beyond
+    assert store_request_charge(dht_pb2.StoreRequest(keys=[b"k"] * 3, subkeys=[b"s"] * 3)) == 3
+    assert store_request_charge(dht_pb2.StoreRequest(keys=[b"k"], subkeys=[b""])) == MAX_STORE_RECORDS
 
 
 # ---- N1 at its worst size: a private swarm refuses a stranger's multi-MiB record ------------------------------------
