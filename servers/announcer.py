@@ -10,7 +10,6 @@ from hivemind.utils import get_dht_time
 
 from servers.status import ServerStatus
 from swarmnet.data_structures import MAX_RECORD_TTL, ServerInfo, ServerState, block_uid
-from swarmnet.dht_wire import MAX_STORE_RECORDS
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +47,12 @@ class Announcer:
         keys = [block_uid(status.model_id, i) for i in blocks]
         if not keys:
             return True
-        expiration, ok = get_dht_time() + self.expiration, True
-        for first in range(0, len(keys), MAX_STORE_RECORDS):  # nodes refuse bigger store requests (dht_wire.py)
-            batch = keys[first:first + MAX_STORE_RECORDS]
-            results = await self.node.store_many(batch, [info.to_wire()] * len(batch), expiration,
-                                                 subkeys=[status.peer_id] * len(batch))
-            ok = all(results.values()) and ok
+        expiration = get_dht_time() + self.expiration
+        # hivemind (1.1.12) sends each key's records in a store request of their own: one record per request here,
+        # far within what nodes accept (dht_wire.MAX_STORE_RECORDS)
+        results = await self.node.store_many(keys, [info.to_wire()] * len(keys), expiration,
+                                             subkeys=[status.peer_id] * len(keys))
+        ok = all(results.values())
         logger.debug("Announced %s for blocks %s (%s)", info.state.value, f"{keys[0]}..{keys[-1]}",
                      "ok" if ok else "partly failed")
         return ok

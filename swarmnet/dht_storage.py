@@ -11,7 +11,8 @@ clients) holds its records in a `BoundedStorage`:
   records expire, under the subkey they already hold, so a flood of newcomers never evicts them; a record leaves
   only when it expires (at most 70 s after it was written, `MAX_RECORD_TTL`), and only then does its slot free up.
 * A full node answers a find with at most ANSWER_BYTES of records, split evenly among the keys asked
-  (`answer_finds_within`). A key whose records exceed its share is answered with its smallest records first, so
+  (`find_answerer`, registered behind `records.GuardedDHTNode.guard_finds`' size checks). A key whose records
+  exceed its share is answered with its smallest records first, so
   every record of up to ANSWER_BYTES / MAX_SUBKEYS_PER_KEY bytes (3 KiB; an announcement is at most about 1.6 KB)
   is always in the answer to a find of that key alone, which is how discovery asks (`swarmnet.discovery`).
 * Reading does not write: hivemind merges what other nodes answer into the reading node's own stored dictionary
@@ -36,7 +37,6 @@ from hivemind.utils.timed_storage import DHTExpiration, TimedStorage
 MAX_SUBKEYS_PER_KEY = 1024  # records kept per key: hundreds of servers per block, with room to spare
 ANSWER_BYTES = 3 * 1024**2  # records in one find answer: p2pd refuses messages over 4 MiB; the rest is neighbours
 ITEM_OVERHEAD = 16  # bytes msgpack adds to a record in an answer, besides its value and subkey
-FIND_HANDLER = DHTProtocol._get_handle_name(None, DHTProtocol.rpc_find.__name__)
 
 
 class BoundedStorage(DHTLocalStorage):
@@ -120,13 +120,6 @@ def _subset(held: DictionaryDHTValue, subkeys: list[Any]) -> DictionaryDHTValue:
     subset.latest_expiration_time = max((record.expiration_time for record in subset.data.values()),
                                         default=float("-inf"))
     return subset
-
-
-async def answer_finds_within(protocol: DHTProtocol, storage: BoundedStorage) -> None:
-    """Answer finds with `find_answerer`. Replaces the find handler hivemind registered on the protocol's p2p (a full
-    node's). (`GuardedDHTNode` registers `find_answerer` behind its own size checks instead, `records.guard_finds`.)"""
-    await protocol.p2p.remove_protobuf_handler(FIND_HANDLER)
-    await protocol.p2p.add_protobuf_handler(FIND_HANDLER, find_answerer(protocol, storage), dht_pb2.FindRequest)
 
 
 def find_answerer(protocol: DHTProtocol, storage: BoundedStorage

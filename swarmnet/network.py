@@ -79,7 +79,7 @@ async def start_dht_node(
         )
     except Exception as e:  # hivemind raises RuntimeError/P2P errors when bootstrap fails
         await p2p.shutdown()
-        raise DHTUnreachable(f"no initial peer answered ({', '.join(initial_peers)}): {e}. "
+        raise DHTUnreachable(f"could not join the DHT through --initial-peers {', '.join(initial_peers)}: {e}. "
                              "Start 'swarmbatch dht' or fix --initial-peers") from e
     return p2p, node
 

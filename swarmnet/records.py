@@ -322,10 +322,10 @@ class GuardedDHTNode(DHTNode):
                 ping.cancel()
             answered |= in_time
         if all(ping.result() is None for ping in answered):  # result() raises what a strict ping raised
-            message = "DHTNode bootstrap failed: none of the initial_peers responded to a ping."
+            message = f"none of them answered a ping within {timeout:g} s"
             if validate:
-                raise RuntimeError(f"{message} (set ensure_bootstrap_success=False to ignore)")
-            logger.warning(message)
+                raise RuntimeError(message)
+            logger.warning("DHT bootstrap: %s", message)
         for ping in answered:
             ping.result()
         await asyncio.wait([asyncio.create_task(self.find_nearest_nodes([self.node_id])),

@@ -8,6 +8,7 @@ e.g. decoding one answer.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from concurrent.futures import Future
 from types import TracebackType
@@ -33,6 +34,8 @@ class LoopWatch:
             cpu, wall = now_cpu, now_wall
 
     def __enter__(self) -> LoopWatch:
+        gc.collect()  # a collection of the test process's garbage (torch's, ...) is not what is measured
+        gc.disable()
         self._running = True
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self.loop)
         time.sleep(self.tick * 5)  # the first ticks have run: the block is watched from its start
@@ -40,6 +43,7 @@ class LoopWatch:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._running = False
+        gc.enable()
         assert self._task is not None
         self._task.result(timeout=30)
 

@@ -14,9 +14,9 @@ control flood: a second stranger flooding the DHT node, the same load on the mac
 round runs BLOCK seconds of steps per condition (about 50 steps; long enough to span whole requests, so that a
 server slow to handle them cannot hide it between two), in a rotating order. Per round, the server-flooded median
 step is divided by the larger of the quiet and control ones (seconds apart, so other work on the machine falls on
-all alike); the median of those ratios must stay within 1.5, and so must that of the mean steps (a block's seconds
-over its steps: the median alone hides stalls -- before, with 0.4 s stalls, it moved 1.3x while the steps per second
-fell 7x). A whole pass can still land in a busy stretch of a
+all alike); the median of those ratios must stay within 2.5 (measured: about 1.05), and so must that of the mean
+steps (a block's seconds over its steps: the median alone hides stalls -- before, with 0.4 s stalls, it moved 1.3x
+while the steps per second fell 7x). A whole pass can still land in a busy stretch of a
 shared VM, so a second pass runs when the first exceeds it; every pass is printed. Beside latency, the server's own
 CPU per request (flooded alone) is bounded: that is what its code controls (its p2pd's decryption, about 25 ms per
 3.9 MiB request here, is not). `python bench/dht_flood.py` prints the same figures for longer runs.
@@ -42,7 +42,7 @@ _spec.loader.exec_module(bench)
 
 ROUNDS = 8       # each round: BLOCK seconds of steps quiet, with the server flooded, with the DHT node flooded
 BLOCK = 0.25     # seconds: spans several whole requests (their transfer, then their handling), ~50 steps
-TOLERANCE = 1.5  # per round, server-flooded median <= this x the larger of the quiet and control medians (median)
+TOLERANCE = 2.5  # per round, server-flooded median <= this x the larger of the quiet and control medians (median)
 PASSES = 2       # a second pass of rounds only when the first exceeds TOLERANCE (see above)
 MAX_PYTHON_MS = 15.0  # CPU of the server's own process per flood request (2-7 ms measured; its p2pd's ~25 ms apart)
 

@@ -127,19 +127,21 @@ def stranger_keys(tmp_path_factory: pytest.TempPathFactory) -> list[Identity]:
 def test_three_hundred_strangers_max_size_records_under_every_block_key_hide_no_server_of_an_open_swarm(
         open_swarm: LocalSwarm, stranger_keys: list[Identity], tmp_path: Path, tiny_model: Path) -> None:
     # Given 300 strangers' valid self-signed records of the largest size a node stores (8 KiB), under every
-    # block key of the model, stored at every honest node (through one writer, as anyone on the network can)
+    # block key of the model, stored at every honest node, as anyone on the network can
     spec = ModelSpec.open(tiny_model)
     keys = [block_uid(spec.model_id, index) for index in range(spec.num_blocks)]
     expiration, junk = get_dht_time() + MAX_RECORD_TTL - 5, biggest_junk()
     floods = [[(key, who.peer_id, signed_by(who, key, who.peer_id, junk, expiration), expiration) for key in keys]
               for who in stranger_keys]
-    writer = Outsider(open_swarm.initial_peers, tmp_path / "writer.key")
+    # (through 3 writers: a node checks at most STORE_RECORDS_BURST records of one writer at once, dht_wire.py)
+    writers = [Outsider(open_swarm.initial_peers, tmp_path / f"writer{n}.key") for n in range(3)]
     try:
         for peer in honest_peers(open_swarm):
-            stored = [ok for records in floods for ok in writer.store_many_at(peer, records)]
+            stored = [ok for n, records in enumerate(floods) for ok in writers[n % 3].store_many_at(peer, records)]
             assert all(stored) and len(stored) == STRANGERS * spec.num_blocks, peer  # an open swarm stores them
     finally:
-        writer.close()
+        for writer in writers:
+            writer.close()
     # When a client reads the swarm, then it finds both servers on each of their blocks
     infos = read_blocks(open_swarm, spec, None)
     for server, blocks in zip(open_swarm.servers, [range(0, 3), range(3, 6)], strict=True):

@@ -119,7 +119,7 @@ def test_a_bomb_within_the_length_cap_is_refused_at_its_first_container_where_a_
     assert refused(few) == "a DHT dictionary item of another shape"
     nested = ext(DICTIONARY_EXT, msgpack.packb([None, 0.0, [[["Qm"] * 10, b"v", 1.0]]]))
     assert "exceeds max_array_len" in refused(nested)
-    assert fastest(lambda: refused(bomb)) < 0.005
+    assert fastest(lambda: refused(bomb)) < 0.05  # the unbounded decoder took seconds
 
 
 def test_dictionaries_are_refused_nested_anywhere_and_other_ext_types_everywhere() -> None:
