@@ -7,6 +7,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -100,21 +101,43 @@ def test_answers_out_of_order_and_late_copies_of_taken_ones_are_no_fault() -> No
     run(test)
 
 
+@dataclass
+class PushChain:
+    """A client's chain of two push sessions at step 0, the server ends of their streams, the wait for the second's
+    answer."""
+
+    inference: InferenceSession
+    first: ServerSession
+    second: ServerSession
+    server: Server         # the first session's server end
+    second_server: Server  # kept open: the second session waits on it
+    waiting: asyncio.Future[torch.Tensor]
+
+
+async def push_chain() -> PushChain:
+    """A client's chain of two push sessions, first (blocks 0:3) then second (3:6), at step 0: the first's answers
+    are read from a stream whose server end is returned, and the client waits for the second's answer."""
+    swarm = Swarm(None, None, None, model_id="tiny", num_blocks=6, config=ClientConfig())  # type: ignore[arg-type]
+    inference = InferenceSession(swarm, batch_size=1, max_length=8)
+    first, second = (ServerSession(swarm, RouteHop(peer, start, end), batch_size=1, max_length=8, push=True,
+                                   on_push_failure=inference._push_failed)
+                     for peer, start, end in (("first-peer", 0, 3), ("second-peer", 3, 6)))
+    inference._sessions = {0: first, 3: second}
+    first._answers, server = await reader_and_server(
+        lambda step_id, peer, reason: inference._push_failed(first, step_id, peer, reason))
+    second._answers, second_server = await reader_and_server()
+    second.expect(torch.Size((1, 1, 4)), 0)
+    return PushChain(inference, first, second, server, second_server,
+                     asyncio.ensure_future(second.answer(0, torch.Size((1, 1, 4)))))
+
+
 def test_a_push_failure_steers_the_client_only_when_it_names_the_reporters_next_hop() -> None:
     async def test() -> None:
-        # Given a client's chain of two push sessions, first (blocks 0:3) then second (3:6), at step 0
-        swarm = Swarm(None, None, None, model_id="tiny", num_blocks=6, config=ClientConfig())  # type: ignore[arg-type]
-        inference = InferenceSession(swarm, batch_size=1, max_length=8)
-        first, second = (ServerSession(swarm, RouteHop(peer, start, end), batch_size=1, max_length=8, push=True,
-                                       on_push_failure=inference._push_failed)
-                         for peer, start, end in (("first-peer", 0, 3), ("second-peer", 3, 6)))
-        inference._sessions = {0: first, 3: second}
-        # whose first server's answers are read from its stream, and whose client waits for the second's answer
-        first._answers, server = await reader_and_server(
-            lambda step_id, peer, reason: inference._push_failed(first, step_id, peer, reason))
-        second._answers, _ = await reader_and_server()
-        second.expect(torch.Size((1, 1, 4)), 0)
-        waiting = asyncio.ensure_future(second.answer(0, torch.Size((1, 1, 4))))
+        # Given a client's chain of two push sessions, first (blocks 0:3) then second (3:6), at step 0, whose first
+        # server's answers are read from its stream, and whose client waits for the second's answer
+        chain = await push_chain()
+        inference, first, second, server, waiting = (chain.inference, chain.first, chain.second, chain.server,
+                                                     chain.waiting)
         # When the first server reports failed pushes of step 0 to a peer that is not its next hop (nor any hop)
         server.write(push_failed(0, "stranger-peer") * MAX_STRAYS)
         await settle(server)
@@ -142,17 +165,9 @@ def test_a_push_failure_steers_the_client_only_when_it_names_the_reporters_next_
 def test_a_servers_push_failure_reason_reaches_the_clients_log_escaped(caplog: pytest.LogCaptureFixture) -> None:
     async def test() -> None:
         # Given a client's chain of two push sessions, whose client waits for the second's answer to step 0
-        swarm = Swarm(None, None, None, model_id="tiny", num_blocks=6, config=ClientConfig())  # type: ignore[arg-type]
-        inference = InferenceSession(swarm, batch_size=1, max_length=8)
-        first, second = (ServerSession(swarm, RouteHop(peer, start, end), batch_size=1, max_length=8, push=True,
-                                       on_push_failure=inference._push_failed)
-                         for peer, start, end in (("first-peer", 0, 3), ("second-peer", 3, 6)))
-        inference._sessions = {0: first, 3: second}
-        first._answers, server = await reader_and_server(
-            lambda step_id, peer, reason: inference._push_failed(first, step_id, peer, reason))
-        second._answers, _ = await reader_and_server()
-        second.expect(torch.Size((1, 1, 4)), 0)
-        waiting = asyncio.ensure_future(second.answer(0, torch.Size((1, 1, 4))))
+        chain = await push_chain()
+        inference, first, second, server, waiting = (chain.inference, chain.first, chain.second, chain.server,
+                                                     chain.waiting)
         # When the first server reports a failed push whose reason forges a log line
         forged = "broken\nWARNING swarmclient.session: FORGED line: Server 12345678 failed; banned"
         server.write(protocol.length_prefixed(protocol.encode([], {"step_id": 0, "push_failed": {
