@@ -22,7 +22,9 @@ Modules:
                      for a wildcard host, DNS names and IPv6, a free port when an announcement needs one
     records          signed, short-lived DHT records: the validator every node runs, GuardedDHTNode
     dht_wire         what a DHT node accepts from peers, bounded before decoding: BoundedSerializer, the caps on store
-                     and find requests and on find answers
+                     and find requests and on find answers, a record budget per writer
+    dht_storage      BoundedStorage: at most 1024 records per key (a full key refuses newcomers, keeps its holders),
+                     find answers within 3 MiB, smallest records first
     membership       a private swarm: the swarm file, Membership, member credentials, a client's SwarmAccess
     relays           circuit relays for servers behind NAT: RelayRole (relay / behind_nat / dial), p2pd's options for
                      each, RelayGuard (a private swarm's relay cuts off non-members' reservations)
