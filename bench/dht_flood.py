@@ -30,7 +30,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -310,20 +309,13 @@ def main() -> None:
     parser.add_argument("--open", action="store_true", help="an open swarm (no swarm file): records get verified")
     args = parser.parse_args()
 
-    import torch
+    from jobrun import bench_setup  # bench/ is the script's folder, first on sys.path
 
     from launch.local_swarm import LocalSwarm
-    from modelprep import prepare_model, write_tiny_model
     from swarmclient.model import DistributedModelForCausalLM
     from swarmnet.model_spec import ModelSpec
 
-    torch.set_num_threads(1)
-    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
-    if args.model == "tiny":
-        model_dir = write_tiny_model(home / "tiny", layers=6, seed=1)
-    else:
-        cache = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models"
-        model_dir = prepare_model(args.model, cache_dir=cache)
+    home, model_dir = bench_setup(args.model)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs")
     blocks = ModelSpec.open(model_dir).num_blocks
     with LocalSwarm(model_dir, [(0, blocks)], log_dir=home / "swarm", private=not args.open) as swarm:

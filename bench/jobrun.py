@@ -15,7 +15,7 @@ from jobs.runtime import Runtime
 from jobs.store import job_counts
 from jobs.submission import submit_batch
 from jobs.worker.job_worker import JobWorker
-from modelprep import prepare_model
+from modelprep import prepare_model, write_tiny_model
 
 
 def job_bench_parser(description: str, *, requests: int, max_tokens: int, batch_size: int, reps: int
@@ -31,9 +31,12 @@ def job_bench_parser(description: str, *, requests: int, max_tokens: int, batch_
 
 
 def bench_setup(model: str) -> tuple[Path, Path]:
-    """(a fresh home folder, the prepared model dir); one torch thread in this (client) process."""
+    """(a fresh home folder, the prepared model dir: "tiny" is a 6-layer random model written there); one torch
+    thread in this (client) process."""
     torch.set_num_threads(1)
     home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
+    if model == "tiny":
+        return home, write_tiny_model(home / "tiny", layers=6, seed=1)
     cache = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models"
     return home, prepare_model(model, cache_dir=cache)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from jobrun import bench_setup  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 
 from launch.local_swarm import LocalSwarm  # noqa: E402
-from modelprep import prepare_model, write_tiny_model  # noqa: E402
 from servers.access import MemberGate  # noqa: E402
 from swarmclient.session import InferenceSession  # noqa: E402
 from swarmclient.swarm import Swarm  # noqa: E402
@@ -77,13 +76,7 @@ def main() -> None:
                                                         "smollm2 or a model dir")
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    home = Path(tempfile.mkdtemp(prefix="swarmbatch-bench-"))
-    if args.model == "tiny":
-        model_dir = write_tiny_model(home / "tiny", layers=6, seed=1)
-    else:
-        cache = Path(os.environ.get("SWARMBATCH_HOME", Path.home() / ".swarmbatch")) / "models"
-        model_dir = prepare_model(args.model, cache_dir=cache)
+    home, model_dir = bench_setup(args.model)
     spec = ModelSpec.open(model_dir)
     blocks = [(0, spec.num_blocks)]
     with LocalSwarm(model_dir, blocks, log_dir=home / "open") as opened, \
