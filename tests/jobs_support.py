@@ -10,8 +10,8 @@ import httpx
 from ports import free_port
 from sqlalchemy import select
 
-from jobs import ingest
-from jobs.models import Job, Request
+from jobs import ingest, store
+from jobs.models import Job, Request, RequestStatus
 from jobs.runtime import Runtime
 from jobs.worker.job_worker import CLAIMED_FOR_FREED_SLOTS_LOG, CLAIMED_LOG
 from launch.local_worker import settings_env
@@ -34,6 +34,22 @@ def check_lines(runtime: Runtime, job_id: str) -> None:
     assert checked.ran, f"job {job_id} had no lines to check"
     while checked.more:  # slice after slice, as the worker sends the job again
         checked = ingest.check_lines(runtime, job_id)
+
+
+def complete_every_request(runtime: Runtime, job_id: str, *, output: Callable[[int], str]) -> None:
+    """As workers would: check the job's lines, claim its requests and complete each with `output(index)`."""
+    check_lines(runtime, job_id)
+    while True:
+        with runtime.session() as session:
+            token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=200,
+                                               lease_seconds=60, max_attempts=5)
+            for row in rows:
+                assert store.finish_request(session=session, request_id=row.id, token=token,
+                                            status=RequestStatus.completed, generated=[5, 6], finish_reason="length",
+                                            output_text=output(row.index))
+            session.commit()
+        if not rows:
+            return
 
 
 def job_status(runtime: Runtime, job_id: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from factories import new_key
-from jobs_support import ApiClient, check_lines
+from jobs_support import ApiClient, complete_every_request
 from openai import OpenAI
 from sqlalchemy import func
 from sqlalchemy import select as sql_select
@@ -32,7 +32,7 @@ import cli
 from jobs import store
 from jobs.api.send_deadline import SEND_DEADLINE_LOG, SendTimedOut, deadline_send
 from jobs.api.slots import ALL_SUBMISSIONS, Slots
-from jobs.models import FileChunk, Job, Request, RequestStatus, StoredFile, utcnow
+from jobs.models import FileChunk, Job, Request, StoredFile, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
 
@@ -377,19 +377,6 @@ def test_uploads_and_submissions_past_the_keys_quota_get_429_insufficient_quota_
 
 
 # ---- retention -----------------------------------------------------------------------------------------------------
-def finish_all(runtime: Runtime, job_id: str) -> None:
-    """As a worker would: check the job's lines, claim every request and complete it."""
-    check_lines(runtime, job_id)
-    with runtime.session() as session:
-        token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=100,
-                                           lease_seconds=60, max_attempts=5)
-        for row in rows:
-            assert store.finish_request(session=session, request_id=row.id, token=token,
-                                        status=RequestStatus.completed, generated=[5, 6], finish_reason="length",
-                                        output_text=f"out {row.index}")
-        session.commit()
-
-
 def sweep_at(runtime: Runtime, monkeypatch: pytest.MonkeyPatch, at: Any) -> None:
     """One sweep with the clock at `at` (the clock alone is mocked)."""
     monkeypatch.setattr("jobs.worker.sweep.utcnow", lambda: at)
@@ -410,7 +397,7 @@ def test_the_sweep_deletes_uploads_and_outputs_once_they_expire_and_nothing_befo
     assert monthly["expires_at"] == monthly["created_at"] + 30 * 24 * 3600
     job = api.post("/v1/batches", json=batch(tiny_model, "a", "b", output_expires_after={
         "anchor": "created_at", "seconds": 7200})).json()
-    finish_all(runtime, job["id"])
+    complete_every_request(runtime, job["id"], output=lambda index: f"out {index}")
     now = utcnow()
     sweep_at(runtime, monkeypatch, now)  # settles the job: its output file is made now
     done = api.get(f"/v1/batches/{job['id']}").json()
@@ -474,7 +461,7 @@ def test_revoking_a_key_cancels_its_batches_and_the_next_sweep_deletes_its_files
     as_alice, as_bob = client(runtime, alice), client(runtime, bob)
     upload(as_alice, b"a" * 100)
     done = as_alice.post("/v1/batches", json=batch(tiny_model)).json()["id"]
-    finish_all(runtime, done)
+    complete_every_request(runtime, done, output=lambda index: f"out {index}")
     sweep_store(runtime)
     pending = as_alice.post("/v1/batches", json=batch(tiny_model)).json()["id"]
     bobs = upload(as_bob, b"b").json()["id"]

@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from factories import new_key
-from jobs_support import ApiClient, check_lines
+from jobs_support import ApiClient, complete_every_request
 from sqlalchemy import text
 
-from jobs import files, ingest, retention, store
+from jobs import files, ingest, retention
 from jobs.api.slots import CUT_SHORT_LOG
-from jobs.models import RequestStatus, StoredFile, utcnow
+from jobs.models import StoredFile, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
 
@@ -127,22 +127,6 @@ def test_results_whose_output_file_is_deleted_while_they_stream_end_incomplete_n
         index = int(result["custom_id"][1:])
         assert result["response"]["body"]["choices"][0]["text"] == f"{index:08d}" * 1000, result["custom_id"]
     assert api.get(f"/v1/batches/{job_id}/results").status_code == 410
-
-
-def complete_every_request(runtime: Runtime, job_id: str, *, output: Callable[[int], str]) -> None:
-    """As workers would: check the job's lines, claim its requests and complete each with `output(index)`."""
-    check_lines(runtime, job_id)
-    while True:
-        with runtime.session() as session:
-            token, rows = store.claim_requests(session=session, job_id=job_id, worker="test", limit=200,
-                                               lease_seconds=60, max_attempts=5)
-            for row in rows:
-                assert store.finish_request(session=session, request_id=row.id, token=token,
-                                            status=RequestStatus.completed, generated=[5, 6], finish_reason="length",
-                                            output_text=output(row.index))
-            session.commit()
-        if not rows:
-            return
 
 
 def request_line(number: int) -> str:
