@@ -9,8 +9,9 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
     verification_policy  checked outputs, the policy: sampled steps, tolerances by precision, the majority rule,
                      counts
     hop_verifier     HopVerifier: recomputes a sampled hop step on other holders, bans the one that lies
-    deferred_checks  DeferredChecks: a job lane's checks run beside its steps, settled before each checkpoint; a caught
-                     lie (LieCaught) voids the tokens since the last one
+    deferred_checks  DeferredChecks: a job lane's checks by window, run beside its steps and the next window's; a
+                     window's tokens are committed once its checks passed; a caught lie (LieCaught) voids the
+                     tokens since the last commit
     push_audit       pure: does a hop's answer say it computed on the input the client recorded, and if not, who
                      lied (the pusher, by its signed proof; the hop; or nobody: a stale input, replayed)
     answers          AnswerReader: a push session's answers, read in the background and matched to steps by step id

@@ -45,6 +45,13 @@ class HopCheck:
     positions: torch.Tensor  # [B, L]
     output: torch.Tensor     # [B, T, H]: the checked server's answer to the step (its last T tokens)
 
+    def unpadded(self) -> HopCheck:
+        """The same check without the history's leading columns that no row attends to (`unpadded_start`)."""
+        first = unpadded_start(self.mask, self.output.shape[1])
+        if first == 0:
+            return self
+        return HopCheck(self.hop, self.hidden[:, first:], self.mask[:, first:], self.positions[:, first:], self.output)
+
     @property
     def real(self) -> torch.Tensor:
         """[B, T]: which of the step's tokens are real (padding is not compared)."""
@@ -74,7 +81,7 @@ class HopVerifier:
         if checked is None or not peers:
             self.tally.add(unverified=1)
             return None
-        check = build()
+        check = build().unpadded()
         order = iter([holders[p] for p in verifier_order(peers, self.key, step, hop.start)])
         second = await self._recompute(order, check)
         if second is None:
@@ -110,9 +117,7 @@ class HopVerifier:
             if chunks is None:
                 continue
             try:
-                outputs = [await self.swarm.forward_hidden(span.peer_id, check.hop.start, check.hop.end,
-                                                         check.hidden[rows], check.mask[rows], check.positions[rows])
-                           for rows in chunks]
+                outputs = [await self._forward(span, check, rows) for rows in chunks]
             except PeerFailed as e:
                 duration = self.swarm.bans.ban(span.peer_id)
                 logger.warning("Server %s could not check a step (%s); banned for %.0f s", span.peer_id[-8:],
@@ -121,8 +126,27 @@ class HopVerifier:
             except InvalidRequest as e:
                 logger.info("Server %s refused to check a step: %s", span.peer_id[-8:], e)
                 continue
-            return Recomputed(span, torch.cat(outputs)[:, -check.output.shape[1]:])
+            return Recomputed(span, torch.cat(outputs))
         return None
+
+    async def _forward(self, span: RemoteSpanInfo, check: HopCheck, rows: slice) -> torch.Tensor:
+        """The step's tokens [rows, T, H] recomputed by one server from these rows' history, without its leading
+        padding (columns no row of the chunk attends to: a row with a shorter prompt, or one that joined later)."""
+        first = unpadded_start(check.mask[rows], check.output.shape[1])
+        output = await self.swarm.forward_hidden(span.peer_id, check.hop.start, check.hop.end,
+                                                 check.hidden[rows, first:], check.mask[rows, first:],
+                                                 check.positions[rows, first:])
+        return output[:, -check.output.shape[1]:]
+
+
+def unpadded_start(mask: torch.Tensor, tail: int) -> int:
+    """The first column of the history [L] to send: the leading columns that no row attends to are left out, never
+    the last `tail` (the compared step's tokens). Masked keys add nothing to attention and positions are sent with
+    each token, and only a leading run is dropped, so the distance between any two tokens (what a sliding window
+    counts) stays the same: the real tokens' outputs are the same without it."""
+    attended = mask.bool().any(dim=0)[: mask.shape[1] - tail].nonzero()
+    return int(attended[0]) if len(attended) else mask.shape[1] - tail
+
 
 
 def row_chunks(check: HopCheck, span: RemoteSpanInfo) -> list[slice] | None:

@@ -14,8 +14,12 @@ from generation_checks import generate_killing_first_hop, reference_tokens
 from test_swarm_generation import PROMPTS
 
 from modelprep import write_tiny_model
+from servers.block_loading import load_span
+from swarmclient.generation import prefill_positions
 from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.textgen import load_tokenizer
+from swarmclient.verification_policy import TOLERANCES, relative_error
+from swarmnet.model_spec import ModelSpec
 
 NEW_FAMILIES = ["gemma2", "gemma3_text", "phi3", "qwen3", "mixtral", "falcon"]
 MakeModel = Callable[[str], Path]
@@ -31,6 +35,24 @@ def family_model(tmp_path_factory: pytest.TempPathFactory) -> MakeModel:
             made[arch] = write_tiny_model(tmp_path_factory.mktemp("families") / arch, layers=4, arch=arch, seed=3)
         return made[arch]
     return make
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3_text", "falcon"])
+def test_a_history_without_its_leading_padding_gives_the_same_outputs_sliding_windows_included(
+        arch: str, family_model: MakeModel) -> None:
+    # What a check sends (hop_verifier.unpadded_start): a row's history without the pad columns before its prompt.
+    # Given a left-padded batch whose rows are longer than the tiny Gemmas' sliding window (8 tokens)
+    spec = ModelSpec.open(family_model(arch))
+    span = load_span(spec, 0, 4)
+    torch.manual_seed(0)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0
+    hidden, positions = torch.randn(2, 20, spec.config.hidden_size), prefill_positions(mask)
+    padded = span.forward(hidden, mask, positions)
+    # When row 1 runs alone without its 6 pad columns
+    alone = span.forward(hidden[1:, 6:], mask[1:, 6:], positions[1:, 6:])
+    # Then its outputs are those of the padded batch up to float32 rounding, far inside what a check allows
+    assert relative_error(alone, padded[1:, 6:], mask[1:, 6:]) <= 1e-5 < TOLERANCES["float32"]
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)

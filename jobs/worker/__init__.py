@@ -11,7 +11,8 @@
                   the job's next requests and a fair share among live workers (PipelinePlan)
     runner        BatchRunner: a claimed batch as pipelined micro-batches (lanes) started as the servers' cache
                   allows, finished rows replaced at once by newly claimed ones, rows without room waiting (leases
-                  renewed); commits every K tokens; resumes from committed ids
+                  renewed); commits every K tokens (with checked outputs, the tokens whose window's checks
+                  passed); resumes from committed ids
     embedder      EmbeddingRunner: a claimed batch of /v1/embeddings requests, one stateless forward per micro-batch,
                   each micro-batch's vectors stored as completed at once
     sweep         sweep_store: lost leases back to pending, overdue jobs expired, finished jobs settled, failed

@@ -264,7 +264,10 @@ class BatchRunner:
         ids, mask = left_pad([list(r.prompt_ids) + row.generated for row, r in pairs], self.model.pad_token_id)
         limits = [r.max_tokens - len(row.generated) for row, r in pairs]
         params = [sampling_params(r, earlier=len(row.generated), grammar=self._grammar(r)) for row, r in pairs]
-        checks = DeferredChecks(self.model.swarm.loop)  # checked outputs: settled before each checkpoint
+        checks = DeferredChecks(self.model.swarm.loop)  # checked outputs: a window's pass before its tokens commit
+        # the rows' lengths at the last checkpoint whose window's checks were still running: the next one commits them
+        # (the checks run while the next window's steps do) unless its own window's are done by then
+        waiting: dict[int, int] = {}
 
         def on_token(index: int, column: torch.Tensor, logprobs: TokenLogprobs | None = None) -> torch.Tensor:
             # the rows this step ran with: the servers hold their cache until the next step leaves the finished out
@@ -281,8 +284,11 @@ class BatchRunner:
                     stop[b] = self._check_finished(row, request)
             logger.debug(STEP_LOG, index, " ".join(f"{row.request_id}={len(row.generated)}" for row in rows))
             if (index + 1) % self.checkpoint_every == 0:
-                checks.settle()  # raises LieCaught: nothing since the last checkpoint is kept
-                self._commit(rows)
+                nonlocal waiting
+                checked = checks.close_window()  # raises LieCaught: nothing since the last checkpoint is kept
+                now = {row.request_id: len(row.generated) for row in rows}
+                self._commit(rows, upto=now if checked else waiting)
+                waiting = now
             if stop.any():
                 self._changed.set()
             return stop
@@ -290,6 +296,7 @@ class BatchRunner:
         try:
             self.model.generate_new_tokens(ids, mask, max_new_tokens=limits, params=params, on_token=on_token,
                                            shrink=self.continuous, verification=self.verification, deferred=checks)
+            self._commit(rows)  # every check of the session passed: its rows' last tokens are kept now
         finally:
             self._changed.set()
 
@@ -318,19 +325,23 @@ class BatchRunner:
             row.finish_reason = "stop" if eos else "length"
         return row.finish_reason is not None
 
-    def _text(self, row: RowState) -> str:
-        """The row's output text so far (cut at a stop string once finished)."""
+    def _text(self, row: RowState, length: int | None = None) -> str:
+        """The row's output text so far (cut at a stop string once finished), or of its first `length` tokens."""
+        if length is not None and length < len(row.generated):
+            return str(self.tokenizer.decode(row.generated[:length], skip_special_tokens=True))
         if row.finish_reason is not None or row.stop:
             return row.text  # _check_finished decoded it at this very step
         return str(self.tokenizer.decode(row.generated, skip_special_tokens=True))
 
-    def _commit(self, rows: list[RowState], *, force: bool = False) -> None:
-        """Checkpoint rows that gained tokens; raises LeaseLost if another worker took one over."""
-        progress = {row.request_id: list(row.generated) for row in rows if len(row.generated) > row.committed}
+    def _commit(self, rows: list[RowState], *, force: bool = False, upto: dict[int, int] | None = None) -> None:
+        """Checkpoint rows that gained tokens (upto: only their first tokens, by request id; a row not in it gained
+        none); raises LeaseLost if another worker took one over."""
+        lengths = {row.request_id: len(row.generated) if upto is None else upto.get(row.request_id, 0) for row in rows}
+        progress = {rid: row.generated[:lengths[rid]] for row in rows if lengths[(rid := row.request_id)] > row.committed}
         if not progress and not force:
             return
-        texts = {rid: self._text(row) for row in rows if (rid := row.request_id) in progress}
-        logprobs = {rid: list(row.logprobs) for row in rows
+        texts = {rid: self._text(row, lengths[rid]) for row in rows if (rid := row.request_id) in progress}
+        logprobs = {rid: row.logprobs[:lengths[rid]] for row in rows
                     if (rid := row.request_id) in progress and row.logprobs is not None}
         try:
             owned = self.checkpoint(progress, texts, logprobs) if logprobs else self.checkpoint(progress, texts)

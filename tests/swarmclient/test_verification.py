@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from swarmclient.config import ClientConfig
-from swarmclient.hop_verifier import MAX_FORWARD_BYTES, HopCheck, row_chunks
+from swarmclient.hop_verifier import MAX_FORWARD_BYTES, HopCheck, row_chunks, unpadded_start
 from swarmclient.retry import BanList
 from swarmclient.verification_policy import (
     TOLERANCES,
@@ -137,6 +137,20 @@ def test_a_history_is_sent_in_row_chunks_that_fit_one_call() -> None:
     assert row_chunks(check, RemoteSpanInfo("other", 0, 6, info(max_length=100))) is None
     huge = HopCheck(hop, torch.zeros(1, 2000, hidden), torch.ones(1, 2000), torch.zeros(1, 2000), torch.zeros(1, 1, hidden))
     assert row_chunks(huge, RemoteSpanInfo("other", 0, 6, info())) is None
+
+
+def test_a_check_leaves_out_the_leading_padding_no_row_attends_to() -> None:
+    # two rows: row 0 has 3 pad columns, row 1 has 5 (a shorter prompt); one hole mid-history; a 2-token window
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3], mask[1, :5], mask[:, 7] = 0, 0, 0
+    assert unpadded_start(mask, 2) == 3       # only the columns masked in every row, and only a leading run
+    assert unpadded_start(mask[1:], 2) == 5   # a chunk of row 1 alone drops its own padding
+    # a history of nothing but padding keeps the compared window itself
+    assert unpadded_start(torch.zeros(1, 6, dtype=torch.long), 2) == 4
+    hop, hidden = RouteHop("peer", 0, 6), torch.arange(2 * 12 * 1.0).view(2, 12, 1)
+    check = HopCheck(hop, hidden, mask, torch.arange(12).repeat(2, 1), torch.zeros(2, 2, 1)).unpadded()
+    assert check.hidden.shape == (2, 9, 1) and check.mask[:, 4].tolist() == [0, 0]  # the hole stays: distances kept
+    assert check.positions[0].tolist() == list(range(3, 12)) and torch.equal(check.real, mask[:, -2:])
 
 
 # ---- counts and bans --------------------------------------------------------------------------------------------
