@@ -10,8 +10,9 @@ first) and reads its JSON back; every ratio is measured side by side in that scr
      generate of the same prompts at batch 64 with 2 threads, interleaved; job tok/s / local tok/s >= 0.9
   b  checked outputs: `bench/throughput.py --verify-fractions 0.02` (4 servers, two holders of each half);
      cost = 1 - tok/s with F = 0.02 / tok/s without checks <= 3 %
-  c  loopback: `bench/swarm.py --configs local,swarm-2 --batches 1,8`: the paired ratio (median over reps) of 2
-     pinned servers against local generate (1 thread), batch 1 and 8, >= 1.0
+  c  loopback: `bench/swarm.py --configs local,swarm-2,swarm-2-mb2 --batches 1,8`: the paired ratio (median over
+     reps) of 2 pinned servers against local generate (1 thread), batch 1 and 8, one session and (b8) 2 micro-batches
+     at once, >= 1.0
   d  a WAN: `bench/wan.py --models tiny --servers 2 --rtts 50 --batches 1,8` (root, network namespaces): push-on
      ms/token against the push floor (hops + 1) / 2 x RTT (the RTT `ping -U` measured in the lab) <= 1.1x
 About 12-15 minutes on the project's 2-core VM; --quick runs far smaller sizes in about 3 minutes (a smoke check:
@@ -87,16 +88,20 @@ def verify_rows(data: dict[str, Any]) -> list[Row]:
     return rows
 
 
+LOOPBACK_LABELS = {"swarm-2": "loopback 2 servers vs local",
+                   "swarm-2-mb2": "loopback 2 servers, 2 micro-batches (ClientConfig.micro_batches=2) vs local"}
+
+
 def loopback_rows(data: dict[str, Any]) -> list[Row]:
     """Row c: 2 servers against local generate, paired per rep, at each batch size."""
     local = {r["batch"]: r for r in data["results"] if r["config"] == "local"}
     rows = []
     for r in data["results"]:
-        if r["config"] != "swarm-2":
-            continue
+        if r["config"] not in LOOPBACK_LABELS or (r["config"] == "swarm-2-mb2" and r["batch"] == 1):
+            continue  # at batch 1, 2 micro-batches are one: swarm-2's row
         ratios = r["paired_ratios"]
         spread = f"reps {min(ratios):.2f}–{max(ratios):.2f}, " if ratios else ""
-        rows.append(Row(f"loopback 2 servers vs local, b{r['batch']}",
+        rows.append(Row(f"{LOOPBACK_LABELS[r['config']]}, b{r['batch']}",
                         f"**{r['paired_ratio']:.2f}x** paired ({spread}{r['tokens_per_s']:.1f} vs local "
                         f"{local[r['batch']]['tokens_per_s']:.1f} tok/s, median of {len(ratios)} reps)", ">= 1.0x",
                         r["paired_ratio"] >= 1.0))
@@ -133,9 +138,10 @@ BENCHES = (
     Bench("b", "checked outputs", "throughput.py", ("--verify-fractions", "0.02", "--max-tokens", "32", "--reps", "3"),
           ("--verify-fractions", "0.02", "--requests", "8", "--max-tokens", "8", "--batch-size", "8", "--reps", "1"),
           verify_rows, 1800),
-    Bench("c", "loopback", "swarm.py", ("--configs", "local,swarm-2", "--batches", "1,8", "--reps", "7",
+    Bench("c", "loopback", "swarm.py", ("--configs", "local,swarm-2,swarm-2-mb2", "--batches", "1,8", "--reps", "7",
                                         "--hop-steps", "0"),
-          ("--configs", "local,swarm-2", "--batches", "1,8", "--reps", "1", "--new-tokens", "8", "--hop-steps", "0"),
+          ("--configs", "local,swarm-2,swarm-2-mb2", "--batches", "1,8", "--reps", "1", "--new-tokens", "8",
+           "--hop-steps", "0"),
           loopback_rows, 1800),
     Bench("d", "WAN", "wan.py", ("--models", "tiny", "--servers", "2", "--rtts", "50", "--batches", "1,8",
                                  "--reps", "3"),

@@ -6,6 +6,9 @@ What it measures (one run, same prompts, greedy, exactly N new tokens per row):
   local     transformers AutoModelForCausalLM.generate, min_new_tokens=N, 1 torch thread in this process
   swarm-1   LocalSwarm with one server holding all blocks (pinned to one core, 1 thread)
   swarm-2   LocalSwarm with two servers holding halves (each pinned to its own core, 1 thread)
+  swarm-2-mb2  the same two servers, each batch split into 2 micro-batches (rows grouped by prompt length) that run
+            at once, each in its own session and client thread: while one computes on the second server, the other
+            computes on the first (ClientConfig.micro_batches; at batch 1 it is swarm-2)
 The swarm client runs in this process with 1 torch thread too. All three configs are started up front and their
 timed runs interleaved rep by rep (local b1, swarm-1 b1, swarm-2 b1, then b8, ...; the order rotates each rep),
 so noise from other work on the machine hits them alike; each row is the median of --reps runs, after a short
@@ -227,21 +230,31 @@ class StepClock:
                 "client_ms": (total - steps) * per}
 
 
-def swarm_runner(model: Any, allow_eos: bool, details: dict[str, Any]) -> RunFn:
+def swarm_runner(model: Any, allow_eos: bool, details: dict[str, Any], micro_batches: int = 1) -> RunFn:
     from swarmclient.generation import generate_tokens
+    from swarmclient.model import in_micro_batches, micro_batch_rows
 
-    def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
-        params = model.sampling_params(ids.shape[0], False, 1.0, 1.0, 0)
-        if allow_eos:
-            return model.generate_new_tokens(ids, mask, max_new_tokens=n, params=params)
-        # exactly n tokens (like HF min_new_tokens): the same decode loop with no EOS to stop on
+    def exactly(ids: torch.Tensor, mask: torch.Tensor, n: int, params: list[Any], timed: bool) -> torch.Tensor:
+        """exactly n tokens (like HF min_new_tokens): the same decode loop with no EOS to stop on"""
         with model.inference_session(batch_size=ids.shape[0], max_length=ids.shape[1] + n) as session:
             clock = StepClock(session)
             began = time.perf_counter()
             new = generate_tokens(model.head, clock, ids, mask, max_new_tokens=n, params=params,
                                   eos_token_ids=(), pad_token_id=model.pad_token_id)
-            details.update(clock.breakdown(time.perf_counter() - began, new.shape[1]))
+            if timed:
+                details.update(clock.breakdown(time.perf_counter() - began, new.shape[1]))
         return new
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+        params = model.sampling_params(ids.shape[0], False, 1.0, 1.0, 0)
+        if allow_eos:
+            return model.generate_new_tokens(ids, mask, max_new_tokens=n, params=params, micro_batches=micro_batches)
+        if micro_batches == 1:
+            return exactly(ids, mask, n, params, timed=True)
+        # the micro-batches' steps overlap: no per-step breakdown
+        return in_micro_batches(micro_batch_rows(mask, micro_batches), ids, mask, model.pad_token_id,
+                                lambda rows, group_ids, group_mask: exactly(group_ids, group_mask, n,
+                                                                            [params[r] for r in rows], timed=False))
     return run
 
 
@@ -542,11 +555,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "swarm-1" in configs:
                 configs_run.append(start_swarm(stack, "swarm-1", model_dir, [(0, num_blocks)], args.allow_eos,
                                                args.log_dir)[0])
-            if "swarm-2" in configs:
+            if "swarm-2" in configs or "swarm-2-mb2" in configs:
                 half = num_blocks // 2
                 config, two_servers = start_swarm(stack, "swarm-2", model_dir, [(0, half), (half, num_blocks)],
                                                   args.allow_eos, args.log_dir)
-                configs_run.append(config)
+                if "swarm-2" in configs:
+                    configs_run.append(config)
+                if "swarm-2-mb2" in configs:  # the same servers, each batch as 2 micro-batches at once
+                    configs_run.append(Config("swarm-2-mb2", swarm_runner(two_servers, args.allow_eos, {}, 2),
+                                              config.eos_ids, config.pad_id))
             for config in configs_run:  # warm-up: a short generation per batch size
                 for batch in batches:
                     config.run(*prompts.batch(batch), 4)

@@ -242,6 +242,9 @@ def generate(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
                  envvar="SWARMBATCH_PUSH",
                  help="Servers push each step's outputs straight to the next server (about (hops + 1) / 2 round trips "
                       "per token instead of hops); --no-push: the client relays every hop.")] = True,
+             micro_batches: Annotated[int, typer.Option(
+                 min=1, help="Run the prompts as this many micro-batches at once, so that every server computes while "
+                             "the others do (pipeline parallelism; rows grouped by length). 1 = one batch.")] = 1,
              as_json: JsonOption = False, swarm_file: SwarmFileOption = None, identity: MemberKeyOption = None) -> None:
     """One-off generation through the swarm."""
     from swarmclient.textgen import generate_texts
@@ -252,7 +255,8 @@ def generate(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     checks = VerificationTally()
     outputs = generate_texts(resolve_model(model), prompts, initial_peers=initial_peers, chat=chat,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                             access=access, verify_fraction=verify_fraction, verification=checks, push=push)
+                             access=access, verify_fraction=verify_fraction, verification=checks, push=push,
+                             micro_batches=micro_batches)
     counts = checks.snapshot()
     if as_json:
         typer.echo(json.dumps({"outputs": outputs, "verification": {

@@ -35,6 +35,11 @@ class ClientConfig:
     # client (what a failover replays and a check recomputes). About (hops + 1) / 2 round trips per token instead of
     # hops. On by default: every test of the client, the servers, generation, checks and membership passes with it
     push: bool = True
+    # one-off `generate` splits a batch into this many micro-batches, each its own session, run at once: while one
+    # micro-batch computes on the second server, the next one computes on the first (pipeline parallelism; jobs do
+    # this with their lanes). Rows are grouped by prompt length. Each row's tokens are what it gets alone, but its
+    # micro-batch's padding differs from the whole batch's, so greedy ties may round differently: 1 = one session
+    micro_batches: int = 1
     # where the embeddings, final norm and LM head live and compute: auto (cuda when torch sees a GPU), cpu, cuda:N
     device: str = "auto"
     # the final norm's and LM head's dtype: auto is the checkpoint's dtype on a GPU and float32 on a CPU, where a
@@ -44,5 +49,7 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         if self.head_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"head_dtype must be auto, float32, bfloat16 or float16, got {self.head_dtype!r}")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -95,24 +96,43 @@ class DistributedModelForCausalLM:
     def generate_new_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                             max_new_tokens: int | Sequence[int], params: list[SamplingParams],
                             on_token: TokenHook | None = None, shrink: bool = False,
-                            verification: VerificationTally | None = None, deferred: DeferredChecks | None = None
-                            ) -> torch.Tensor:
+                            verification: VerificationTally | None = None, deferred: DeferredChecks | None = None,
+                            micro_batches: int | None = None) -> torch.Tensor:
         """Only the new tokens [B, N], with per-row sampling parameters and limits (see generate_tokens).
 
         shrink: finished rows leave the session at once (continuous batching), instead of riding along.
         verification: counts the session's checked outputs (see inference_session).
         deferred: the session's checks run beside it (see inference_session); all are settled before this returns.
+        micro_batches: run the rows as this many micro-batches at once (default ClientConfig.micro_batches); not
+        with on_token or deferred, which follow one session.
         """
         total = input_ids.shape[1] + (max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens, default=0))
         if total > self.spec.max_length:
             raise InvalidRequest(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the "
                                  f"model's context of {self.spec.max_length} tokens")
+        groups = micro_batch_rows(attention_mask, micro_batches or self.swarm.config.micro_batches)
+        if len(groups) > 1 and on_token is None and deferred is None:
+            return self._generate_micro_batches(groups, input_ids, attention_mask, max_new_tokens, params, shrink,
+                                                verification)
         with self.inference_session(batch_size=input_ids.shape[0], max_length=total,
                                     verification=verification, deferred=deferred) as session:
             return generate_tokens(self.head, session.step, input_ids, attention_mask,
                                    max_new_tokens=max_new_tokens, params=params,
                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
                                    on_token=on_token, shrink=shrink)
+
+    def _generate_micro_batches(self, groups: list[torch.Tensor], input_ids: torch.Tensor,
+                                attention_mask: torch.Tensor, max_new_tokens: int | Sequence[int],
+                                params: list[SamplingParams], shrink: bool,
+                                verification: VerificationTally | None) -> torch.Tensor:
+        """generate_new_tokens of each group of rows in its own session, all at once (ClientConfig.micro_batches)."""
+        limits = [max_new_tokens] * len(params) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+
+        def one(rows: list[int], ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.generate_new_tokens(ids, mask, max_new_tokens=[limits[r] for r in rows],
+                                            params=[params[r] for r in rows], shrink=shrink,
+                                            verification=verification, micro_batches=1)
+        return in_micro_batches(groups, input_ids, attention_mask, self.pad_token_id, one)
 
     @functools.cached_property
     def pooling(self) -> Pooling:
@@ -138,3 +158,33 @@ class DistributedModelForCausalLM:
         if len(seeds) != batch_size:
             raise ValueError(f"{len(seeds)} seeds for a batch of {batch_size}")
         return [SamplingParams(temperature=temperature if do_sample else 0.0, top_p=top_p, seed=s) for s in seeds]
+
+
+def micro_batch_rows(attention_mask: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """The batch's row indices in at most `count` groups of near-equal size, rows of similar prompt length together
+    (less padding in each group); one group of every row when count is 1."""
+    rows = attention_mask.shape[0]
+    if count <= 1 or rows < 2:
+        return [torch.arange(rows)]
+    by_length = torch.argsort(attention_mask.long().sum(dim=1), stable=True)
+    return [group for group in torch.tensor_split(by_length, min(count, rows)) if len(group)]
+
+
+MicroBatchFn = Callable[[list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+"""(the group's row indices, its input ids, its attention mask) -> its new tokens [rows, N]."""
+
+
+def in_micro_batches(groups: list[torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int,
+                     generate: MicroBatchFn) -> torch.Tensor:
+    """The new tokens [B, N] of a batch whose groups of rows each `generate` in a thread of its own, all at once. A
+    group's prompts lose the padding columns none of its rows needs (positions come from the mask: unchanged)."""
+    def one(rows: torch.Tensor) -> torch.Tensor:
+        attended = attention_mask[rows].bool().any(dim=0).nonzero()
+        first = int(attended[0]) if len(attended) else 0
+        return generate(rows.tolist(), input_ids[rows, first:], attention_mask[rows, first:])
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="micro-batch") as pool:
+        outputs = list(pool.map(one, groups))
+    new = torch.full((input_ids.shape[0], max(out.shape[1] for out in outputs)), pad_id, dtype=torch.long)
+    for rows, out in zip(groups, outputs, strict=True):
+        new[rows, :out.shape[1]] = out
+    return new

@@ -106,8 +106,9 @@ def test_an_error_of_ours_prints_its_traceback_only_with_verbose(tmp_path: Path)
 
 
 def test_generate_json_prints_texts_and_token_ids(tiny_model: Path, shared_swarm: LocalSwarm) -> None:
+    # two micro-batches of one prompt each, run at once (pipelined over the two servers)
     code, out, err = invoke("generate", str(tiny_model), "Hello world", "The quick brown fox", "--max-new-tokens", "12",
-                            "--json", "--initial-peers", *shared_swarm.initial_peers)
+                            "--json", "--micro-batches", "2", "--initial-peers", *shared_swarm.initial_peers)
     assert code == 0, err
     outputs = json.loads(out)["outputs"]
     assert [o["prompt"] for o in outputs] == ["Hello world", "The quick brown fox"]

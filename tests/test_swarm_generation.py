@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from launch.local_swarm import LocalSwarm
 from swarmclient.config import ClientConfig
 from swarmclient.errors import MissingBlocksError
 from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.session import InferenceSession
 from swarmclient.textgen import load_tokenizer
 from swarmnet.errors import DHTUnreachable
 
@@ -49,6 +51,41 @@ def test_sampling_through_the_swarm_is_reproducible_for_a_seed(tiny_model: Path,
                                temperature=1.0, top_p=0.95, seed=seed) for seed in (5, 5, 6)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+def test_micro_batches_run_at_once_and_give_each_row_its_tokens(tiny_model: Path, tiny_swarm: LocalSwarm) -> None:
+    # Given the batch of 4 mixed-length prompts, greedy and sampled
+    batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
+    expected = reference_tokens(tiny_model, batch, 32)
+    config = ClientConfig(micro_batches=2)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=tiny_swarm.initial_peers,
+                                                     config=config) as model:
+        opened: list[int] = []
+        open_session = model.inference_session
+
+        def counted(**kwargs: Any) -> InferenceSession:
+            opened.append(kwargs["batch_size"])
+            return open_session(**kwargs)
+        model.inference_session = counted  # type: ignore[method-assign]
+        # When it runs as 2 micro-batches (one session each, rows grouped by prompt length)
+        greedy = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=32)
+        params = model.sampling_params(4, True, 1.0, 0.95, 7)
+        split = model.generate_new_tokens(batch.input_ids, batch.attention_mask, max_new_tokens=16, params=params)
+        whole = model.generate_new_tokens(batch.input_ids, batch.attention_mask, max_new_tokens=16, params=params,
+                                          micro_batches=1)
+    # Then every row gets transformers' greedy tokens, and sampled rows their seeded tokens, as in one session
+    assert opened == [2, 2, 2, 2, 4]
+    assert torch.equal(greedy[:, batch.input_ids.shape[1]:], expected)
+    assert torch.equal(split, whole)
+
+
+def test_micro_batches_group_rows_of_similar_length() -> None:
+    from swarmclient.model import micro_batch_rows
+    mask = torch.tensor([[0, 0, 1], [1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1]])
+    assert [g.tolist() for g in micro_batch_rows(mask, 2)] == [[0, 3, 2], [1, 4]]
+    assert [g.tolist() for g in micro_batch_rows(mask, 1)] == [[0, 1, 2, 3, 4]]
+    assert [g.tolist() for g in micro_batch_rows(mask[:1], 4)] == [[0]]
+    assert len(micro_batch_rows(mask, 9)) == 5  # never an empty micro-batch
 
 
 @pytest.mark.slow
