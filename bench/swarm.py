@@ -35,7 +35,7 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   floor     the same 1x1xH steps over a bare hivemind stream to an echo process holding the first server's
             1-block and whole span (bench/transport.py): what a hop costs without any of our code
 
-LM head (client, 1 thread): `ClientHead.logits` (a transposed head below 4 rows) against the `nn.Linear` that
+LM head (client, 1 thread): `ClientHead.logits` (its final norm and LM head) against the `nn.Linear` that
 `generate` runs, on the same normed hidden states, 1 to 8 rows, 30 interleaved calls each.
 """
 from __future__ import annotations

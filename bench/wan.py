@@ -74,8 +74,9 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         stamps: list[float] = []
         prompt = batch.input_ids.shape[1]
         with model.inference_session(batch_size=request["batch"], max_length=prompt + request["tokens"] + 1) as session:
+            step = StepTimes(session, model.swarm)
             began = time.perf_counter()
-            tokens = generate_tokens(model.head, session.step, batch.input_ids, batch.attention_mask,
+            tokens = generate_tokens(model.head, step, batch.input_ids, batch.attention_mask,
                                      max_new_tokens=request["tokens"],
                                      params=model.sampling_params(request["batch"], False, 1.0, 1.0, 0),
                                      eos_token_ids=set(), pad_token_id=model.pad_token_id,
@@ -85,9 +86,38 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         print(json.dumps({"ms_per_token": statistics.median(gaps), "prefill_ms": (stamps[0] - began) * 1000,
                           "seconds": stamps[-1] - began, "hops": hops, "positions": prompt + request["tokens"],
                           "reattachments": session.reattachments, "failovers": session.failovers,
-                          "tokens": tokens.tolist()}), flush=True)
+                          **step.split(), "tokens": tokens.tolist()}), flush=True)
     for model in models.values():
         model.close()
+
+
+class StepTimes:
+    """A session's step, timed: where a decode token's time goes on the client's side of the wire. `observe_step` is
+    what the session reports per hop: from sending the step to the first hop's answer, then from each answer to the
+    next (answers travel separately)."""
+
+    def __init__(self, session: Any, swarm: Any) -> None:
+        self.session = session
+        self.steps: list[float] = []
+        self.hops: dict[str, list[float]] = {}
+        report = swarm.observe_step
+
+        def observe(peer_id: str, num_blocks: int, seconds: float) -> None:
+            self.hops.setdefault(peer_id, []).append(seconds * 1000)
+            report(peer_id, num_blocks, seconds)
+        swarm.observe_step = observe
+
+    def __call__(self, *args: Any) -> Any:
+        began = time.perf_counter()
+        out = self.session.step(*args)
+        self.steps.append((time.perf_counter() - began) * 1000)
+        return out
+
+    def split(self) -> dict[str, Any]:
+        """Medians over the decode steps: the step (send to last answer), each hop's share, the servers' compute."""
+        decode = self.steps[1:] or [0.0]
+        return {"step_ms": statistics.median(decode),
+                "hop_ms": [round(statistics.median(times), 2) for times in self.hops.values()]}
 
 
 def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, max_tokens: int, configs: str) -> None:
