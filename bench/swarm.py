@@ -213,7 +213,9 @@ class StepClock:
     """Wraps an InferenceSession's step: wall time of each step and the servers' reported compute in it."""
 
     def __init__(self, session: Any) -> None:
-        self.session, self.wall, self.compute = session, [], []
+        self.session = session
+        self.wall: list[float] = []     # seconds of each step
+        self.compute: list[float] = []  # the servers' reported compute in it
 
     def __call__(self, *args: Any) -> torch.Tensor:
         began = time.perf_counter()

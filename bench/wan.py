@@ -56,6 +56,7 @@ PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy
 def client_main(model_dir: Path, initial_peers: list[str]) -> None:
     """Answer one JSON line per request line {"push", "batch", "tokens"} on stdin until EOF."""
     import torch
+    from swarm import StepClock  # bench/swarm.py: times each step of a session
 
     from swarmclient.config import ClientConfig
     from swarmclient.generation import generate_tokens
@@ -66,6 +67,7 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
     tokenizer = load_tokenizer(model_dir)
     models = {push: DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=initial_peers,
                                                                 config=ClientConfig(push=push)) for push in (True, False)}
+    hop_times = {push: observe_hops(model.swarm) for push, model in models.items()}
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -74,7 +76,8 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         stamps: list[float] = []
         prompt = batch.input_ids.shape[1]
         with model.inference_session(batch_size=request["batch"], max_length=prompt + request["tokens"] + 1) as session:
-            step = StepTimes(session, model.swarm)
+            step, hop_ms = StepClock(session), hop_times[request["push"]]
+            hop_ms.clear()
             began = time.perf_counter()
             tokens = generate_tokens(model.head, step, batch.input_ids, batch.attention_mask,
                                      max_new_tokens=request["tokens"],
@@ -86,38 +89,24 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         print(json.dumps({"ms_per_token": statistics.median(gaps), "prefill_ms": (stamps[0] - began) * 1000,
                           "seconds": stamps[-1] - began, "hops": hops, "positions": prompt + request["tokens"],
                           "reattachments": session.reattachments, "failovers": session.failovers,
-                          **step.split(), "tokens": tokens.tolist()}), flush=True)
+                          "step_ms": statistics.median(step.wall[1:] or [0.0]) * 1000,  # decode steps
+                          "hop_ms": [round(statistics.median(times), 2) for times in hop_ms.values()],
+                          "tokens": tokens.tolist()}), flush=True)
     for model in models.values():
         model.close()
 
 
-class StepTimes:
-    """A session's step, timed: where a decode token's time goes on the client's side of the wire. `observe_step` is
-    what the session reports per hop: from sending the step to the first hop's answer, then from each answer to the
-    next (answers travel separately)."""
+def observe_hops(swarm: Any) -> dict[str, list[float]]:
+    """ms of each hop of each decode step, by peer id, as the session reports them (`Swarm.observe_step`: from sending
+    the step to the first hop's answer, then from each answer to the next: answers travel separately)."""
+    hops: dict[str, list[float]] = {}
+    report = swarm.observe_step
 
-    def __init__(self, session: Any, swarm: Any) -> None:
-        self.session = session
-        self.steps: list[float] = []
-        self.hops: dict[str, list[float]] = {}
-        report = swarm.observe_step
-
-        def observe(peer_id: str, num_blocks: int, seconds: float) -> None:
-            self.hops.setdefault(peer_id, []).append(seconds * 1000)
-            report(peer_id, num_blocks, seconds)
-        swarm.observe_step = observe
-
-    def __call__(self, *args: Any) -> Any:
-        began = time.perf_counter()
-        out = self.session.step(*args)
-        self.steps.append((time.perf_counter() - began) * 1000)
-        return out
-
-    def split(self) -> dict[str, Any]:
-        """Medians over the decode steps: the step (send to last answer), each hop's share, the servers' compute."""
-        decode = self.steps[1:] or [0.0]
-        return {"step_ms": statistics.median(decode),
-                "hop_ms": [round(statistics.median(times), 2) for times in self.hops.values()]}
+    def observe(peer_id: str, num_blocks: int, seconds: float) -> None:
+        hops.setdefault(peer_id, []).append(seconds * 1000)
+        report(peer_id, num_blocks, seconds)
+    swarm.observe_step = observe
+    return hops
 
 
 def job_client_main(model_dir: Path, initial_peers: list[str], requests: int, max_tokens: int, configs: str) -> None:

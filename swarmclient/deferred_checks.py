@@ -109,7 +109,7 @@ class DeferredChecks:
         """The caller's checkpoint: start this window's checks, which run while the next window's steps do, and wait
         for the earlier windows' (raises LieCaught). What the caller got before the window just closed is checked;
         True when the closed window's own checks are done too (none sampled, or already passed)."""
-        return bool(self.loop.run(self.asettle(keep_last=True)))
+        return self.loop.run(self.asettle(keep_last=True))
 
     def cancel(self) -> None:
         """Drop the pending checks (the session is closing on an error: its tokens are dropped anyway)."""

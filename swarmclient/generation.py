@@ -32,6 +32,12 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
+def leading_padding(attention_mask: torch.Tensor) -> int:
+    """How many leading columns of a batch's mask [B, L] no row attends to (L when none attends to any)."""
+    attended = attention_mask.bool().any(dim=0).nonzero()
+    return int(attended[0]) if len(attended) else attention_mask.shape[1]
+
+
 TokenHook = Callable[..., "torch.Tensor | None"]
 """(step index, new token column [B][, TokenLogprobs]) -> optional bool mask [B] of rows that must stop now (e.g. a
 stop string). The third argument is passed only when a row's SamplingParams asks for logprobs."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from swarmclient.errors import InvalidRequest, PeerFailed
+from swarmclient.generation import leading_padding
 from swarmclient.swarm import Swarm
 from swarmclient.verification_policy import (
     Verdict,
@@ -144,9 +145,7 @@ def unpadded_start(mask: torch.Tensor, tail: int) -> int:
     the last `tail` (the compared step's tokens). Masked keys add nothing to attention and positions are sent with
     each token, and only a leading run is dropped, so the distance between any two tokens (what a sliding window
     counts) stays the same: the real tokens' outputs are the same without it."""
-    attended = mask.bool().any(dim=0)[: mask.shape[1] - tail].nonzero()
-    return int(attended[0]) if len(attended) else mask.shape[1] - tail
-
+    return min(leading_padding(mask), mask.shape[1] - tail)
 
 
 def row_chunks(check: HopCheck, span: RemoteSpanInfo) -> list[slice] | None:

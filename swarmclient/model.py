@@ -13,7 +13,7 @@ from swarmclient.config import ClientConfig
 from swarmclient.deferred_checks import DeferredChecks
 from swarmclient.errors import InvalidRequest
 from swarmclient.forward import forward_chain
-from swarmclient.generation import TokenHook, generate_tokens
+from swarmclient.generation import TokenHook, generate_tokens, leading_padding
 from swarmclient.head import ClientHead
 from swarmclient.pooling import Pooling, PoolingMode, pool, read_pooling
 from swarmclient.sampling import SamplingParams
@@ -179,8 +179,8 @@ def in_micro_batches(groups: list[torch.Tensor], input_ids: torch.Tensor, attent
     """The new tokens [B, N] of a batch whose groups of rows each `generate` in a thread of its own, all at once. A
     group's prompts lose the padding columns none of its rows needs (positions come from the mask: unchanged)."""
     def one(rows: torch.Tensor) -> torch.Tensor:
-        attended = attention_mask[rows].bool().any(dim=0).nonzero()
-        first = int(attended[0]) if len(attended) else 0
+        first = leading_padding(attention_mask[rows])
+        first = 0 if first == attention_mask.shape[1] else first  # a group of nothing but padding goes as it is
         return generate(rows.tolist(), input_ids[rows, first:], attention_mask[rows, first:])
     with ThreadPoolExecutor(len(groups), thread_name_prefix="micro-batch") as pool:
         outputs = list(pool.map(one, groups))
