@@ -110,6 +110,11 @@ class ServerConfig:
                                            "(each jittered by up to a quarter): it moves its span to close a hole "
                                            "or to raise the swarm's weakest block (docs/healing.md); 0 = never "
                                            "move.", min=0)
+    throughput: float | None = option(None, "Block-steps per second to announce (blocks x batch-1 decode steps a "
+                                            "second) instead of measuring them at start; placement and moves "
+                                            "compare servers by it. Pass the same figure on identical boxes to "
+                                            "keep a noisy start-up measurement from deciding where they go.",
+                                      min=0.001)
     balance_quality: float = option(0.75, "Move only if the weakest block's throughput would rise above this "
                                           "much of it (0.75: by a third); closing a hole needs no margin.",
                                     min=0.01, max=1.0)
@@ -139,6 +144,9 @@ class ServerConfig:
         if not 0 < self.balance_quality <= 1:
             raise ServerConfigError(f"--balance-quality {self.balance_quality:g} is outside (0, 1]; pass e.g. 0.75 "
                                     "(move when the weakest block would rise by a third)")
+        if self.throughput is not None and self.throughput <= 0:
+            raise ServerConfigError(f"--throughput {self.throughput:g} is not positive; pass the block-steps per "
+                                    "second to announce, or leave it out to measure them")
         if self.batch_wait_ms < 0:
             raise ServerConfigError("--batch-wait-ms must be 0 (no merging) or more")
         if self.swarm_file and not self.network.identity_path:

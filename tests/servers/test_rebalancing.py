@@ -85,6 +85,7 @@ def test_a_server_of_another_protocol_version_leaves_its_blocks_a_hole_to_fill()
     ("balance_quality", 1.5, r"^--balance-quality 1.5 is outside \(0, 1\]"),
     ("move_cooldown", -1.0, r"^--move-cooldown -1 is negative; pass 0 or more seconds$"),
     ("rebalance_period", -5.0, r"^--rebalance-period -5 is negative"),
+    ("throughput", 0.0, r"^--throughput 0 is not positive; pass the block-steps per second"),
 ])
 def test_a_rebalancing_option_out_of_range_is_refused_naming_it(field: str, value: float, message: str) -> None:
     with pytest.raises(ServerConfigError, match=message):
