@@ -34,6 +34,8 @@ from tiers import process_fixture
 from launch.local_swarm import LocalSwarm
 from swarmclient.model import DistributedModelForCausalLM
 
+pytestmark = pytest.mark.alone  # it measures time against a bound: run after the parallel phase, alone
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_dht_flood", ROOT / "bench" / "dht_flood.py")
 assert _spec is not None and _spec.loader is not None

@@ -41,6 +41,8 @@ from swarmnet.model_spec import ModelSpec
 from swarmnet.network import LoopThread, start_dht_node, stop_dht_node, visible_maddrs
 from swarmnet.records import VERIFIED, GuardedDHTNode
 
+pytestmark = pytest.mark.alone  # it measures time against a bound: run after the parallel phase, alone
+
 P2PD_MESSAGE_LIMIT = 4 << 20  # hivemind's persistent_conn_max_msg_size: the most one answer or request can be
 LOOP_BUDGET = 0.050  # the longest the loop of a node may be busy with one answer or request
 

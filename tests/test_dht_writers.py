@@ -37,6 +37,8 @@ from swarmnet.membership import RECHECK_SECONDS, SwarmAccess
 from swarmnet.model_spec import ModelSpec
 from swarmnet.network import LoopThread, start_dht_node, stop_dht_node
 
+pytestmark = pytest.mark.alone  # it measures time against a bound: run after the parallel phase, alone
+
 PROMPTS = ["The swarm answers", "Nobody hides"]
 NEW_TOKENS = 6
 # self-signed keys flooding an open swarm, each with a max-size record under every block key: hivemind packs 2 of 6

@@ -17,6 +17,8 @@ from launch.processes import ManagedProcess, cli_command
 from servers.neighbours import ROUND_TRIPS_LINE
 from swarmclient.textgen import load_tokenizer, strip_after_eos
 
+pytestmark = pytest.mark.alone  # it measures time against a bound: run after the parallel phase, alone
+
 LabFactory = Callable[..., NetLab]
 
 

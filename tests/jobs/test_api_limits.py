@@ -36,6 +36,8 @@ from jobs.models import FileChunk, Job, Request, StoredFile, utcnow
 from jobs.runtime import Runtime
 from jobs.worker.sweep import sweep_store
 
+pytestmark = pytest.mark.alone  # it measures time against a bound: run after the parallel phase, alone
+
 # the openai SDK asks the platform its processor, which runs `uname -p` once per process: ask at collection, so that
 # no fast-tier test below is taken for one that starts a process (as conftest does for croniter)
 platform.processor()
