@@ -76,9 +76,8 @@ class HopVerifier:
     async def check(self, hop: RouteHop, step: int, build: Callable[[], HopCheck]) -> Verdict | None:
         """Recompute the hop's step on another holder of the same precision and compare; None when none could
         (counted as unverified). `build` gathers the check's tensors, only once some holder could recompute them."""
-        holders = await self._holders(hop)
-        checked = holders.pop(hop.peer_id, None)
-        peers = [] if checked is None else [p for p, s in holders.items() if comparable(s.info, checked.info)]
+        holders = self._holders(hop, await self.swarm.member_spans())
+        checked, peers = self._second_holders(hop, holders)
         if checked is None or not peers:
             self.tally.add(unverified=1)
             return None
@@ -104,12 +103,30 @@ class HopVerifier:
                        faulty)
         return verdict
 
-    async def _holders(self, hop: RouteHop) -> dict[str, RemoteSpanInfo]:
+    def skipped_as_uncheckable(self, hop: RouteHop) -> bool:
+        """Whether a fresh DHT read (`Swarm.fresh_member_spans`) shows no other holder that could check the hop: then
+        it is counted as unverified now and the caller starts no check, so a checkpoint never waits for checks that
+        nobody can make. Without a fresh read: False (the check itself reads the DHT again)."""
+        spans = self.swarm.fresh_member_spans()
+        if spans is None:
+            return False
+        checked, peers = self._second_holders(hop, self._holders(hop, spans))
+        if checked is not None and not peers:
+            self.tally.add(unverified=1)
+            return True
+        return False
+
+    def _holders(self, hop: RouteHop, spans: list[RemoteSpanInfo]) -> dict[str, RemoteSpanInfo]:
         """Online, unbanned members' servers holding all of the hop's blocks (the checked one, banned or not), by peer
         id: a check sends the hop's whole input history, so it goes where routing may send it, to members only."""
-        spans = await self.swarm.member_spans()
         return {s.peer_id: s for s in spans if s.start <= hop.start and hop.end <= s.end
                 and (s.peer_id == hop.peer_id or not self.swarm.bans.is_banned(s.peer_id))}
+
+    @staticmethod
+    def _second_holders(hop: RouteHop, holders: dict[str, RemoteSpanInfo]) -> tuple[RemoteSpanInfo | None, list[str]]:
+        """The checked server's span (None if it is gone) and the other holders of a comparable precision."""
+        checked = holders.pop(hop.peer_id, None)
+        return checked, [] if checked is None else [p for p, s in holders.items() if comparable(s.info, checked.info)]
 
     async def _recompute(self, candidates: Iterator[RemoteSpanInfo], check: HopCheck) -> Recomputed | None:
         """The first candidate's answer that comes back; a failing candidate is banned like any failed server."""

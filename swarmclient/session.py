@@ -292,8 +292,12 @@ class InferenceSession:
     async def _start_window_checks(self) -> None:
         """Check this window's sampled rows of every hop (the caller settles its checks); the next window begins."""
         assert self._deferred is not None
-        for hop, rows in self._sampled_rows(range(self.batch_size)):
-            await self._deferred.start(hop, self._window[1], self._window_check(hop, len(self._history), rows))
+        sampled = list(self._sampled_rows(range(self.batch_size)))
+        if sampled:  # a fresh read of who holds what (one per discovery_ttl) tells which hops any server can check
+            await self.swarm.member_spans()
+        for hop, rows in sampled:
+            if not self._verifier.skipped_as_uncheckable(hop):  # none could: counted unverified, the checkpoint goes on
+                await self._deferred.start(hop, self._window[1], self._window_check(hop, len(self._history), rows))
         self._window = (self._window[0] + 1, len(self._history))
 
     def _check_leaving(self, keep_rows: list[int]) -> None:
@@ -301,7 +305,8 @@ class InferenceSession:
         assert self._deferred is not None
         kept = set(keep_rows)
         for hop, rows in self._sampled_rows([row for row in range(self.batch_size) if row not in kept]):
-            self._deferred.start_now(hop, self._window[1], self._window_check(hop, len(self._history), rows))
+            if not self._verifier.skipped_as_uncheckable(hop):
+                self._deferred.start_now(hop, self._window[1], self._window_check(hop, len(self._history), rows))
 
     def _sampled_rows(self, rows: Sequence[int]) -> Iterator[tuple[RouteHop, list[int]]]:
         """Each hop with the rows (of the last step's row set) sampled for it in this window, if any and if the

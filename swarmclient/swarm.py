@@ -88,8 +88,17 @@ class Swarm:
 
     async def member_spans(self, *, refresh: bool = False) -> list[RemoteSpanInfo]:
         """The ONLINE spans of members only: the one place where non-members are dropped, before any ping."""
-        return [s for s in online_spans(await self.block_infos(refresh=refresh))
-                if self.access.membership.serves(s.peer_id)]
+        return self._members(await self.block_infos(refresh=refresh))
+
+    def fresh_member_spans(self) -> list[RemoteSpanInfo] | None:
+        """`member_spans` of a DHT read younger than `discovery_ttl`, without reading again (None if there is none):
+        for a decision that must not wait on the network."""
+        if self._block_infos is None or time.monotonic() - self._read_at > self.config.discovery_ttl:
+            return None
+        return self._members(self._block_infos)
+
+    def _members(self, block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
+        return [s for s in online_spans(block_infos) if self.access.membership.serves(s.peer_id)]
 
     def auth_meta(self) -> dict[str, bytes]:
         """What proves our membership to a server: {"credential": ...} (or nothing without a member key), for the

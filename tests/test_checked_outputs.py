@@ -277,6 +277,31 @@ def test_deferred_checks_let_the_session_go_on_then_void_it_and_the_retry_is_ide
     assert tally.snapshot().verified > 0 and tally.snapshot().mismatches == 0
 
 
+def test_a_checkpoint_where_no_other_server_holds_the_hops_blocks_does_not_wait_for_checks(
+        tiny_model: Path, shared_swarm: LocalSwarm) -> None:
+    # Given a swarm where each block has one holder (nobody can check anyone) and a client sampling every row
+    tally = VerificationTally()
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    closed: list[bool] = []
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=shared_swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0)) as model:
+        checks = DeferredChecks(model.swarm.loop)
+
+        def checkpoint(index: int, _: torch.Tensor) -> None:
+            if (index + 1) % 4 == 0:  # a job's checkpoint every 4 tokens
+                closed.append(checks.close_window())
+        # When it generates with window checks, closing a window every 4 tokens
+        got = model.generate_new_tokens(batch["input_ids"], batch["attention_mask"], max_new_tokens=12,
+                                        params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                                        verification=tally, deferred=checks, on_token=checkpoint)
+    # Then every checkpoint found its window settled (its tokens can be committed at once: a crash redoes one window),
+    # each hop's sampled rows were counted unverified, and the tokens are transformers'
+    assert closed == [True, True, True]
+    counts = tally.snapshot()
+    assert (counts.verified, counts.mismatches) == (0, 0) and counts.unverified >= 2 * len(closed)
+    assert torch.equal(got, reference_tokens(tiny_model, batch, 12))
+
+
 def test_window_checks_compare_each_leaving_row_when_it_leaves_and_the_rest_at_the_settle(
         tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
     # Given two honest holders of each half, and three rows that stop after 4, 8 and 12 tokens (finished rows leave)
