@@ -22,6 +22,8 @@ from jobs.backends import StoreBackend
 from jobs.settings import Settings
 from launch.processes import cli_command
 
+SWARM_PROCESS = re.compile(r" -m cli (?:-v )?(?:dht|serve|worker)\b|p2pd")
+
 
 class Run:
     """A `swarmbatch run` process; a thread records every descendant it has while it runs."""
@@ -39,16 +41,28 @@ class Run:
                                          stdin=subprocess.DEVNULL,
                                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.descendants: set[int] = set()
+        self.commands: dict[int, str] = {}  # each recorded descendant's command line, where it could be read
         self._watcher = threading.Thread(target=self._record, daemon=True)
         self._watcher.start()
 
     def _record(self) -> None:
         while self.proc.poll() is None:
             try:
-                self.descendants |= {child.pid for child in psutil.Process(self.proc.pid).children(recursive=True)}
+                children = psutil.Process(self.proc.pid).children(recursive=True)
             except psutil.NoSuchProcess:
                 return
+            for child in children:
+                self.descendants.add(child.pid)
+                try:
+                    self.commands[child.pid] = " ".join(child.cmdline())  # the latest: a child may not have exec'd yet
+                except psutil.Error:
+                    pass
             time.sleep(0.1)
+
+    def swarm_processes(self) -> list[str]:
+        """The recorded descendants that were a DHT node, a block server, a worker or a p2pd daemon (a library's own
+        short-lived helper, e.g. `file -b` that `platform.architecture()` runs when croniter is imported, is none)."""
+        return [command for command in self.commands.values() if SWARM_PROCESS.search(command)]
 
     @property
     def out(self) -> str:
@@ -139,10 +153,11 @@ def test_run_writes_each_line_s_result_once_and_stops_every_process_it_started(t
     assert [e["custom_id"] for e in read_jsonl(folder / "in.errors.jsonl")] == ["bad"]
     assert "6 results written to in.results.jsonl" in out and "1 error lines written to in.errors.jsonl" in out
     # and it started a DHT node, two servers and a worker (and their p2pd daemons), all stopped now
-    assert len(run.descendants) >= 4 and not run.living_descendants()
+    assert len(run.swarm_processes()) >= 4 and not run.living_descendants(), run.commands
     job_id = job_id_in(out)
 
-    # When the same file is run again, it is not run again: same job, its outputs written again, no process started
+    # When the same file is run again, it is not run again: same job, its outputs written again, no DHT node, server
+    # or worker started
     (folder / "in.results.jsonl").unlink()
     again = Run(args, cwd=folder, home=home, logs=tmp_path / "run2")
     try:
@@ -150,7 +165,8 @@ def test_run_writes_each_line_s_result_once_and_stops_every_process_it_started(t
     finally:
         again.stop()
     assert code == 0, err
-    assert f"This file already ran: job {job_id} completed" in out and not again.descendants
+    assert f"This file already ran: job {job_id} completed" in out
+    assert not again.swarm_processes(), again.commands
     assert sorted(r["custom_id"] for r in read_jsonl(folder / "in.results.jsonl")) == sorted(ids)
 
 
