@@ -235,6 +235,8 @@ def test_rows_waiting_for_room_keep_their_lease(
         done.set()
         sweeper.join()
     # Then no lease lapsed while rows waited: each request was claimed once, by the one batch
-    assert time.monotonic() - began > 3 * 1.0, "the batch should outlast several leases"
+    elapsed = time.monotonic() - began
+    assert elapsed > 3 * 1.0, "the batch should outlast several leases"
     assert [r.attempts for r in requests_of(runtime, job.id)] == [1] * 12
-    assert len(swept) > 10
+    # though sweeps ran all along, at least one per lease period (every 0.3 s, more slowly on a busy box)
+    assert len(swept) >= elapsed / 1.0, (len(swept), elapsed)
