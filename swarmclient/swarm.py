@@ -81,9 +81,16 @@ class Swarm:
 
     async def block_infos(self, *, refresh: bool = False) -> list[BlockServers]:
         """Per block, the servers announcing it; reuses a read younger than `discovery_ttl`."""
-        if refresh or self._block_infos is None or time.monotonic() - self._read_at > self.config.discovery_ttl:
-            self._block_infos = await get_remote_module_infos(self.node, self.model_id, self.num_blocks)
+        fresh = self._fresh_block_infos()
+        if refresh or fresh is None:
+            fresh = self._block_infos = await get_remote_module_infos(self.node, self.model_id, self.num_blocks)
             self._read_at = time.monotonic()
+        return fresh
+
+    def _fresh_block_infos(self) -> list[BlockServers] | None:
+        """The last read if it is younger than `discovery_ttl`, else None."""
+        if self._block_infos is None or time.monotonic() - self._read_at > self.config.discovery_ttl:
+            return None
         return self._block_infos
 
     async def member_spans(self, *, refresh: bool = False) -> list[RemoteSpanInfo]:
@@ -93,9 +100,8 @@ class Swarm:
     def fresh_member_spans(self) -> list[RemoteSpanInfo] | None:
         """`member_spans` of a DHT read younger than `discovery_ttl`, without reading again (None if there is none):
         for a decision that must not wait on the network."""
-        if self._block_infos is None or time.monotonic() - self._read_at > self.config.discovery_ttl:
-            return None
-        return self._members(self._block_infos)
+        fresh = self._fresh_block_infos()
+        return None if fresh is None else self._members(fresh)
 
     def _members(self, block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
         return [s for s in online_spans(block_infos) if self.access.membership.serves(s.peer_id)]

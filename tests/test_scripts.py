@@ -22,6 +22,7 @@ exit 0
 """
 PYTEST = "python -m pytest"
 PARALLEL_PHASE = f"{PYTEST} -n auto --dist loadfile -m not alone"
+ALONE_PHASE = f"{PYTEST} -m alone"
 
 
 def calls_of(script: str, tmp_path: Path, *args: str, fail_call: str = "", returncode: int = 0) -> list[str]:
@@ -33,7 +34,7 @@ def calls_of(script: str, tmp_path: Path, *args: str, fail_call: str = "", retur
         (bin_dir / name).write_text(STAND_IN)
         (bin_dir / name).chmod(0o755)
     done = subprocess.run(["bash", str(tmp_path / "scripts" / script), *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "FAIL_CALL": fail_call})
+                          timeout=60, env={**os.environ, "FAIL_CALL": fail_call, "SWARMBATCH_TEST_WORKERS": "auto"})
     assert done.returncode == returncode, done.stderr
     return (tmp_path / "calls.log").read_text().splitlines()
 
@@ -54,14 +55,14 @@ def test_the_test_script_installs_the_test_extra(tmp_path: Path) -> None:
 @pytest.mark.swarm  # runs bash
 def test_the_whole_suite_runs_on_every_core_then_the_alone_tests_one_at_a_time(tmp_path: Path) -> None:
     calls = calls_of("test.sh", tmp_path)
-    assert calls[-2:] == [PARALLEL_PHASE, f"{PYTEST} -m alone"]
+    assert calls[-2:] == [PARALLEL_PHASE, ALONE_PHASE]
 
 
 @pytest.mark.swarm  # runs bash
-@pytest.mark.parametrize("failing", [PARALLEL_PHASE, f"{PYTEST} -m alone"], ids=["parallel", "alone"])
+@pytest.mark.parametrize("failing", [PARALLEL_PHASE, ALONE_PHASE], ids=["parallel", "alone"])
 def test_a_failing_phase_fails_the_script_and_both_phases_run(tmp_path: Path, failing: str) -> None:
     calls = calls_of("test.sh", tmp_path, fail_call=failing[len("python "):], returncode=3)
-    assert calls[-2:] == [PARALLEL_PHASE, f"{PYTEST} -m alone"]
+    assert calls[-2:] == [PARALLEL_PHASE, ALONE_PHASE]
 
 
 @pytest.mark.swarm  # runs bash
