@@ -1,0 +1,85 @@
+"""The LM head's product: two equal forms, the faster one kept per small row count on a CPU (timed by a clock)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarmclient.head_matmul import TUNED_MIN_WEIGHTS, TUNED_ROWS, HeadMatmul, linear, transposed
+
+HIDDEN = 256
+VOCAB = TUNED_MIN_WEIGHTS // HIDDEN  # the smallest head that is timed
+
+
+@pytest.fixture(scope="module")
+def weight() -> torch.Tensor:
+    return torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+
+def rows(count: int) -> torch.Tensor:
+    return torch.randn(count, HIDDEN, generator=torch.Generator().manual_seed(count)) * 3
+
+
+def durations(linear_s: float, transposed_s: float) -> Callable[[], float]:
+    """A clock under which each F.linear takes `linear_s` and each (W xᵀ)ᵀ `transposed_s` (forms timed in turn)."""
+    def ticks() -> Iterator[float]:
+        now = 0.0
+        while True:
+            for spent in (linear_s, transposed_s):
+                yield now
+                now += spent
+                yield now
+    return ticks().__next__
+
+
+def no_clock() -> float:
+    raise AssertionError("this product must not be timed")
+
+
+@pytest.mark.parametrize("count", range(1, TUNED_ROWS + 3))
+def test_both_forms_are_the_same_product(weight: torch.Tensor, count: int) -> None:
+    x = rows(count)
+    want = F.linear(x.double(), weight.double())
+    for form in (linear, transposed):
+        got = form(x, weight)
+        assert got.shape == (count, VOCAB)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_faster_form_is_kept_for_its_row_count_and_reused_without_timing(weight: torch.Tensor) -> None:
+    matmul = HeadMatmul(weight, clock=durations(0.010, 0.004))
+    x = rows(3)
+    assert torch.equal(matmul(x), transposed(x, weight))
+    assert matmul.choices == {3: "transposed"}
+    matmul.clock = no_clock  # a row count met before is not timed again
+    assert torch.equal(matmul(x), transposed(x, weight))
+
+
+def test_f_linear_is_kept_unless_the_other_form_is_clearly_faster(weight: torch.Tensor) -> None:
+    matmul = HeadMatmul(weight, clock=durations(0.010, 0.0095))  # 5 % faster: within timing noise
+    x = rows(2)
+    assert torch.equal(matmul(x), linear(x, weight))
+    assert matmul.choices == {2: "linear"}
+    matmul.clock = durations(0.004, 0.010)
+    assert torch.equal(matmul(rows(5)), linear(rows(5), weight)) and matmul.choices[5] == "linear"
+
+
+def test_each_small_row_count_is_timed_on_its_own(weight: torch.Tensor) -> None:
+    matmul = HeadMatmul(weight, clock=durations(0.010, 0.004))
+    matmul(rows(2))
+    matmul.clock = durations(0.004, 0.010)
+    matmul(rows(7))
+    assert matmul.choices == {2: "transposed", 7: "linear"}
+
+
+def test_more_rows_than_tuned_or_a_small_head_use_f_linear_untimed(weight: torch.Tensor) -> None:
+    big = HeadMatmul(weight, clock=no_clock)
+    x = rows(TUNED_ROWS + 1)
+    assert torch.equal(big(x), F.linear(x, weight)) and big.choices == {}
+    small_weight = weight[: VOCAB // 2]
+    small = HeadMatmul(small_weight, clock=no_clock)
+    assert not small.tuned
+    assert torch.equal(small(rows(2)), F.linear(rows(2), small_weight)) and small.choices == {}
