@@ -8,8 +8,8 @@ bench/head_matmul.py), `F.linear` against `(W · xᵀ)ᵀ`: 1 row 7.0 vs 7.3 ms,
 the first time it sees a row count up to TUNED_ROWS (a decode step at batch 1-8, a job lane's last rows, a
 micro-batch) and keeps the faster one for that count; more rows, a small head, or a GPU use `F.linear`.
 
-Timing costs three extra head products per row count seen, once per process. The other form must be faster by
-MARGIN to be kept, so noise between two equal forms keeps `F.linear`.
+Timing costs five extra head products per row count seen, once per process (0.4 s at most for SmolLM2). The other
+form must be faster by MARGIN to be kept, so noise between two equal forms keeps `F.linear`.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 TUNED_ROWS = 8           # row counts up to this are timed; MKL's large-M path is good above it
 TUNED_MIN_WEIGHTS = 1 << 22  # a head of fewer weights (16 MiB of float32) costs well under a millisecond: not timed
 MARGIN = 0.9             # the other form is kept when it takes at most this fraction of F.linear's time
+TIMING_ROUNDS = 3        # each form runs this many times on first sight of a row count; its fastest run counts
 
 Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -33,8 +34,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The same product as `linear`, computed as (W · xᵀ)ᵀ (MKL's path for a tall, thin product)."""
-    return (weight @ x.t()).t()
+    """The same product as `linear`, computed as (W · xᵀ)ᵀ (MKL's path for a tall, thin product), made contiguous as
+    F.linear's is (what sampling, penalties and log-softmax read row by row; the copy costs 0.1-0.4 ms at 2-6 rows)."""
+    return (weight @ x.t()).t().contiguous()
 
 
 FORMS: dict[str, Form] = {"linear": linear, "transposed": transposed}
@@ -59,11 +61,12 @@ class HeadMatmul:
         return FORMS[choice](x, self.weight)
 
     def _time_forms(self, x: torch.Tensor) -> torch.Tensor:
-        """Both forms on `x`, twice each (the first run warms the path); keeps the faster for x's row count."""
+        """Both forms on `x`, TIMING_ROUNDS times each, in turn (the first round warms the paths); keeps the form
+        whose fastest run was faster for x's row count."""
         with self._lock:
             best: dict[str, float] = {}
             outputs: dict[str, torch.Tensor] = {}
-            for _ in range(2):
+            for _ in range(TIMING_ROUNDS):
                 for name, form in FORMS.items():
                     start = self.clock()
                     outputs[name] = form(x, self.weight)

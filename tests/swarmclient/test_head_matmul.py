@@ -44,7 +44,7 @@ def test_both_forms_are_the_same_product(weight: torch.Tensor, count: int) -> No
     want = F.linear(x.double(), weight.double())
     for form in (linear, transposed):
         got = form(x, weight)
-        assert got.shape == (count, VOCAB)
+        assert got.shape == (count, VOCAB) and got.is_contiguous()  # as F.linear's: read row by row after
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
