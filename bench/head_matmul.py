@@ -12,23 +12,12 @@ usage: python bench/head_matmul.py [--vocab 49152] [--hidden 576] [--rows 1,2,3,
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
+from timing import median_call_seconds  # bench/ is the script's folder, first on sys.path
 
 from swarmclient.head_matmul import HeadMatmul, linear, transposed
-
-
-def median_ms(run: Callable[[], object], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:
@@ -51,7 +40,7 @@ def main() -> None:
         runs = (partial(linear, x, weight), partial(transposed, x, weight), partial(head, x))
         for run in runs:
             run()  # warm
-        plain, other, chosen = (median_ms(run, args.reps) for run in runs)
+        plain, other, chosen = (median_call_seconds(run, reps=args.reps) * 1000 for run in runs)
         kept = head.choices.get(count, "linear (untimed)")
         print(f"| {count} | {plain:.2f} | {other:.2f} | {kept} | {chosen:.2f} | {plain / chosen:.2f}x |", flush=True)
 

@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from jobrun import bench_setup  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from timing import median_call_seconds  # noqa: E402
 
 from launch.local_swarm import LocalSwarm  # noqa: E402
 from servers.access import MemberGate  # noqa: E402
@@ -47,25 +47,15 @@ def time_open(swarm: Swarm, hidden_size: int) -> float:
     return seconds
 
 
-def per_call(fn: Callable[[], object], reps: int) -> float:
-    """Median microseconds of one call."""
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
-
-
 def in_process(swarm_file: Path, member: Identity) -> None:
     membership = Membership.from_file(swarm_file)
     expires = int(time.time()) + 86400
     blob = MemberCredential.issue(member, CALLER, expires).to_bytes()
     warm = MemberGate(membership)
     warm.check(CALLER, {"credential": blob})
-    issue = per_call(lambda: MemberCredential.issue(member, CALLER, expires), 50)
-    full = per_call(lambda: MemberGate(membership).check(CALLER, {"credential": blob}), 200)
-    cached = per_call(lambda: warm.check(CALLER, {"credential": blob}), 2000)
+    issue = 1e6 * median_call_seconds(lambda: MemberCredential.issue(member, CALLER, expires), reps=50)
+    full = 1e6 * median_call_seconds(lambda: MemberGate(membership).check(CALLER, {"credential": blob}), reps=200)
+    cached = 1e6 * median_call_seconds(lambda: warm.check(CALLER, {"credential": blob}), reps=2000)
     print(f"in process ({len(blob)}-byte credential): issue {issue:.0f} µs, full check {full:.0f} µs, "
           f"cached check {cached:.1f} µs")
 

@@ -15,10 +15,10 @@ import argparse
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from timing import median_call_seconds  # bench/ is the script's folder, first on sys.path
 
 from modelprep import prepare_model
 from servers.block_loading import load_span
@@ -48,17 +48,6 @@ def decode_step_us(model: str, rows: int, *, reps: int) -> float:
     return statistics.median(times)
 
 
-def per_call_us(fn: Callable[[], object], *, reps: int, loops: int) -> float:
-    """The median over `reps` of the mean time of one call over `loops` calls, in µs."""
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        for _ in range(loops):
-            fn()
-        times.append((time.perf_counter() - began) / loops * 1e6)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -77,10 +66,12 @@ def main() -> None:
             positions = torch.arange(past, past + tokens).expand(rows, tokens).contiguous()
             meta = {"session_id": "s" * 32, "step_id": 7, "route": []}
             loops = max(5, args.loops // (rows * tokens // 8 + 1))
-            encode = per_call_us(lambda: protocol.encode([hidden, mask, positions], meta),  # noqa: B023 - timed now
-                                 reps=args.reps, loops=loops)
-            digest = per_call_us(lambda: input_digest(hidden, mask, positions, None, 7),  # noqa: B023 - timed now
-                                 reps=args.reps, loops=loops)
+            encode = 1e6 * median_call_seconds(
+                lambda: protocol.encode([hidden, mask, positions], meta),  # noqa: B023 - timed now
+                reps=args.reps, loops=loops)
+            digest = 1e6 * median_call_seconds(
+                lambda: input_digest(hidden, mask, positions, None, 7),  # noqa: B023 - timed now
+                reps=args.reps, loops=loops)
             name = str(dtype).removeprefix("torch.")
             step = hop.get(rows) if tokens == 1 else None
             print(f"| {rows} x {tokens}, {name} | {'-' if step is None else f'{step:.0f}'} | {encode:.1f} | "
@@ -88,13 +79,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         identity = Identity.create(Path(folder) / "key")
         digest_bytes = input_digest(torch.zeros(8, 1, HIDDEN), torch.ones(8, 9), torch.ones(8, 1), None, 7)
-        sign = per_call_us(lambda: sign_push(identity, owner="o" * 46, upstream_session="u" * 32,
-                                             target_session="t" * 32, step_id=7, digest=digest_bytes),
-                           reps=args.reps, loops=20)
+        sign = 1e6 * median_call_seconds(
+            lambda: sign_push(identity, owner="o" * 46, upstream_session="u" * 32, target_session="t" * 32,
+                              step_id=7, digest=digest_bytes), reps=args.reps, loops=20)
         proof = sign_push(identity, owner="o" * 46, upstream_session="u" * 32, target_session="t" * 32, step_id=7,
                           digest=digest_bytes)
-        check = per_call_us(lambda: proof_signer(proof, owner="o" * 46, target_session="t" * 32, step_id=7,
-                                                 digest=digest_bytes), reps=args.reps, loops=50)
+        check = 1e6 * median_call_seconds(
+            lambda: proof_signer(proof, owner="o" * 46, target_session="t" * 32, step_id=7, digest=digest_bytes),
+            reps=args.reps, loops=50)
     print(f"\nRSA-2048 push proof: sign {sign:.0f} µs (pushing server), check {check:.0f} µs (receiving server; the "
           f"client checks one only on a mismatch); against the 8-row decode step: {(sign + check) / hop[8]:.3f}")
 
