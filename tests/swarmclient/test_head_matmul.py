@@ -1,6 +1,7 @@
 """The LM head's product: two equal forms, the faster one kept per small row count on a CPU (timed by a clock)."""
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -83,3 +84,16 @@ def test_more_rows_than_tuned_or_a_small_head_use_f_linear_untimed(weight: torch
     small = HeadMatmul(small_weight, clock=no_clock)
     assert not small.tuned
     assert torch.equal(small(rows(2)), F.linear(rows(2), small_weight)) and small.choices == {}
+
+
+def test_a_row_count_timed_by_another_thread_while_this_one_waited_is_not_timed_again(weight: torch.Tensor) -> None:
+    matmul = HeadMatmul(weight, clock=durations(0.010, 0.004))
+    x = rows(4)
+    results: list[torch.Tensor] = []
+    with matmul._lock:  # another lane's thread is timing 4 rows; this call found no choice and waits for the lock
+        waiting = threading.Thread(target=lambda: results.append(matmul._time_forms(x)))
+        waiting.start()
+        matmul.choices[4] = "transposed"  # what that thread kept
+        matmul.clock = no_clock
+    waiting.join(timeout=30)
+    assert torch.equal(results[0], transposed(x, weight)) and matmul.choices == {4: "transposed"}
