@@ -4,6 +4,7 @@ Modules:
     block_loading    load_span: read only the span's tensors, cast (float32/bfloat16/float16) or quantize (int8/nf4),
                      then move them to the device (--device)
     span             BlockSpan: the decoder layers, one KV cache per layer and session, any sub-range
+    kv_cache         GrowingLayer: a session's KV cache layer, appended in place into a buffer with room to spare
     block_sizing     how many blocks fit the memory when neither --blocks nor --num-blocks is given
     block_selection  pure: which span a `--num-blocks` server should take (least covered)
     throughput       measure_throughput: block-steps per second, announced for routing (and a test-only overstatement)

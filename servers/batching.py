@@ -109,6 +109,7 @@ def merged_caches(steps: list[DecodeStep], length: int) -> list[DynamicCache]:
     return caches
 
 
+@torch.inference_mode()  # the sessions' caches are inference tensors, appended to in place (kv_cache.py)
 def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -> list[torch.Tensor]:
     """Run N sessions' decode steps through blocks [start, end) as one forward; returns each one's output.
 

@@ -289,7 +289,7 @@ class BlockHandler(PushReceiver):
         if held >= self.max_sessions_per_peer:
             raise RequestRejected(ErrorCode.BUSY, f"this caller already has {held} sessions open here, the most one "
                                                   f"caller may have; close one or use another server")
-        caches = self.span.new_caches(start, end)
+        caches = self.span.new_caches(start, end, max_length)
         try:
             self.budget.reserve(session_id, owner=stream.owner, batch_size=batch_size, max_length=max_length,
                                 num_blocks=end - start)

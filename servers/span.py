@@ -12,6 +12,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from servers.kv_cache import session_caches
 from swarmnet.model_spec import ModelSpec
 
 MASK_BUILDERS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -35,9 +36,10 @@ class BlockSpan(nn.Module):
         self.device = torch.device("cpu")  # set by the loader: where weights, caches and compute are
         self.compute_dtype = torch.float32  # set by the loader (bfloat16 spans compute in bfloat16)
 
-    def new_caches(self, start: int, end: int) -> list[DynamicCache]:
-        """Empty KV caches for blocks [start, end), one per layer."""
-        return [DynamicCache() for _ in range(start, end)]
+    def new_caches(self, start: int, end: int, max_length: int | None = None) -> list[DynamicCache]:
+        """Empty KV caches for blocks [start, end), one per layer, growing in place up to `max_length` tokens
+        (kv_cache.py)."""
+        return session_caches(end - start, max_length)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
