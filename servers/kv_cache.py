@@ -1,16 +1,19 @@
 """A session's KV cache: one `DynamicCache` per block whose layer grows in place (`GrowingLayer`).
 
-transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies the whole cached past
-of the layer at every step: at batch 8 and 500 cached tokens that copy took a third of a decode step of the tiny
-test model (bench/kv_cache.py). `GrowingLayer` keeps them in a buffer with room to spare (a quarter of what it holds,
-at least GROW_MIN_TOKENS, never past the session's max_length) and writes each step into the free columns; it
-copies the past only when the buffer is full, so a decode step copies O(1) tokens on average instead of the past.
-The cached keys and values it hands the attention are views of the buffer's filled columns: the same values as the
-concatenated ones, and the attention computes bit-identical outputs from them (tests/servers/test_kv_cache.py).
+transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies the whole cached past of
+the layer at every step: at batch 8 and 60–100 cached tokens the copies took 35 % of a decode step of the WAN
+bench's tiny model (torch.profiler), and a decode step of 15 SmolLM2 blocks at batch 8 and 2048 cached tokens took
+1.61x as long as with this cache (bench/kv_cache.py). `GrowingLayer` keeps them in a buffer with room to spare (a
+quarter of what it holds, at least GROW_MIN_TOKENS, never past the session's max_length) and writes each step into the
+free columns; it copies the past only when the buffer is full, so a decode step copies O(1) tokens on average instead
+of the past. The cached keys and values it hands the attention are views of the buffer's filled columns: the same
+values as the concatenated ones, and the attention computes bit-identical outputs from them
+(tests/servers/test_kv_cache.py).
 
-Whatever replaces its tensors (dropping rows: `batch_select_indices`) leaves the buffer behind; the next step then
-starts a new buffer from them. Memory stays within the session's reservation (servers/memory.py counts
-batch x max_length): a buffer never holds more than max_length tokens.
+Dropping rows (`batch_select_indices`, keep_rows) drops the buffer at once, and the next step starts a new one from
+the rows kept; anything else that replaces its tensors leaves the buffer behind, and the next step sees that too.
+Memory stays within the session's reservation (servers/memory.py counts batch x max_length): a buffer never holds more
+than max_length tokens.
 """
 from __future__ import annotations
 
@@ -45,6 +48,11 @@ class GrowingLayer(DynamicLayer):
         values[:, :, past:length] = value_states
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
         return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only these rows; the buffer of all rows is let go now (the session's reservation has just shrunk)."""
+        super().batch_select_indices(indices)
+        self._key_buffer = self._value_buffer = None
 
     def _has_room(self, key_states: torch.Tensor, value_states: torch.Tensor, past: int, length: int) -> bool:
         """Whether the buffer holds the cached past (nothing replaced it) and has room for `length` tokens of this

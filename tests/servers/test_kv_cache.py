@@ -44,6 +44,9 @@ def decode(span: BlockSpan, caches: list[DynamicCache], *, keep_at: int | None =
             kept = torch.tensor([1, 3])
             for cache in caches:
                 cache.batch_select_indices(kept)
+                layer = cache.layers[0]
+                if isinstance(layer, GrowingLayer):  # the buffer of all rows is let go at once
+                    assert layer.capacity == 0 and layer.keys is not None and layer.keys.shape[0] == 2
             mask, positions, outputs = mask[kept], positions[:, -1:][kept], [o[kept] for o in outputs]
         positions = positions[:, -1:] + 1
         mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.long)], 1)
