@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from servers.counters import ServerCounters
+from servers.kv_cache import GrowingLayer
 from servers.span import BlockSpan
 
 SpanKey = tuple[int, int]
@@ -52,35 +53,9 @@ def layer_kv(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor] | None:
     return layer.keys, layer.values
 
 
-class MergedLayer(DynamicLayer):
-    """A one-layer cache over a preallocated [B, heads, past+1, dim] buffer: the padded past and one free column.
-
-    The layer's `update` writes the step's K/V into the free column instead of concatenating, so the merged
-    past is copied once per step (into the buffer), not twice.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.keys, self.values, self.device, self.is_initialized = keys, values, keys.device, True
-        self.filled = keys.shape[-2] - 1
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new token's K/V into the free column; returns the whole buffer."""
-        assert self.keys is not None and self.values is not None and key_states.shape[-2] == 1
-        self.keys[:, :, -1:] = key_states
-        self.values[:, :, -1:] = value_states
-        self.filled = self.keys.shape[-2]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        """Cached tokens: the padded past until the step's column is written (the mask builder reads it first)."""
-        return self.filled
-
-
 def stack_left_padded(tensors: list[torch.Tensor | None], rows: list[int], length: int) -> torch.Tensor:
     """[b_i, heads, len_i, dim] tensors (None = empty), left-padded with zeros to `length`, stacked on the batch,
-    plus one free column at the end (filled by MergedLayer.update)."""
+    plus one free column at the end (the step's, written by GrowingLayer.update in place)."""
     like = next(t for t in tensors if t is not None)
     out = like.new_empty(sum(rows), like.shape[1], length + 1, like.shape[3])
     row = 0
@@ -95,7 +70,8 @@ def stack_left_padded(tensors: list[torch.Tensor | None], rows: list[int], lengt
 
 
 def merged_caches(steps: list[DecodeStep], length: int) -> list[DynamicCache]:
-    """Fresh one-layer caches holding every session's K/V, left-padded to `length` and stacked on the batch."""
+    """Fresh one-layer caches holding every session's K/V, left-padded to `length` and stacked on the batch, with a
+    free column for the step's own K/V: the merged past is copied once per step (into the buffer), not twice."""
     rows = [step.rows for step in steps]
     caches = []
     for layer in range(len(steps[0].caches)):
@@ -104,7 +80,7 @@ def merged_caches(steps: list[DecodeStep], length: int) -> list[DynamicCache]:
         if any(kv is not None for kv in kvs):
             keys = stack_left_padded([kv[0] if kv else None for kv in kvs], rows, length)
             values = stack_left_padded([kv[1] if kv else None for kv in kvs], rows, length)
-            cache.layers.append(MergedLayer(keys, values))
+            cache.layers.append(GrowingLayer.over(keys, values, length))
         caches.append(cache)
     return caches
 

@@ -33,6 +33,16 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
 
+    @classmethod
+    def over(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> GrowingLayer:
+        """A layer holding the first `length` tokens of these buffers, their other columns free (a merged decode step's
+        padded past and its one free column: batching.py)."""
+        layer = cls(max_length=key_buffer.shape[2])
+        layer.lazy_initialization(key_buffer, value_buffer)
+        layer._key_buffer, layer._value_buffer = key_buffer, value_buffer
+        layer.keys, layer.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        return layer
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the step's keys and values [batch, heads, T, dim]; returns every cached one (views of the buffer)."""

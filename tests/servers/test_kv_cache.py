@@ -114,6 +114,17 @@ def test_a_cropped_cache_writes_over_its_dropped_tokens() -> None:
     assert torch.equal(out_keys, torch.cat([keys[:, :, :4], new], 2))
 
 
+def test_a_layer_over_a_buffer_writes_the_next_token_into_its_free_column() -> None:
+    """What a merged decode step runs on (batching.py): a padded past of 5 tokens and one free column."""
+    keys, values = torch.randn(3, 2, 6, 4), torch.randn(3, 2, 6, 4)
+    layer = GrowingLayer.over(keys, values, 5)
+    assert layer.get_seq_length() == 5 and layer.capacity == 6
+    new_keys, new_values = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    out_keys, out_values = layer.update(new_keys, new_values)
+    assert out_keys.data_ptr() == keys.data_ptr() and torch.equal(keys[:, :, 5:], new_keys)
+    assert torch.equal(out_values, values) and layer.get_seq_length() == 6
+
+
 def test_session_caches_are_one_growing_layer_per_block() -> None:
     caches = session_caches(3, max_length=50)
     assert len(caches) == 3 and all(len(c.layers) == 1 and c.layers[0].max_length == 50 for c in caches)
