@@ -16,6 +16,7 @@ usage: python bench/kv_cache.py [--models tiny,smollm2] [--batches 1,8,16] [--le
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def main() -> None:
                     for _ in range(args.reps):
                         for kind, decoder in (("plain", plain), ("growing", growing)):
                             times[kind].append(median_call_seconds(decoder.step, reps=1, loops=args.loops))
-                    concat_ms, grow_ms = (sorted(t)[len(t) // 2] * 1000 for t in times.values())
+                    concat_ms, grow_ms = (statistics.median(t) * 1000 for t in times.values())
                     print(f"| {name} | {span.end - span.start} | {batch} | {length} | {concat_ms:.2f} | "
                           f"{grow_ms:.2f} | {concat_ms / grow_ms:.2f}x |", flush=True)
 
