@@ -7,7 +7,7 @@ the time of one logits call for 1 and 16 rows (after every embedding row was loo
 file, so its pages count once they are used):
 
 - before: the ClientHead of git revision BEFORE (float32 copies of everything, plus a transposed LM head);
-- after: today's ClientHead on the CPU (embeddings stay bfloat16, the LM head float32: swarmclient/head.py);
+- after: today's ClientHead on the CPU (embeddings stay bfloat16, the LM head float32: swarmnet/head.py);
 - after, head_dtype=bfloat16: everything in the checkpoint's dtype (as on a GPU).
 
 usage: python bench/client_memory.py [--before 615ee56] [--threads 1]
@@ -95,11 +95,11 @@ def main() -> None:
         model = write_model(Path(tmp) / "llama3-8b-head")
         old = Path(tmp) / "old"
         old.mkdir()
-        (old / "old_head.py").write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:swarmclient/head.py"],
+        (old / "old_head.py").write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:swarmnet/head.py"],
                                                         check=True, capture_output=True, text=True).stdout)
         path = ":".join([str(Path(__file__).parent), str(old), str(ROOT)])
-        variants = {f"before ({args.before})": ("old_head", None), "after (CPU default)": ("swarmclient.head", "auto"),
-                    "after, head_dtype=bfloat16": ("swarmclient.head", "bfloat16")}
+        variants = {f"before ({args.before})": ("old_head", None), "after (CPU default)": ("swarmnet.head", "auto"),
+                    "after, head_dtype=bfloat16": ("swarmnet.head", "bfloat16")}
         print(f"{'variant':28} {'RSS loaded':>11} {'RSS used':>9} {'peak RSS':>9} {'logits 1 row':>13} {'16 rows':>8}")
         for name, (module, dtype) in variants.items():
             r = run_variant(model, module, dtype, args.threads, path)

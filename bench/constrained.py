@@ -31,9 +31,9 @@ import swarmclient.generation  # noqa: E402
 from servers.block_loading import load_span  # noqa: E402
 from swarmclient.constraints import Constraint, Grammar, grammar_tokenizer, json_grammar  # noqa: E402
 from swarmclient.generation import generate_tokens  # noqa: E402
-from swarmclient.head import ClientHead  # noqa: E402
 from swarmclient.sampling import SamplingParams  # noqa: E402
 from swarmclient.textgen import load_tokenizer, render_prompt  # noqa: E402
+from swarmnet.head import ClientHead  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 torch.set_num_threads(1)

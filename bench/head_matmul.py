@@ -2,7 +2,7 @@
 
 `F.linear(x, W)` and `(W · xᵀ)ᵀ` compute the same logits from the same weight; MKL's speed for each depends on the row
 count and the CPU. For each row count this times both (interleaved, median of --reps), then what
-`swarmclient.head_matmul.HeadMatmul` returns after it timed the forms itself, against F.linear: the ratio is the head's
+`swarmnet.head_matmul.HeadMatmul` returns after it timed the forms itself, against F.linear: the ratio is the head's
 speed-up at that row count (1.00 where it keeps F.linear). Random weights of the model's head shape (the speed does
 not depend on the values), float32, one thread unless --threads.
 
@@ -17,7 +17,7 @@ from functools import partial
 import torch
 from timing import median_call_seconds  # bench/ is the script's folder, first on sys.path
 
-from swarmclient.head_matmul import HeadMatmul, linear, transposed
+from swarmnet.head_matmul import HeadMatmul, linear, transposed
 
 
 def main() -> None:

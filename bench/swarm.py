@@ -407,7 +407,7 @@ def measure_head(model_dir: Path, rows: Sequence[int] = (1, 2, 3, 4, 8), calls: 
     """ms per LM-head call: `ClientHead.logits` vs the model's `nn.Linear` over the same rows (see the docstring)."""
     import torch.nn.functional as F
 
-    from swarmclient.head import ClientHead
+    from swarmnet.head import ClientHead
     from swarmnet.model_spec import ModelSpec
 
     head = ClientHead(ModelSpec.open(model_dir))

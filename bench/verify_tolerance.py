@@ -31,9 +31,9 @@ from servers.block_loading import load_span  # noqa: E402
 from servers.config import DType, Quant  # noqa: E402
 from servers.span import BlockSpan  # noqa: E402
 from swarmclient.generation import prefill_positions  # noqa: E402
-from swarmclient.head import ClientHead  # noqa: E402
 from swarmclient.textgen import load_tokenizer  # noqa: E402
 from swarmclient.verification_policy import relative_error  # noqa: E402
+from swarmnet.head import ClientHead  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 PROMPTS = ["The lighthouse keeper looked at the sea and said", "Once upon a time",

@@ -8,12 +8,15 @@ Run (root; tests/netlab builds the namespaces):
 For each model and server count it builds one lab: node 0 holds the DHT and the client, nodes 1..N one server each
 (the model's blocks split evenly), every node delaying its input by RTT/2 (so every pair of nodes is RTT apart;
 `ping -U` measures it). The client (this script with --client, inside node 0) holds two models, push on and push
-off, and runs what the orchestrator asks: a greedy generation of exactly --tokens new tokens per row, batch 1 or 8.
-Reps are interleaved: each rep walks the RTTs (rotating the order), and at each RTT push on and off, batch 1 and 8.
+off, and runs what the orchestrator asks: a greedy generation of exactly --tokens new tokens per row, batch 1 or 8,
+push on, push off, or the ring (push on, and the last server, started with --ring, guesses each next step and pushes
+it to the first: servers/ring.py; --no-ring skips it). Reps are interleaved: each rep walks the RTTs (rotating the
+order), and at each RTT the modes (rotating), batch 1 and 8.
 Reported per (model, servers, RTT, push, batch): the median over reps of the median decode ms/token of a run;
 the floor of push, (hops + 1) / 2 x RTT + the push-on ms/token at RTT 0 (compute and local overheads); and the
 bytes each link carried per position (prompt prefill included, both directions, IP headers included), from
-iptables counters in each node. Push on and off must produce identical tokens (checked every run).
+iptables counters in each node; the ring's ms/token against the same floor. Every mode must produce identical tokens
+(checked every run).
 
 With --job it measures instead what the RTT costs a batch job: the `bench/throughput.py` job (64 requests x 64 new
 tokens, mixed prompt lengths) run by the worker's own code path with default settings (the worker sizes its claim and
@@ -75,7 +78,9 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
         batch = tokenizer(PROMPTS[:request["batch"]], return_tensors="pt", padding=True)
         stamps: list[float] = []
         prompt = batch.input_ids.shape[1]
-        with model.inference_session(batch_size=request["batch"], max_length=prompt + request["tokens"] + 1) as session:
+        ring = request.get("ring", False)  # push on, and the last server guesses each next step (servers/ring.py)
+        with model.inference_session(batch_size=request["batch"], max_length=prompt + request["tokens"] + 1,
+                                     ring=ring) as session:
             step, hop_ms = StepClock(session), hop_times[request["push"]]
             hop_ms.clear()
             began = time.perf_counter()
@@ -83,12 +88,13 @@ def client_main(model_dir: Path, initial_peers: list[str]) -> None:
                                      max_new_tokens=request["tokens"],
                                      params=model.sampling_params(request["batch"], False, 1.0, 1.0, 0),
                                      eos_token_ids=set(), pad_token_id=model.pad_token_id,
-                                     on_token=lambda index, _: stamps.append(time.perf_counter()))  # noqa: B023
-            hops = len(session.route)
+                                     on_token=lambda index, _: stamps.append(time.perf_counter()),  # noqa: B023
+                                     feed_argmax=ring)
+            hops, guessed = len(session.route), session.guessed_steps
         gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:], strict=False)]
         print(json.dumps({"ms_per_token": statistics.median(gaps), "prefill_ms": (stamps[0] - began) * 1000,
                           "seconds": stamps[-1] - began, "hops": hops, "positions": prompt + request["tokens"],
-                          "reattachments": session.reattachments, "failovers": session.failovers,
+                          "reattachments": session.reattachments, "failovers": session.failovers, "guessed": guessed,
                           "step_ms": statistics.median(step.wall[1:] or [0.0]) * 1000,  # decode steps
                           "hop_ms": [round(statistics.median(times), 2) for times in hop_ms.values()],
                           "tokens": tokens.tolist()}), flush=True)
@@ -221,8 +227,11 @@ def bench_lab(name: str, model: Path, servers: int, args: argparse.Namespace, wo
     rows: list[dict[str, Any]] = []
     with NetLab(servers + 1, log_dir=work / f"{name}-{servers}") as lab:
         peers = start_dht(lab, lab.nodes[0])
-        start_servers(lab, model, peers, [(lab.nodes[i + 1], a, b, ()) for i, (a, b) in enumerate(spans(num_blocks, servers))])
+        extra = ("--ring",) if args.ring else ()  # the last server holds the head: only ring requests use it
+        start_servers(lab, model, peers, [(lab.nodes[i + 1], a, b, extra)
+                                          for i, (a, b) in enumerate(spans(num_blocks, servers))])
         client = Client(lab, model, peers)
+        modes = [(True, False), (False, False)] + ([(True, True)] if args.ring else [])  # (push, ring)
         try:
             client.run(push=True, batch=1, tokens=4)  # warm-up: routes, sessions, first compute
             measured_rtt: dict[int, float] = {}
@@ -235,18 +244,18 @@ def bench_lab(name: str, model: Path, servers: int, args: argparse.Namespace, wo
                         measured_rtt[rtt] = lab.rtt_ms(lab.nodes[1], lab.nodes[servers])
                     for batch in args.batches:
                         outputs = {}
-                        for push in ((True, False) if rep % 2 == 0 else (False, True)):
+                        for push, ring in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                             before = lab.traffic()
-                            result = client.run(push=push, batch=batch, tokens=args.tokens)
+                            result = client.run(push=push, ring=ring, batch=batch, tokens=args.tokens)
                             links = link_bytes(before, lab.traffic())
-                            outputs[push] = result.pop("tokens")
+                            outputs[push, ring] = result.pop("tokens")
                             rows.append({"model": name, "servers": servers, "rtt": rtt, "ping_ms": measured_rtt[rtt],
-                                         "push": push, "batch": batch, "rep": rep, **result,
+                                         "push": push, "ring": ring, "batch": batch, "rep": rep, **result,
                                          "bytes_per_position": {k: v / result["positions"] for k, v in links.items()}})
                             print(json.dumps(rows[-1]), flush=True)
-                        if outputs[True] != outputs[False]:
-                            raise SystemExit(f"push on and off generated different tokens: {name} {servers} servers "
-                                             f"RTT {rtt} batch {batch}")
+                        if len({json.dumps(tokens) for tokens in outputs.values()}) != 1:
+                            raise SystemExit(f"push on, off and the ring generated different tokens: {name} {servers} "
+                                             f"servers RTT {rtt} batch {batch}")
         finally:
             client.close()
     return rows
@@ -331,14 +340,20 @@ def rtt_order(rtt: str) -> tuple[float, bool]:
 def summarize(rows: list[dict[str, Any]]) -> str:
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["model"], row["servers"], row["rtt"], row["batch"], row["push"]), []).append(row)
+        if not row.get("ring"):
+            groups.setdefault((row["model"], row["servers"], row["rtt"], row["batch"], row["push"]), []).append(row)
     median = {key: statistics.median(r["ms_per_token"] for r in group) for key, group in groups.items()}
+    ring = {(r["model"], r["servers"], r["rtt"], r["batch"]): r for r in rows if r.get("ring")}
     lines = ["| model | servers | RTT (ping -U) | batch | push on ms/token | off ms/token | off / on | floor (push) | "
-             "on / floor | bytes/position per link (push on) | (push off) |", "|" + " --- |" * 11]
+             "on / floor | ring ms/token | ring / floor | bytes/position per link (push on) | (push off) |",
+             "|" + " --- |" * 13]
     for (model, servers, rtt, batch, push), value in sorted(median.items()):
         if not push:
             continue
         off = median[(model, servers, rtt, batch, False)]
+        ringed = statistics.median(r["ms_per_token"] for r in rows if r.get("ring") and
+                                   (r["model"], r["servers"], r["rtt"], r["batch"]) == (model, servers, rtt, batch)) \
+            if (model, servers, rtt, batch) in ring else None
         compute = median.get((model, servers, 0, batch, True))
         floor = None if compute is None else (servers + 1) / 2 * rtt + compute
         ping = groups[(model, servers, rtt, batch, True)][0]["ping_ms"]
@@ -346,6 +361,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         show = lambda links: ", ".join(f"{k} {v / 1000:.1f} kB" for k, v in links.items())  # noqa: E731
         lines.append(f"| {model} | {servers} | {rtt} ({ping:.1f}) | {batch} | {value:.1f} | {off:.1f} | {off / value:.2f} | "
                      f"{'' if floor is None else f'{floor:.1f}'} | {'' if floor is None else f'{value / floor:.2f}'} | "
+                     f"{'' if ringed is None else f'{ringed:.1f}'} | "
+                     f"{'' if ringed is None or floor is None else f'{ringed / floor:.2f}'} | "
                      f"{show(per_link[True])} | {show(per_link[False])} |")
     return "\n".join(lines)
 
@@ -367,6 +384,9 @@ def main() -> None:
     parser.add_argument("--rtts", default=None, help="default 0,20,50 (--job: 0,0q,50; 0q = 0 ms through the delay "
                                                        "programs)")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--no-ring", dest="ring", action="store_false",
+                        help="skip the ring runs (push on, the last server started with --ring guessing each next "
+                             "step: servers/ring.py)")
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per row (default 24; --job: 64)")
     parser.add_argument("--reps", type=int, default=None, help="default 3 (--job: 2)")
     parser.add_argument("--out", type=Path)

@@ -242,6 +242,11 @@ def generate(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
                  envvar="SWARMBATCH_PUSH",
                  help="Servers push each step's outputs straight to the next server (about (hops + 1) / 2 round trips "
                       "per token instead of hops); --no-push: the client relays every hop.")] = True,
+             ring: Annotated[bool, typer.Option(
+                 envvar="SWARMBATCH_RING",
+                 help="A greedy generation asks the last server, where it holds the head (serve --ring), to guess each "
+                      "next token and push its step to the first server: one round trip per token; --no-ring: "
+                      "never.")] = True,
              micro_batches: Annotated[int, typer.Option(
                  min=1, help="Run the prompts as this many micro-batches at once, so that every server computes while "
                              "the others do (pipeline parallelism; rows grouped by length). 1 = one batch.")] = 1,
@@ -256,7 +261,7 @@ def generate(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     outputs = generate_texts(resolve_model(model), prompts, initial_peers=initial_peers, chat=chat,
                              max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                              access=access, verify_fraction=verify_fraction, verification=checks, push=push,
-                             micro_batches=micro_batches)
+                             micro_batches=micro_batches, ring=ring)
     counts = checks.snapshot()
     if as_json:
         typer.echo(json.dumps({"outputs": outputs, "verification": {

@@ -26,6 +26,9 @@ Modules:
                      message (and its re-check when the members change), one answer per message, and the one place
                      where exceptions become error answers
     push_receiver    PushReceiver: another server's push stream into one of our sessions; pushing our outputs on
+    ring             the ring: a last server holding the head (--ring) guesses a greedy session's next step and pushes
+                     it to the first, which applies it once the client's copy of the step before came (RingGuesser,
+                     ring_of, takes_guess, confirm_guess)
     handler          BlockHandler: the info / forward / inference streams, their frame limits, sessions' cache
                      reservations and per-caller limits
     announcer        Announcer: the status's DHT record per block, refreshed, OFFLINE on shutdown

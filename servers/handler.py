@@ -45,6 +45,7 @@ from servers.errors import RequestRejected
 from servers.memory import CacheBudget
 from servers.push import Pusher
 from servers.push_receiver import PushReceiver
+from servers.ring import RingGuesser, confirm_guess, ring_of
 from servers.sessions import (
     SESSION_CLOSED_LOG,
     SESSION_DETACHED_LOG,
@@ -74,7 +75,7 @@ from servers.validation import (
 from swarmnet import protocol
 from swarmnet.membership import Membership
 from swarmnet.protocol import ErrorCode
-from swarmnet.push_proof import input_digest, proof_signer
+from swarmnet.push_proof import input_digest, proof_signer, sign_push
 
 logger = logging.getLogger(__name__)
 # copies of one step a session takes (from its client or pushed) before its stream is ended: a client sends a step
@@ -129,6 +130,7 @@ class BlockHandler(PushReceiver):
     may_push_here: Callable[[str], bool] = lambda peer: True
     # set while the server moves its span elsewhere ("A:B"): new sessions and forwards are refused as busy
     moving_to: str | None = None
+    guesser: RingGuesser | None = None  # --ring on a span that ends at the last block: the model's head (ring.py)
 
     def __post_init__(self) -> None:
         # a merged forward holds at most as many rows as one session may have
@@ -296,11 +298,14 @@ class BlockHandler(PushReceiver):
         except RequestRejected:
             self._reclaim_lent_cache_later()
             raise
+        ring_route, ring_from = ring_of(meta, start, end, self.guesser, self.may_push_to, self.may_push_here)
         session = stream.session = self.sessions[session_id] = Session(
             session_id, stream.peer, stream.owner, start, end, batch_size, max_length, caches,
-            pushable=meta.get("push") is True, resumable=meta.get("resumable") is True, stream=stream)
+            pushable=meta.get("push") is True, resumable=meta.get("resumable") is True, stream=stream,
+            ring_route=ring_route, ring_from=ring_from)
         logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
-        return protocol.encode([], {"opened": True, "session_id": session.session_id})
+        return protocol.encode([], {"opened": True, "session_id": session.session_id,
+                                    "ring": ring_route is not None or ring_from is not None})
 
     async def _resume(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
         """Take over a session of this caller (the same peer id) on this new stream: a detached one, or one whose
@@ -370,14 +375,19 @@ class BlockHandler(PushReceiver):
         async with session.lock:
             if step_id is not None and step_id != session.applied:
                 applied, stream.repeated = self._repeated(session, step_id), True
+                # the client's own copy of a guessed step: it confirms the guess (its answer went out already: the
+                # client is told so in a few bytes) or ends the ring (the client gets the guessed step's answer)
+                if stream.push_target is None and confirm_guess(session, applied, tensors, meta):
+                    return protocol.encode([], {"step_id": step_id, "confirmed": True})
             else:
                 pusher = stream.peer if stream.push_target is not None else None
-                answer, output, mask, positions = await self._compute_step(session, tensors, meta, pusher)
+                answer, output, mask, positions, digest = await self._compute_step(session, tensors, meta, pusher)
                 session.applied += 1
                 applied = AppliedStep(-1 if step_id is None else step_id, answer, (output, mask, positions),
-                                      meta.get("keep_rows"))
+                                      meta.get("keep_rows"), unconfirmed=digest if _guessed(meta, pusher) else None)
                 if step_id is not None:
                     session.last_step = applied
+                    self._guess_next(session, applied)
         if route:  # a duplicate too, where its first push failed (the client may name a replacement next hop)
             await self._push_on(session, applied, route)
         return applied.answer
@@ -396,8 +406,10 @@ class BlockHandler(PushReceiver):
         return last
 
     async def _compute_step(self, session: Session, tensors: list[torch.Tensor], meta: dict[str, Any],
-                            pusher: str | None) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(answer, output, mask, positions) of one validated step (pushed by `pusher`, or the client's: None)."""
+                            pusher: str | None) -> tuple[bytes, torch.Tensor, torch.Tensor, torch.Tensor, bytes | None]:
+        """(answer, output, mask, positions, input digest) of one validated step (pushed by `pusher`, or the
+        client's: None); a push session's answer names the digest of its input, and says whether it was the ring's
+        guess."""
         keep_rows = validate_keep_rows(meta.get("keep_rows"), session.batch_size)
         hidden, mask, positions = validate_step(
             tensors, batch_size=session.batch_size if keep_rows is None else len(keep_rows), past=session.length,
@@ -411,10 +423,34 @@ class BlockHandler(PushReceiver):
         else:
             output, merged = await self._compute(hidden, mask, positions, session.caches, session.start, session.end), 1
         session.length += hidden.shape[1]
+        if _guessed(meta, pusher):
+            bound["guess"] = True
         # the compute time lets clients (and bench/swarm.py) tell network overhead from compute
         answer = protocol.encode([output], {"cache_len": session.length, "merged": merged, "step_id": meta.get("step_id"),
                                             "compute_ms": (time.perf_counter() - began) * 1000, **bound})
-        return answer, output, mask, positions
+        return answer, output, mask, positions, bound.get("input_digest")
+
+    def _guess_next(self, session: Session, applied: AppliedStep) -> None:
+        """The ring (ring.py): push the next step of a last hop's session, guessed from this one's output, to the
+        session's first hop, unless the session is full. A failed guess push ends the ring for the session, untold:
+        the client sends that step itself anyway."""
+        route, identity, p2p = session.ring_route, self.pusher.identity, self.pusher.p2p
+        if route is None or self.guesser is None or identity is None or p2p is None or \
+                session.length >= session.max_length:
+            return
+        hidden, mask, positions = self.guesser.next_step(*applied.pushed)
+        step_id = applied.step_id + 1
+        (peer, target), rest = route[0], route[1:]
+        proof = sign_push(identity, owner=session.peer, upstream_session=session.session_id, target_session=target,
+                          step_id=step_id, digest=input_digest(hidden, mask, positions, None, step_id))
+        frame = protocol.encode([hidden, mask, positions], {"session_id": target, "step_id": step_id, "guess": True,
+                                                            "route": [list(hop) for hop in rest], "push_proof": proof})
+
+        async def ring_off(downstream: str, reason: str) -> None:
+            logger.info("Ring of session %s off: its guess push to %s failed (%s)", session.session_id[:8],
+                        downstream[-6:], reason)
+            session.ring_route = None
+        self.pusher.push_later(session.session_id, (peer, target), frame, ring_off, tokens=hidden.shape[0])
 
     @staticmethod
     def _bind_input(session: Session, meta: dict[str, Any], hidden: torch.Tensor, mask: torch.Tensor,
@@ -479,3 +515,7 @@ class BlockHandler(PushReceiver):
         self.stats.record_step(tokens=hidden.shape[0] * hidden.shape[1])
         return output
 
+
+def _guessed(meta: dict[str, Any], pusher: str | None) -> bool:
+    """Whether a step is the ring's guess (pushed, and marked so: ring.py)."""
+    return pusher is not None and meta.get("guess") is True

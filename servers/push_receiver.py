@@ -4,7 +4,8 @@ push.py), and pushing our own outputs on along a step's route.
 A push stream starts with an attach message naming a session its client opened with "push": true; each pushed step
 is applied like the client's own (once per step id) once its push proof checks out (swarmnet/push_proof.py: signed by
 the pushing server for this session's client and this input), its answer goes to the client on the session's own
-stream with that proof, and the pusher gets {"accepted": step_id}. Our own pushes carry our proof.
+stream with that proof, and the pusher gets {"accepted": step_id}. Our own pushes carry our proof. A step the ring
+guessed (ring.py) is applied only where `takes_guess` says so; else it is dropped (the pusher gets "dropped": true).
 
 A duplicate (a step id applied before, from the client or pushed) is never computed again, and is pushed on only
 where that step's push failed, or to a replacement hop while the step has fewer than MAX_PUSH_TARGETS targets; after
@@ -22,6 +23,7 @@ import torch
 from servers.errors import RequestRejected
 from servers.faults import noisy
 from servers.push import Pusher
+from servers.ring import takes_guess
 from servers.sessions import AppliedStep, Session, Stream, check_session_id
 from servers.streams import StreamService
 from servers.validation import Limits, reject, validate_step_id
@@ -86,6 +88,8 @@ class PushReceiver(StreamService):
         check_session_id(meta, session)
         if validate_step_id(meta.get("step_id")) is None:
             raise reject("a pushed step needs a 'step_id'")
+        if meta.get("guess") is True and not takes_guess(session, stream.peer, meta["step_id"]):
+            return protocol.encode([], {"accepted": meta["step_id"], "dropped": True})  # the client sends it itself
         answer = await self._apply(session, tensors, meta, stream)
         if session.stream is not None and not stream.repeated:
             session.stream.accepted()  # the client's stream carries no message of its own for pushed steps

@@ -32,6 +32,7 @@ from servers.metrics import start_metrics
 from servers.neighbours import NextServerPings
 from servers.rebalancer import Rebalancer
 from servers.rebalancing import Move
+from servers.ring import RING_HEAD_LOG, RingGuesser
 from servers.span import BlockSpan
 from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
@@ -222,6 +223,10 @@ class BlockServer:
             None, lambda: load_span(self.spec, start, end, dtype=self.dtype, quant=config.quant,
                                     device=self.device))
         inject_faults(span, self.fault_noise)  # tests only: a server that lies (servers/faults.py)
+        guesser = None
+        if config.ring and end == self.spec.num_blocks:
+            guesser = await asyncio.get_running_loop().run_in_executor(None, RingGuesser, self.spec, self.device)
+            logger.info(RING_HEAD_LOG)
         budget = CacheBudget(config.attn_cache_tokens, end - start, owner_share=config.max_cache_share_per_peer,
                              lend=config.lend_idle_cache)
         limits = Limits(start, end, self.spec.hidden_size, config.max_batch_size, self.max_length)
@@ -236,7 +241,7 @@ class BlockServer:
                                stats=self.stats,
                                authorize=MemberGate(self.membership).check, membership=self.membership,
                                may_push_to=self.membership.serves,
-                               may_push_here=self.membership.serves)
+                               may_push_here=self.membership.serves, guesser=guesser)
         if self.p2p is not None:
             handler.pusher.p2p = self.p2p
         handler.pusher.identity, handler.pusher.noise = self.identity, self.push_noise

@@ -38,6 +38,9 @@ class AppliedStep:
     # (peer, session) its outputs were pushed to -> whether that push failed (then a duplicate may push it again)
     targets: dict[tuple[str, str], bool] = field(default_factory=dict)
     duplicates: int = 0  # copies of it that came since it was applied (from its client or pushed)
+    # a step the ring guessed (ring.py): the digest of its input until its client's own copy came and matched; None
+    # for a step its client sent, or a guess it confirmed
+    unconfirmed: bytes | None = None
 
 
 @dataclass
@@ -55,6 +58,10 @@ class Session:
     length: int = 0
     pushable: bool = False  # opened with "push": its client's route may push steps into it (push.py)
     resumable: bool = False  # opened with "resumable": kept detached for a while when its stream is lost
+    # the ring (ring.py): a last hop's whole route from the first hop on, where it pushes each next step it guesses;
+    # a first hop's last server, whose guesses it takes (None: no ring, or the ring is off for this session)
+    ring_route: list[tuple[str, str]] | None = None
+    ring_from: str | None = None
     stream: Stream | None = None  # the stream it answers on (pushed steps' answers go there); None while detached
     expiry: asyncio.TimerHandle | None = None  # while detached: when it is freed unless resumed
     applied: int = 0  # steps applied; a step id below it is a duplicate

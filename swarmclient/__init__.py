@@ -18,8 +18,6 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
     server_session   ServerSession: one inference stream to one server (request/answer, or push: send / answer)
     session          InferenceSession: a chain that fails over by replaying its StepRecords, checks sampled steps, and
                      with push sends each step to the first hop only
-    head             ClientHead: embeddings, final norm and LM head, run locally
-    head_matmul      HeadMatmul: the LM head's product on a CPU, in the faster of two equal forms per small row count
     penalties        logit_bias, repetition / frequency / presence penalties over a sequence's token History
     constraints      constrained decoding (llguidance): a sequence's grammar masks its logits (JSON, JSON Schema)
     sampling         greedy / temperature, top-k, top-p, min-p, seeded by (seed, position), after the penalties and

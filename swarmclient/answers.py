@@ -109,6 +109,8 @@ class AnswerReader:
         step_id = meta.get("step_id")
         if not isinstance(step_id, int):  # an error about the stream itself (not a step): the stream is over
             raise StreamBroken(str(protocol.response_error(meta) or meta)[:300])
+        if meta.get("confirmed") is True:  # the ring's guess of a step was ours: its answer came before (ring.py)
+            return
         failure = meta.get("push_failed")
         if isinstance(failure, dict):
             peer = str(failure.get("peer"))

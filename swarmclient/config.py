@@ -40,10 +40,15 @@ class ClientConfig:
     # this with their lanes). Rows are grouped by prompt length. Each row's tokens are what it gets alone, but its
     # micro-batch's padding differs from the whole batch's, so greedy ties may round differently: 1 = one session
     micro_batches: int = 1
+    # the ring (docs/swarm.md): a greedy generation (every row argmax, no penalties, no grammar, no rows leaving the
+    # session) asks its last server to guess each next token and push its step straight to the first server, where
+    # the last server holds the head (started with --ring); the client still samples and sends every token, and a
+    # guess that is not its token is replayed without the ring. About one round trip per token instead of 1.5
+    ring: bool = True
     # where the embeddings, final norm and LM head live and compute: auto (cuda when torch sees a GPU), cpu, cuda:N
     device: str = "auto"
     # the final norm's and LM head's dtype: auto is the checkpoint's dtype on a GPU and float32 on a CPU, where a
-    # bfloat16 GEMM is 1.2-3x slower without bfloat16 instructions (swarmclient/head.py); "bfloat16" halves its memory
+    # bfloat16 GEMM is 1.2-3x slower without bfloat16 instructions (swarmnet/head.py); "bfloat16" halves its memory
     head_dtype: str = "auto"
 
     def __post_init__(self) -> None:

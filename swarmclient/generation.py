@@ -11,9 +11,9 @@ from typing import Protocol
 
 import torch
 
-from swarmclient.head import ClientHead
 from swarmclient.penalties import History
 from swarmclient.sampling import SamplingParams, sample_next, start_constraints, start_histories
+from swarmnet.head import ClientHead
 
 
 class StepFn(Protocol):
@@ -78,13 +78,15 @@ def generate_tokens(
     pad_token_id: int,
     on_token: TokenHook | None = None,
     shrink: bool = False,
+    feed_argmax: bool = False,
 ) -> torch.Tensor:
     """New tokens [B, N]: N is at most the largest limit, and the loop stops once every row is finished.
 
     A row finishes at EOS, at its own `max_new_tokens` limit, or when `on_token` says so; after that it
     emits the pad token. With `shrink`, finished rows also leave the session (`keep_rows`), so the blocks stop
-    computing them; without it they ride along as padding until the whole batch ends. When a row's params ask for
-    logprobs, `on_token` also gets each step's TokenLogprobs.
+    computing them; without it they ride along as padding until the whole batch ends (`feed_argmax`: fed their
+    greedy token, not the pad token, as the ring guesses it: servers/ring.py). When a row's params ask for logprobs,
+    `on_token` also gets each step's TokenLogprobs.
     """
     wanted = [p.top_logprobs for p in params if p.top_logprobs is not None]
     top_k = max(wanted) if wanted else None
@@ -129,7 +131,11 @@ def generate_tokens(
             rows, mask, positions, keep_rows = rows[kept], mask[kept], positions[kept], kept.tolist()
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
         positions = positions[:, -1:] + 1
-        embedded = head.embed(token[rows][:, None])
+        fed = token
+        if feed_argmax:  # finished rows too (what they are fed changes no other row's tokens)
+            fed = token.clone()
+            fed[rows] = sampled
+        embedded = head.embed(fed[rows][:, None])
         hidden = step(embedded, mask, positions) if keep_rows is None else step(embedded, mask, positions, keep_rows)
     if not columns:
         return input_ids.new_zeros(batch, 0)

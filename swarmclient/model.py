@@ -14,13 +14,13 @@ from swarmclient.deferred_checks import DeferredChecks
 from swarmclient.errors import InvalidRequest
 from swarmclient.forward import forward_chain
 from swarmclient.generation import TokenHook, generate_tokens, leading_padding
-from swarmclient.head import ClientHead
 from swarmclient.pooling import Pooling, PoolingMode, pool, read_pooling
-from swarmclient.sampling import SamplingParams
+from swarmclient.sampling import SamplingParams, all_greedy
 from swarmclient.session import InferenceSession
 from swarmclient.swarm import Swarm
 from swarmclient.verification_policy import VerificationTally
 from swarmnet.addresses import NetworkOptions
+from swarmnet.head import ClientHead
 from swarmnet.membership import SwarmAccess
 from swarmnet.model_spec import ModelSpec
 
@@ -62,14 +62,16 @@ class DistributedModelForCausalLM:
         self.close()
 
     def inference_session(self, *, batch_size: int, max_length: int, verification: VerificationTally | None = None,
-                          deferred: DeferredChecks | None = None) -> InferenceSession:
+                          deferred: DeferredChecks | None = None, ring: bool = False) -> InferenceSession:
         """A session for step-by-step use: `with model.inference_session(...) as s: s.step(h, mask, pos)`.
 
         verification: where its checked outputs are counted (ClientConfig.verify_fraction), e.g. one per job.
         deferred: run the checks beside the steps (deferred_checks.py); the caller settles them before it keeps tokens.
+        ring: the caller decodes greedily and feeds every row its argmax token, finished rows too, with no keep_rows:
+        a last server that holds the head may guess each next step (ClientConfig.ring, servers/ring.py).
         """
         return InferenceSession(self.swarm, batch_size=batch_size, max_length=max_length, verification=verification,
-                                deferred=deferred)
+                                deferred=deferred, ring=ring)
 
     def generate(
         self,
@@ -114,12 +116,13 @@ class DistributedModelForCausalLM:
         if len(groups) > 1 and on_token is None and deferred is None:
             return self._generate_micro_batches(groups, input_ids, attention_mask, max_new_tokens, params, shrink,
                                                 verification)
+        ring = self.swarm.config.ring and not shrink and all_greedy(params)
         with self.inference_session(batch_size=input_ids.shape[0], max_length=total,
-                                    verification=verification, deferred=deferred) as session:
+                                    verification=verification, deferred=deferred, ring=ring) as session:
             return generate_tokens(self.head, session.step, input_ids, attention_mask,
                                    max_new_tokens=max_new_tokens, params=params,
                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                                   on_token=on_token, shrink=shrink)
+                                   on_token=on_token, shrink=shrink, feed_argmax=ring)
 
     def _generate_micro_batches(self, groups: list[torch.Tensor], input_ids: torch.Tensor,
                                 attention_mask: torch.Tensor, max_new_tokens: int | Sequence[int],

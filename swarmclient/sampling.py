@@ -102,12 +102,17 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, position: int, hist
     return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
 
 
+def all_greedy(params: list[SamplingParams]) -> bool:
+    """Whether every row's token is the plain argmax of its logits (no penalty, no grammar changes them)."""
+    return all(p.greedy and not p.penalties.active and p.grammar is None for p in params)
+
+
 def sample_next(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                 histories: list[History | None] | None = None,
                 constraints: list[Constraint | None] | None = None) -> torch.Tensor:
     """Next tokens [B] from logits [B, V]; row b uses params[b], its absolute position positions[b] and, for its
     penalties, histories[b], for its grammar constraints[b]."""
-    if all(p.greedy and not p.penalties.active and p.grammar is None for p in params):
+    if all_greedy(params):
         return logits.argmax(-1)
     batch = logits.shape[0]
     rows, matchers = histories or [None] * batch, constraints or [None] * batch

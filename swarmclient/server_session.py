@@ -59,6 +59,11 @@ class ServerSession:
         self._received_bytes = 0  # answer frames read on this stream outside an AnswerReader
         self._answer_limit = 0  # push: the largest answer expected so far (what a resumed stream may bring again)
         self.claims: dict[int, InputClaim] = {}  # push: step id -> what its answer says of its input
+        # the ring (servers/ring.py), set before `open`: a last hop's route from the first hop on, where it pushes the
+        # steps it guesses; a first hop's last server, whose guesses it takes
+        self.ring_to: list[list[str]] | None = None
+        self.ring_from: str | None = None
+        self.guessed_steps = 0  # answers to steps the ring guessed (a first hop's)
 
     async def open(self) -> ServerSession:
         """Open the stream; raises PeerFailed if the server cannot be reached."""
@@ -151,7 +156,9 @@ class ServerSession:
         return protocol.encode([], {**self.swarm.auth_meta(), "open": True, "session_id": self.session_id,
                                     "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
                                     "max_length": self.max_length, "resumable": True,
-                                    **({"push": True} if self.push else {})})
+                                    **({"push": True} if self.push else {}),
+                                    **({"ring_to": self.ring_to} if self.ring_to else {}),
+                                    **({"ring_from": self.ring_from} if self.ring_from else {})})
 
     async def step(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                    keep_rows: Sequence[int] | None = None, *, step_id: int | None = None) -> torch.Tensor:
@@ -268,6 +275,7 @@ class ServerSession:
             for old in [s for s in self.claims if s < step_id - MAX_CLAIMS]:
                 del self.claims[old]
         self.last_compute_seconds = float(meta.get("compute_ms", 0.0)) / 1000
+        self.guessed_steps += meta.get("guess") is True
         self.last_merged = int(meta.get("merged", 1))
         return tensors[0]
 

@@ -108,8 +108,12 @@ class InferenceSession:
     """A chain of server sessions covering blocks [0, num_blocks) that survives server failures."""
 
     def __init__(self, swarm: Swarm, *, batch_size: int, max_length: int,
-                 verification: VerificationTally | None = None, deferred: DeferredChecks | None = None) -> None:
+                 verification: VerificationTally | None = None, deferred: DeferredChecks | None = None,
+                 ring: bool = False) -> None:
         self.swarm, self.batch_size, self.max_length = swarm, batch_size, max_length
+        # the ring (servers/ring.py): the caller feeds each next token greedily and keeps every row; off for good once
+        # a hop fails or a guess was not the caller's token
+        self._ring = ring and swarm.config.push
         self.verification = verification or VerificationTally()  # checked outputs: counts, shared by a job's lanes
         self._verifier = HopVerifier(swarm, self.verification, uuid.uuid4().hex)
         self._deferred = deferred                          # checks run beside the steps, settled by the caller
@@ -140,6 +144,12 @@ class InferenceSession:
     def received_bytes(self) -> dict[int, int]:
         """Answer bytes each live hop (by its first block) sent so far: hidden states travel in its compute dtype."""
         return {start: session.received_bytes for start, session in sorted(self._sessions.items())}
+
+    @property
+    def guessed_steps(self) -> int:
+        """Steps whose first hop computed the ring's guess of them before this client's copy came (all of them
+        confirmed, or the session replayed them)."""
+        return sum(session.guessed_steps for session in self._sessions.values())
 
     @property
     def route(self) -> list[RouteHop]:
@@ -368,8 +378,12 @@ class InferenceSession:
         first = next(i for i, hop in enumerate(hops) if hop.end not in boundaries)
         pending = hops[first:]
         shape = boundaries[0].shape
+        # sessions opened for the ring go on guessing after a resume on a new stream (the ring ends only for new ones)
+        guessing = any(session.ring_from or session.ring_to for session in self._sessions.values())
         for hop in pending:
             self._sessions[hop.start].expect(shape, step_id)
+            if guessing:  # the next step's answers may come before the client sends it: the ring guessed it
+                self._sessions[hop.start].expect(torch.Size((shape[0], 1, shape[2])), step_id + 1)
         head = self._sessions[pending[0].start]
         self._sent.setdefault(head.hop.start, set()).add(
             input_digest(boundaries[head.hop.start], attention_mask, position_ids, keep_rows, step_id))
@@ -511,7 +525,8 @@ class InferenceSession:
 
     async def _repair(self, position: int) -> None:
         """Resume the failed hop starting at `position` on a new stream if its stream was lost; else replace it with
-        a new route, and replay its history."""
+        a new route, and replay its history. The ring ends for the session either way."""
+        self._ring = False
         if await self._reattach(self._sessions[position]):
             self._broken.discard(position)
             return
@@ -543,6 +558,9 @@ class InferenceSession:
         hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)
         sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length,
                                   push=self.swarm.config.push, on_push_failure=self._push_failed) for hop in hops]
+        if self._ring and len(hops) > 1 and hops[0].start == 0 and hops[-1].end == self.swarm.num_blocks:
+            sessions[0].ring_from = hops[-1].peer_id
+            sessions[-1].ring_to = [[hop.peer_id, session.session_id] for hop, session in zip(hops, sessions, strict=True)]
         opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)
         failure = next((r for r in opened if isinstance(r, BaseException)), None)
         if failure is not None:

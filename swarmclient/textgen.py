@@ -32,20 +32,21 @@ def render_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> str:
 def generate_texts(model_dir: Path, prompts: list[str], *, initial_peers: list[str], chat: bool = False,
                    max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                    access: SwarmAccess | None = None, verify_fraction: float = 0.0,
-                   verification: VerificationTally | None = None, push: bool = True, micro_batches: int = 1
-                   ) -> list[dict[str, Any]]:
+                   verification: VerificationTally | None = None, push: bool = True, micro_batches: int = 1,
+                   ring: bool = True) -> list[dict[str, Any]]:
     """[{"prompt", "text", "token_ids"}] for each prompt, generated as one batch through the swarm.
 
     verify_fraction: hop steps checked on a second server (docs/security.md "Checked outputs"), counted into `verification`.
     push: servers push each step's outputs to the next server (ClientConfig.push).
     micro_batches: the batch runs as this many micro-batches at once, pipelined over the servers (ClientConfig).
+    ring: a greedy batch asks a last server that holds the head to guess each next step (ClientConfig.ring).
     """
     tokenizer = load_tokenizer(model_dir)
     texts = [render_prompt(tokenizer, p, chat=chat) for p in prompts]
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=initial_peers, access=access,
                                                      config=ClientConfig(verify_fraction=verify_fraction, push=push,
-                                                                        micro_batches=micro_batches)) as model:
+                                                                        micro_batches=micro_batches, ring=ring)) as model:
         params = model.sampling_params(len(prompts), temperature > 0, temperature, top_p, seed)
         new = model.generate_new_tokens(encoded.input_ids, encoded.attention_mask,
                                         max_new_tokens=max_new_tokens, params=params, verification=verification)

@@ -5,7 +5,7 @@ prefix there (its decoder layer, rotary embedding and norm are `<prefix>DecoderL
 `<prefix>RMSNorm`), how its checkpoint names the tensors of block i, of the embeddings and of the final norm, how a
 decoder layer is called, the embedding scale, the final-logit soft-capping, which layers use a sliding window, and
 the extra config a tiny random model of the family needs. Servers (`servers/span.py`, `servers/block_loading.py`)
-and the client head (`swarmclient/head.py`) read only these fields; neither has a per-family branch.
+and the client head (`swarmnet/head.py`) read only these fields; neither has a per-family branch.
 
 Adding a family (the model_type `foo`, classes `FooDecoderLayer` etc. in transformers.models.foo.modeling_foo):
 1. add `"foo": Family("foo", "Foo", tiny={...})` to FAMILIES below, overriding only what differs from Llama

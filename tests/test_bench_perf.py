@@ -17,9 +17,9 @@ perf = sys.modules["bench_perf"] = importlib.util.module_from_spec(_spec)  # dat
 _spec.loader.exec_module(perf)
 
 
-def wan_run(batch: int, push: bool, ms: float, ping: float = 50.5) -> dict[str, Any]:
+def wan_run(batch: int, push: bool, ms: float, ping: float = 50.5, ring: bool = False) -> dict[str, Any]:
     return {"model": "tiny", "servers": 2, "rtt": 50, "ping_ms": ping, "push": push, "batch": batch, "hops": 2,
-            "ms_per_token": ms}
+            "ms_per_token": ms, "ring": ring}
 
 
 def test_the_push_floor_is_half_an_rtt_per_link_of_hops_plus_one() -> None:
@@ -34,6 +34,14 @@ def test_wan_rows_set_the_median_push_on_run_against_the_floor() -> None:
     assert b1.target == "WAN 2 servers, 50 ms RTT, b1" and b1.measured.startswith("**1.21x** (91.3 ms/token on a 75.8 ms floor")
     assert "push off 110.0" in b1.measured and b1.met is False
     assert b8.measured.startswith("**1.08x**") and b8.met is True
+
+
+def test_wan_rows_take_the_ring_where_it_ran_with_push_alone_and_off_beside_it() -> None:
+    runs = [wan_run(1, True, ms) for ms in (95.0, 91.3)] + [wan_run(1, False, 110.0)] + \
+           [wan_run(1, True, ms, ring=True) for ms in (58.0, 57.0, 60.0)]
+    [b1] = perf.wan_rows(runs)
+    assert b1.measured.startswith("**0.77x** (the ring, 58.0 ms/token on a 75.8 ms floor")
+    assert "push without the ring 93.2; push off 110.0" in b1.measured and b1.met is True
 
 
 def test_the_cost_of_checks_is_the_median_paired_rep_met_only_under_three_percent_with_identical_texts() -> None:

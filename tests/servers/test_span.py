@@ -13,11 +13,11 @@ from servers.block_loading import load_span
 from servers.config import DType
 from servers.errors import ServerConfigError
 from swarmclient.generation import generate_tokens
-from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
 from swarmnet.errors import ModelDirError
 from swarmnet.families import FAMILIES
+from swarmnet.head import ClientHead
 from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and", "one two"]

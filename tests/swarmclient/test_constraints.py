@@ -19,10 +19,10 @@ from generation_checks import CITY
 from servers.block_loading import load_span
 from swarmclient.constraints import Constraint, Grammar, grammar_tokenizer, json_grammar
 from swarmclient.generation import generate_tokens
-from swarmclient.head import ClientHead
 from swarmclient.penalties import Penalties
 from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
+from swarmnet.head import ClientHead
 from swarmnet.model_spec import ModelSpec
 
 TAGS = {"type": "object", "additionalProperties": False, "required": ["tags", "score"],

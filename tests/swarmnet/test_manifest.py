@@ -15,8 +15,8 @@ from model_boxes import COMMIT, box_copy, hf_cache
 
 from modelprep import ModelPrepError, prepare_model, write_tiny_model
 from servers.block_loading import load_span
-from swarmclient.head import ClientHead
 from swarmnet.errors import ModelDirError
+from swarmnet.head import ClientHead
 from swarmnet.hf_cache import SMALL_FILES, allow_patterns, snapshot_origin
 from swarmnet.manifest import MANIFEST_FILE
 from swarmnet.model_spec import ModelSpec

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from modelprep import write_tiny_model
 from servers.block_loading import load_span
 from swarmclient.generation import generate_tokens
-from swarmclient.head import ClientHead
 from swarmclient.sampling import SamplingParams
 from swarmclient.textgen import load_tokenizer
+from swarmnet.head import ClientHead
 from swarmnet.model_spec import ModelSpec
 
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog and"]

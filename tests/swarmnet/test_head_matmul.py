@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarmclient.head_matmul import TUNED_MIN_WEIGHTS, TUNED_ROWS, HeadMatmul, linear, transposed
+from swarmnet.head_matmul import TUNED_MIN_WEIGHTS, TUNED_ROWS, HeadMatmul, linear, transposed
 
 HIDDEN = 256
 VOCAB = TUNED_MIN_WEIGHTS // HIDDEN  # the smallest head that is timed

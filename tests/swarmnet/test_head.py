@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from swarmclient.head import ClientHead
+from swarmnet.head import ClientHead
 from swarmnet.model_spec import ModelSpec
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swarmclient.head_matmul import HeadMatmul
 from swarmnet.devices import resolve_device
 from swarmnet.errors import ModelDirError
+from swarmnet.head_matmul import HeadMatmul
 from swarmnet.model_spec import ModelSpec
 
 
