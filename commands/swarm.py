@@ -245,8 +245,8 @@ def generate(model: Annotated[str, typer.Argument(help=MODEL_HELP)],
              ring: Annotated[bool, typer.Option(
                  envvar="SWARMBATCH_RING",
                  help="A greedy generation asks the last server, where it holds the head (serve --ring), to guess each "
-                      "next token and push its step to the first server: one round trip per token; --no-ring: "
-                      "never.")] = True,
+                      "next token and push its step to the first server: half a round trip less per token; "
+                      "--no-ring: never.")] = True,
              micro_batches: Annotated[int, typer.Option(
                  min=1, help="Run the prompts as this many micro-batches at once, so that every server computes while "
                              "the others do (pipeline parallelism; rows grouped by length). 1 = one batch.")] = 1,

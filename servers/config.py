@@ -125,7 +125,7 @@ class ServerConfig:
     ring: bool = option(False, "Where this server's span ends at the model's last block, also hold the model's "
                                "embeddings, final norm and LM head, and guess the next token of clients that decode "
                                "greedily and ask for the ring: the step goes on to their first server from here, so a "
-                               "token costs one round trip instead of (servers + 1) / 2 (docs/swarm.md, \"The ring\").")
+                               "token costs servers / 2 round trips instead of (servers + 1) / 2 (docs/swarm.md, \"The ring\").")
     metrics_port: int = option(0, "Serve Prometheus /metrics on this port; 0 = off.", min=0, max=65535)
     metrics_host: str = option("127.0.0.1", "Listen address of /metrics (0.0.0.0 for a scraper elsewhere).")
     swarm_file: str | None = None           # a private swarm's members (--swarm-file); None = open to everyone

@@ -7,7 +7,7 @@ norm, LM head). A client whose rows all decode greedily opens its last hop's ses
 peer and session) and its first hop's with "ring_from". After each step of such a session, this server takes the
 argmax of its output's last position, embeds it, and pushes that next step to the first server ("guess": true, with
 its push proof, routed on through the hops as the client would route it), beside its answer to the client. A token
-then costs one round trip plus compute.
+then goes round the servers alone: hops / 2 round trips plus compute (one for 2 servers, instead of 1.5).
 
 The client still samples every token itself and sends every step. The first server applies a guess only after the
 client's own copy of the step before came and matched (handler.py), so the ring is never more than one step ahead of

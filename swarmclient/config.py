@@ -41,9 +41,10 @@ class ClientConfig:
     # micro-batch's padding differs from the whole batch's, so greedy ties may round differently: 1 = one session
     micro_batches: int = 1
     # the ring (docs/swarm.md): a greedy generation (every row argmax, no penalties, no grammar, no rows leaving the
-    # session) asks its last server to guess each next token and push its step straight to the first server, where
-    # the last server holds the head (started with --ring); the client still samples and sends every token, and a
-    # guess that is not its token is replayed without the ring. About one round trip per token instead of 1.5
+    # session; a head that embeds as the server's: ClientHead.embeds_as_ring) asks its last server, where that one
+    # holds the head (started with --ring), to guess each next token and push its step straight to the first server;
+    # the client still samples and sends every token, and a guess that is not its token is replayed without the
+    # ring. A token costs hops / 2 round trips instead of (hops + 1) / 2
     ring: bool = True
     # where the embeddings, final norm and LM head live and compute: auto (cuda when torch sees a GPU), cpu, cuda:N
     device: str = "auto"

@@ -116,7 +116,7 @@ class DistributedModelForCausalLM:
         if len(groups) > 1 and on_token is None and deferred is None:
             return self._generate_micro_batches(groups, input_ids, attention_mask, max_new_tokens, params, shrink,
                                                 verification)
-        ring = self.swarm.config.ring and not shrink and all_greedy(params)
+        ring = self.swarm.config.ring and not shrink and all_greedy(params) and self.head.embeds_as_ring
         with self.inference_session(batch_size=input_ids.shape[0], max_length=total,
                                     verification=verification, deferred=deferred, ring=ring) as session:
             return generate_tokens(self.head, session.step, input_ids, attention_mask,

@@ -48,11 +48,15 @@ class ClientHead(nn.Module):
         self.head_dtype = head_dtype or (model_dtype if self.device.type == "cuda" else torch.float32)
         self.norm.load_state_dict({name: tensor.to(self.device, self.head_dtype) for name, tensor in norm.items()},
                                   strict=True, assign=True)
+        # whether a ring server's copy of this head (servers/ring.py: LM head in float32) embeds a token in the same
+        # dtype as this one, so that its guess of a step is byte for byte what this client sends
+        self.embeds_as_ring = True
         if "weight" in head:
             self.lm_head.weight = self._weight(head.pop("weight"), self.head_dtype)
             self.embed_tokens.weight = self._weight(embed.pop("weight"), model_dtype)
         elif spec.config.tie_word_embeddings:  # one tensor for both, in the head's dtype
             self.lm_head.weight = self.embed_tokens.weight = self._weight(embed.pop("weight"), self.head_dtype)
+            self.embeds_as_ring = self.head_dtype == torch.float32
         else:
             raise ModelDirError(f"{spec.path}: lm_head.weight is missing and embeddings are not tied")
 

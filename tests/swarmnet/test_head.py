@@ -1,6 +1,7 @@
 """The client head: one copy of each weight, in the checkpoint's dtype (the LM head float32 on a CPU), CPU in/out."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,28 @@ def test_a_cuda_head_on_a_machine_without_one_is_refused_in_one_line(tiny_model:
     with pytest.raises(ValueError, match="torch sees no CUDA GPU here") as refused:
         ClientHead(ModelSpec.open(tiny_model), device="cuda")
     assert "\n" not in str(refused.value)
+
+
+def tied_copy(model_dir: Path, out: Path) -> Path:
+    """The model with its LM head tied to its embeddings (as SmolLM2's): no lm_head.weight in its files."""
+    out.mkdir()
+    for file in model_dir.iterdir():
+        if file.suffix == ".safetensors":
+            save_file({k: v for k, v in load_file(file).items() if k != "lm_head.weight"}, out / file.name,
+                      metadata={"format": "pt"})
+        elif file.name == "config.json":
+            (out / file.name).write_text(json.dumps({**json.loads(file.read_text()), "tie_word_embeddings": True}))
+        elif file.is_file():
+            (out / file.name).write_bytes(file.read_bytes())
+    return out
+
+
+def test_a_ring_servers_head_embeds_as_the_clients_unless_a_tied_head_is_not_float32(tiny_model: Path,
+                                                                                  tmp_path: Path) -> None:
+    # a ring server's head is float32 (servers/ring.py): untied embeddings keep the checkpoint's dtype on both sides
+    assert ClientHead(ModelSpec.open(tiny_model), device="cpu", head_dtype=torch.bfloat16).embeds_as_ring
+    tied = ModelSpec.open(tied_copy(tiny_model, tmp_path / "tied"))
+    assert ClientHead(tied, device="cpu").embeds_as_ring
+    # tied embeddings are the head: in bfloat16, a client would send other bytes than the server's guess
+    small = ClientHead(tied, device="cpu", head_dtype=torch.bfloat16)
+    assert not small.embeds_as_ring and small.embed(torch.tensor([[5]])).dtype == torch.bfloat16
