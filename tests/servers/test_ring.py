@@ -99,19 +99,27 @@ def ring_servers(wires: Wires, span: BlockSpan, guesser: RingGuesser) -> tuple[B
     return serve(wires, "first", span), serve(wires, "last", span, guesser=guesser)
 
 
+async def past_a_guess(wires: Wires, span: BlockSpan, guesser: RingGuesser
+                       ) -> tuple[BlockHandler, BlockHandler, Ring, Any, Any]:
+    """A client's ring after its prefill and the last server's guess of step 1: (first server, last server, the ring,
+    the last server's answer to the prefill, the first server's to the guess)."""
+    first, last = ring_servers(wires, span, guesser)
+    ring = await Ring(wires, "first", "last").open()
+    await ring.send(prefill(span), 0)
+    _, prefilled = await ring.answers(0)
+    guessed, _ = await ring.answers(1)
+    return first, last, ring, prefilled, guessed
+
+
 def test_the_last_server_guesses_the_next_step_and_the_clients_copy_confirms_it(span: BlockSpan, guesser: RingGuesser,
                                                                                  reference: Any) -> None:
     async def test(wires: Wires) -> None:
-        # Given a client's sessions on a first server and on a last one that holds the head, opened for the ring
-        first, last = ring_servers(wires, span, guesser)
-        ring = await Ring(wires, "first", "last").open()
-        assert [answer["ring"] for answer in ring.opened] == [True, True]
+        # Given a client's sessions on a first server and on a last one that holds the head, opened for the ring,
         # When the client sends its prefill
+        first, last, ring, (outputs, _), (guessed, meta) = await past_a_guess(wires, span, guesser)
+        assert [answer["ring"] for answer in ring.opened] == [True, True]
+        # Then, before the client sends anything more, both servers answered step 1: the last server guessed it
         tensors = prefill(span)
-        await ring.send(tensors, 0)
-        _, (outputs, _) = await ring.answers(0)
-        # Then, before the client sends anything more, both servers answer step 1: the last server guessed it
-        (guessed, meta), pushed = await ring.answers(1)
         expected = greedy_next(reference, outputs[0], *tensors[1:])
         assert meta["guess"] is True and meta["input_digest"] == input_digest(*expected, None, 1)
         # and the client's own copy of step 1, the same input, is confirmed in a few bytes, not computed again
@@ -133,11 +141,7 @@ def test_a_guess_ahead_of_the_clients_copy_is_dropped_and_the_ring_never_runs_ah
                                                                                     guesser: RingGuesser) -> None:
     async def test(wires: Wires) -> None:
         # Given a ring whose guess of step 1 the first server applied
-        first, last = ring_servers(wires, span, guesser)
-        ring = await Ring(wires, "first", "last").open()
-        await ring.send(prefill(span), 0)
-        await ring.answers(0)
-        await ring.answers(1)
+        first, last, ring, _, _ = await past_a_guess(wires, span, guesser)
         # When the client has not sent its copy of step 1 yet
         # Then the last server's guess of step 2 is dropped: nothing more is computed or answered
         assert await nothing_within(ring.streams[0], 0.5)
@@ -150,11 +154,7 @@ def test_a_client_step_other_than_the_guess_gets_the_guessed_answer_and_ends_the
                                                                                      guesser: RingGuesser) -> None:
     async def test(wires: Wires) -> None:
         # Given a ring whose guess of step 1 the first server applied
-        first, _ = ring_servers(wires, span, guesser)
-        ring = await Ring(wires, "first", "last").open()
-        await ring.send(prefill(span), 0)
-        await ring.answers(0)
-        (guessed, meta), _ = await ring.answers(1)
+        first, _, ring, _, (guessed, meta) = await past_a_guess(wires, span, guesser)
         # When the client's own step 1 is another token
         other = [torch.randn(2, 1, span.spec.hidden_size), torch.ones(2, 5, dtype=torch.long),
                  torch.tensor([[3], [4]])]
