@@ -304,8 +304,10 @@ class BlockHandler(PushReceiver):
             pushable=meta.get("push") is True, resumable=meta.get("resumable") is True, stream=stream,
             ring_route=ring_route, ring_from=ring_from)
         logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
-        return protocol.encode([], {"opened": True, "session_id": session.session_id,
-                                    "ring": ring_route is not None or ring_from is not None})
+        answer: dict[str, Any] = {"opened": True, "session_id": session.session_id}
+        if "ring_to" in meta or "ring_from" in meta:  # asked to join the ring (ring.py): whether it did
+            answer["ring"] = ring_route is not None or ring_from is not None
+        return protocol.encode([], answer)
 
     async def _resume(self, tensors: list[torch.Tensor], meta: dict[str, Any], stream: Stream) -> bytes:
         """Take over a session of this caller (the same peer id) on this new stream: a detached one, or one whose
