@@ -433,12 +433,13 @@ class BlockHandler(PushReceiver):
         return answer, output, mask, positions, bound.get("input_digest")
 
     def _guess_next(self, session: Session, applied: AppliedStep) -> None:
-        """The ring (ring.py): push the next step of a last hop's session, guessed from this one's output, to the
-        session's first hop, unless the session is full. A failed guess push ends the ring for the session, untold:
-        the client sends that step itself anyway."""
+        """The ring (ring.py): after a decode step of a last hop's session, push the next step, guessed from its
+        output, to the session's first hop, unless the session is full. Not after a longer step: a prompt may come as
+        several (through a relay), and the next would be more of it. A failed guess push ends the ring for the
+        session, untold: the client sends that step itself anyway."""
         route, identity, p2p = session.ring_route, self.pusher.identity, self.pusher.p2p
         if route is None or self.guesser is None or identity is None or p2p is None or \
-                session.length >= session.max_length:
+                session.length >= session.max_length or applied.pushed[0].shape[1] != 1:
             return
         hidden, mask, positions = self.guesser.next_step(*applied.pushed)
         step_id = applied.step_id + 1

@@ -4,7 +4,8 @@ With push, a token costs (hops + 1) / 2 round trips: the client sends a step to 
 on, and the last one answers the client, which samples the next token and sends its step. A server started with
 `--ring` whose span ends at the model's last block also holds the model's head (swarmnet/head.py: embeddings, final
 norm, LM head). A client whose rows all decode greedily opens its last hop's session with "ring_to" (the first hop's
-peer and session) and its first hop's with "ring_from". After each step of such a session, this server takes the
+peer and session) and its first hop's with "ring_from". After each decode step of such a session (not after a
+prompt's: a long one may come as several steps through a relay, the next one more of it), this server takes the
 argmax of its output's last position, embeds it, and pushes that next step to the first server ("guess": true, with
 its push proof, routed on through the hops as the client would route it), beside its answer to the client. A token
 then goes round the servers alone: hops / 2 round trips plus compute (one for 2 servers, instead of 1.5).

@@ -558,7 +558,9 @@ class InferenceSession:
         hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)
         sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length,
                                   push=self.swarm.config.push, on_push_failure=self._push_failed) for hop in hops]
-        if self._ring and len(hops) > 1 and hops[0].start == 0 and hops[-1].end == self.swarm.num_blocks:
+        # (not through a relay: a long step goes there as several shorter ones, which the ring would take for tokens)
+        if self._ring and len(hops) > 1 and hops[0].start == 0 and hops[-1].end == self.swarm.num_blocks and \
+                not any(hop.peer_id in self.swarm.relayed for hop in hops):
             sessions[0].ring_from = hops[-1].peer_id
             sessions[-1].ring_to = [[hop.peer_id, session.session_id] for hop, session in zip(hops, sessions, strict=True)]
         opened = await asyncio.gather(*(s.open() for s in sessions), return_exceptions=True)

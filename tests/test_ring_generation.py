@@ -67,15 +67,16 @@ def decode(model: DistributedModelForCausalLM, batch: dict, steps: int, *, ring:
 def test_guesses_are_applied_once_confirmed_and_a_step_other_than_the_guess_replays_without_the_ring(
         tiny_model: Path, model: DistributedModelForCausalLM) -> None:
     batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
-    # Given a client that pauses before each step (so each guess lands first) and feeds another token at step 7
-    tokens, outputs, guessed, failovers = decode(model, batch, 12, ring=True, pause=0.15, other_token_at=7)
-    # Then the steps before it were guessed every other step: a guess waits for the client's copy of the step before
-    assert guessed[6] == 3  # steps 1, 3 and 5; the guesses of 2, 4 and 6 came before the client's 1, 3 and 5
-    # and the guess of step 7 was caught (the first server answered the guessed input): the session replayed its
+    # Given a client that pauses before each step (so each guess lands first) and feeds another token at step 8
+    tokens, outputs, guessed, failovers = decode(model, batch, 12, ring=True, pause=0.15, other_token_at=8)
+    # Then the decode steps before it were guessed every other step, from the second on (none follows a prompt): a
+    # guess waits for the client's copy of the step before
+    assert guessed[7] == 3  # steps 2, 4 and 6; the guesses of 3, 5 and 7 came before the client's 2, 4 and 6
+    # and the guess of step 8 was caught (the first server answered the guessed input): the session replayed its
     # steps to new sessions, without the ring from then on
     assert failovers >= 1 and guessed[-1] == 0
     # and nothing differs from a session without the ring fed the same tokens
-    expected_tokens, expected_outputs, _, plain_failovers = decode(model, batch, 12, ring=False, other_token_at=7)
+    expected_tokens, expected_outputs, _, plain_failovers = decode(model, batch, 12, ring=False, other_token_at=8)
     assert plain_failovers == 0 and all(torch.equal(a, b) for a, b in zip(tokens, expected_tokens, strict=True))
     for got, expected in zip(outputs, expected_outputs, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -86,6 +86,12 @@ def prefill(span: BlockSpan) -> list[torch.Tensor]:
     return [hidden, mask, (mask.cumsum(-1) - 1).clamp(min=0)]
 
 
+def decode_step(span: BlockSpan, seed: int) -> list[torch.Tensor]:
+    """The client's first decode step after `prefill` (any token's embedding will do)."""
+    hidden = torch.randn(2, 1, span.spec.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return [hidden, torch.ones(2, 5, dtype=torch.long), torch.tensor([[3], [4]])]
+
+
 def greedy_next(reference: Any, output: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
                 ) -> list[torch.Tensor]:
     """The next step of a greedy client, by transformers' own norm, LM head and embeddings."""
@@ -101,37 +107,41 @@ def ring_servers(wires: Wires, span: BlockSpan, guesser: RingGuesser) -> tuple[B
 
 async def past_a_guess(wires: Wires, span: BlockSpan, guesser: RingGuesser
                        ) -> tuple[BlockHandler, BlockHandler, Ring, Any, Any]:
-    """A client's ring after its prefill and the last server's guess of step 1: (first server, last server, the ring,
-    the last server's answer to the prefill, the first server's to the guess)."""
+    """A client's ring after its prefill, its first decode step and the last server's guess of step 2: (first server,
+    last server, the ring, the last server's answer to step 1, the first server's to the guess)."""
     first, last = ring_servers(wires, span, guesser)
     ring = await Ring(wires, "first", "last").open()
     await ring.send(prefill(span), 0)
-    _, prefilled = await ring.answers(0)
-    guessed, _ = await ring.answers(1)
-    return first, last, ring, prefilled, guessed
+    await ring.answers(0)
+    assert await nothing_within(ring.streams[0], 0.2)  # no guess after a prompt: more of it may come
+    await ring.send(decode_step(span, 1), 1)
+    _, decoded = await ring.answers(1)
+    guessed, _ = await ring.answers(2)
+    return first, last, ring, decoded, guessed
 
 
 def test_the_last_server_guesses_the_next_step_and_the_clients_copy_confirms_it(span: BlockSpan, guesser: RingGuesser,
                                                                                  reference: Any) -> None:
     async def test(wires: Wires) -> None:
         # Given a client's sessions on a first server and on a last one that holds the head, opened for the ring,
-        # When the client sends its prefill
+        # When the client sends its prefill and its first decode step
         first, last, ring, (outputs, _), (guessed, meta) = await past_a_guess(wires, span, guesser)
         assert [answer["ring"] for answer in ring.opened] == [True, True]
-        # Then, before the client sends anything more, both servers answered step 1: the last server guessed it
-        tensors = prefill(span)
-        expected = greedy_next(reference, outputs[0], *tensors[1:])
-        assert meta["guess"] is True and meta["input_digest"] == input_digest(*expected, None, 1)
-        # and the client's own copy of step 1, the same input, is confirmed in a few bytes, not computed again
-        await ring.send(expected, 1)
+        # Then, before the client sends anything more, both servers answered step 2: the last server guessed it
+        step = decode_step(span, 1)
+        expected = greedy_next(reference, outputs[0], *step[1:])
+        assert meta["guess"] is True and meta["input_digest"] == input_digest(*expected, None, 2)
+        # and the client's own copy of step 2, the same input, is confirmed in a few bytes, not computed again
+        await ring.send(expected, 2)
         confirmed = await read(ring.streams[0])
-        assert confirmed is not None and confirmed == ([], {"step_id": 1, "confirmed": True})
-        assert first.sessions[ring.ids[0]].applied == last.sessions[ring.ids[1]].applied == 2
-        assert first.stats.steps == last.stats.steps == 2
-        # and what the first server answered for it is what its blocks give for that input after the prefill
+        assert confirmed is not None and confirmed == ([], {"step_id": 2, "confirmed": True})
+        assert first.sessions[ring.ids[0]].applied == last.sessions[ring.ids[1]].applied == 3
+        assert first.stats.steps == last.stats.steps == 3
+        # and what the first server answered for it is what its blocks give for that input after the steps before
         with torch.inference_mode():
             caches = span.new_caches(0, 3, 16)
-            span(*tensors, caches, 0, 3)
+            span(*prefill(span), caches, 0, 3)
+            span(*step, caches, 0, 3)
             direct = span(*expected, caches, 0, 3)
         torch.testing.assert_close(guessed[0], direct, rtol=1e-5, atol=1e-5)
     run(test)
@@ -140,28 +150,28 @@ def test_the_last_server_guesses_the_next_step_and_the_clients_copy_confirms_it(
 def test_a_guess_ahead_of_the_clients_copy_is_dropped_and_the_ring_never_runs_ahead(span: BlockSpan,
                                                                                     guesser: RingGuesser) -> None:
     async def test(wires: Wires) -> None:
-        # Given a ring whose guess of step 1 the first server applied
+        # Given a ring whose guess of step 2 the first server applied
         first, last, ring, _, _ = await past_a_guess(wires, span, guesser)
-        # When the client has not sent its copy of step 1 yet
-        # Then the last server's guess of step 2 is dropped: nothing more is computed or answered
+        # When the client has not sent its copy of step 2 yet
+        # Then the last server's guess of step 3 is dropped: nothing more is computed or answered
         assert await nothing_within(ring.streams[0], 0.5)
-        assert first.sessions[ring.ids[0]].applied == 2 and first.stats.steps == 2
-        assert last.sessions[ring.ids[1]].applied == 2
+        assert first.sessions[ring.ids[0]].applied == 3 and first.stats.steps == 3
+        assert last.sessions[ring.ids[1]].applied == 3
     run(test)
 
 
 def test_a_client_step_other_than_the_guess_gets_the_guessed_answer_and_ends_the_ring(span: BlockSpan,
                                                                                      guesser: RingGuesser) -> None:
     async def test(wires: Wires) -> None:
-        # Given a ring whose guess of step 1 the first server applied
+        # Given a ring whose guess of step 2 the first server applied
         first, _, ring, _, (guessed, meta) = await past_a_guess(wires, span, guesser)
-        # When the client's own step 1 is another token
-        other = [torch.randn(2, 1, span.spec.hidden_size), torch.ones(2, 5, dtype=torch.long),
-                 torch.tensor([[3], [4]])]
-        await ring.send(other, 1)
+        # When the client's own step 2 is another token
+        other = [torch.randn(2, 1, span.spec.hidden_size), torch.ones(2, 6, dtype=torch.long),
+                 torch.tensor([[4], [5]])]
+        await ring.send(other, 2)
         # Then it gets the guessed step's answer again, whose digest its audit finds is not its input
         again = await read(ring.streams[0])
-        assert again is not None and again[1]["input_digest"] == meta["input_digest"] != input_digest(*other, None, 1)
+        assert again is not None and again[1]["input_digest"] == meta["input_digest"] != input_digest(*other, None, 2)
         assert torch.equal(again[0][0], guessed[0])
         # and the first server takes no guess of that session any more
         assert first.sessions[ring.ids[0]].ring_from is None
@@ -215,12 +225,15 @@ def test_a_full_session_is_not_guessed_past_its_max_length(span: BlockSpan, gues
         # Given a ring of sessions of 16 tokens
         first, last = ring_servers(wires, span, guesser)
         ring = await Ring(wires, "first", "last").open()
-        # When the client's prefill fills them whole
-        hidden = torch.randn(2, 16, span.spec.hidden_size)
-        await ring.send([hidden, torch.ones(2, 16, dtype=torch.long), torch.arange(16).expand(2, 16)], 0)
+        # When the client's prefill of 15 tokens and a decode step fill them whole
+        hidden = torch.randn(2, 15, span.spec.hidden_size)
+        await ring.send([hidden, torch.ones(2, 15, dtype=torch.long), torch.arange(15).expand(2, 15)], 0)
         await ring.answers(0)
+        step = [torch.randn(2, 1, span.spec.hidden_size), torch.ones(2, 16, dtype=torch.long), torch.tensor([[15]] * 2)]
+        await ring.send(step, 1)
+        await ring.answers(1)
         # Then no step is guessed past it
         assert await nothing_within(ring.streams[0], 0.3)
         await asyncio.sleep(0)
-        assert first.sessions[ring.ids[0]].applied == 1 and last.pusher.pushed == 0
+        assert first.sessions[ring.ids[0]].applied == 2 and last.pusher.pushed == 0
     run(test)
