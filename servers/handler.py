@@ -75,7 +75,7 @@ from servers.validation import (
 from swarmnet import protocol
 from swarmnet.membership import Membership
 from swarmnet.protocol import ErrorCode
-from swarmnet.push_proof import input_digest, proof_signer, sign_push
+from swarmnet.push_proof import input_digest, proof_signer
 
 logger = logging.getLogger(__name__)
 # copies of one step a session takes (from its client or pushed) before its stream is ended: a client sends a step
@@ -437,23 +437,19 @@ class BlockHandler(PushReceiver):
         output, to the session's first hop, unless the session is full. Not after a longer step: a prompt may come as
         several (through a relay), and the next would be more of it. A failed guess push ends the ring for the
         session, untold: the client sends that step itself anyway."""
-        route, identity, p2p = session.ring_route, self.pusher.identity, self.pusher.p2p
-        if route is None or self.guesser is None or identity is None or p2p is None or \
+        route = session.ring_route
+        if route is None or self.guesser is None or self.pusher.identity is None or self.pusher.p2p is None or \
                 session.length >= session.max_length or applied.pushed[0].shape[1] != 1:
             return
-        hidden, mask, positions = self.guesser.next_step(*applied.pushed)
-        step_id = applied.step_id + 1
+        guessed = self.guesser.next_step(*applied.pushed)
         (peer, target), rest = route[0], route[1:]
-        proof = sign_push(identity, owner=session.peer, upstream_session=session.session_id, target_session=target,
-                          step_id=step_id, digest=input_digest(hidden, mask, positions, None, step_id))
-        frame = protocol.encode([hidden, mask, positions], {"session_id": target, "step_id": step_id, "guess": True,
-                                                            "route": [list(hop) for hop in rest], "push_proof": proof})
+        frame = self._push_frame(session, target, applied.step_id + 1, guessed, None, rest, guess=True)
 
         async def ring_off(downstream: str, reason: str) -> None:
             logger.info("Ring of session %s off: its guess push to %s failed (%s)", session.session_id[:8],
                         downstream[-6:], reason)
             session.ring_route = None
-        self.pusher.push_later(session.session_id, (peer, target), frame, ring_off, tokens=hidden.shape[0])
+        self.pusher.push_later(session.session_id, (peer, target), frame, ring_off, tokens=guessed[0].shape[0])
 
     @staticmethod
     def _bind_input(session: Session, meta: dict[str, Any], hidden: torch.Tensor, mask: torch.Tensor,

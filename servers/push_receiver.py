@@ -105,15 +105,7 @@ class PushReceiver(StreamService):
         applied.targets[(peer, target)] = False
         output, mask, positions = applied.pushed
         output = noisy(output, self.pusher.noise)  # TEST-ONLY (servers/faults.py): None leaves it alone
-        meta: dict[str, Any] = {"session_id": target, "step_id": applied.step_id, "route": [list(hop) for hop in rest]}
-        if applied.keep_rows is not None:
-            meta["keep_rows"] = applied.keep_rows
-        if self.pusher.identity is not None:  # (a server always has one; a handler built in a test may not)
-            digest = input_digest(output, mask, positions, applied.keep_rows, applied.step_id)
-            meta["push_proof"] = sign_push(self.pusher.identity, owner=session.peer,
-                                           upstream_session=session.session_id, target_session=target,
-                                           step_id=applied.step_id, digest=digest)
-        frame = protocol.encode([output, mask, positions], meta)
+        frame = self._push_frame(session, target, applied.step_id, (output, mask, positions), applied.keep_rows, rest)
 
         async def report(downstream: str, reason: str) -> None:
             applied.targets[(peer, target)] = True  # a duplicate of the step may push it there again
@@ -123,6 +115,20 @@ class PushReceiver(StreamService):
         tokens = output.shape[0] * output.shape[1]
         if not self.pusher.push_later(session.session_id, (peer, target), frame, report, tokens=tokens):
             await report(peer, f"{ErrorCode.BUSY.value}: {self.pusher.max_in_flight} pushes of this session in flight")
+
+    def _push_frame(self, session: Session, target: str, step_id: int,
+                    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keep_rows: Any,
+                    rest: list[tuple[str, str]], **extra: Any) -> bytes:
+        """A step of `session` (hidden states, mask, positions) as pushed into session `target`, routed on along
+        `rest`, with this server's proof of it for the session's client."""
+        meta: dict[str, Any] = {"session_id": target, "step_id": step_id, "route": [list(hop) for hop in rest], **extra}
+        if keep_rows is not None:
+            meta["keep_rows"] = keep_rows
+        if self.pusher.identity is not None:  # (a server always has one; a handler built in a test may not)
+            meta["push_proof"] = sign_push(self.pusher.identity, owner=session.peer, upstream_session=session.session_id,
+                                           target_session=target, step_id=step_id,
+                                           digest=input_digest(*tensors, keep_rows, step_id))
+        return protocol.encode(list(tensors), meta)
 
     async def _tell_client(self, session: Session, frame: bytes) -> None:
         """Write a message the client did not ask for on the session's own stream (push answers and reports)."""

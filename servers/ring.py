@@ -27,7 +27,7 @@ import torch
 
 from servers.sessions import AppliedStep, Session
 from servers.validation import MAX_PEER_ID, validate_route
-from swarmnet.head import ClientHead
+from swarmnet.head import ClientHead, next_decode_inputs
 from swarmnet.model_spec import ModelSpec
 from swarmnet.push_proof import input_digest
 
@@ -50,8 +50,7 @@ class RingGuesser:
         client builds it (swarmclient/generation.py): each row's argmax token after its last position, embedded; the
         mask one column longer; the positions one past the last."""
         token = self.head.logits(output[:, -1:, :])[:, -1, :].argmax(-1)
-        hidden = self.head.embed(token[:, None]).contiguous()
-        return hidden, torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1), positions[:, -1:] + 1
+        return self.head.embed(token[:, None]).contiguous(), *next_decode_inputs(mask, positions)
 
 
 def ring_of(meta: dict[str, Any], start: int, end: int, guesser: RingGuesser | None, may_push_to: Callable[[str], bool],

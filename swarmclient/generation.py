@@ -13,7 +13,7 @@ import torch
 
 from swarmclient.penalties import History
 from swarmclient.sampling import SamplingParams, sample_next, start_constraints, start_histories
-from swarmnet.head import ClientHead
+from swarmnet.head import ClientHead, next_decode_inputs
 
 
 class StepFn(Protocol):
@@ -129,8 +129,7 @@ def generate_tokens(
         if shrink and not bool(unfinished[rows].all()):
             kept = unfinished[rows].nonzero().flatten()
             rows, mask, positions, keep_rows = rows[kept], mask[kept], positions[kept], kept.tolist()
-        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
-        positions = positions[:, -1:] + 1
+        mask, positions = next_decode_inputs(mask, positions)
         fed = token
         if feed_argmax:  # finished rows too (what they are fed changes no other row's tokens)
             fed = token.clone()

@@ -31,7 +31,8 @@ Modules:
     network          in-process hivemind P2P (RelayP2P: extra p2pd flags, relay events) + DHT node, uvloop loops,
                      LoopThread (sync facade)
     discovery        the only module that reads the DHT: who announced which block
-    head             ClientHead: embeddings, final norm and LM head (the client runs them; a ring server holds a copy)
+    head             ClientHead: embeddings, final norm and LM head (the client runs them; a ring server holds a copy);
+                     next_decode_inputs: the next decode step's mask and positions, for the client and the ring alike
     head_matmul      HeadMatmul: the LM head's product on a CPU, in the faster of two equal forms per small row count
     devices          --device auto|cpu|cuda|cuda:N resolved against what torch sees; the default dtype there
 

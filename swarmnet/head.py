@@ -88,6 +88,13 @@ class ClientHead(nn.Module):
         return logits.cpu()
 
 
+def next_decode_inputs(mask: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention mask and position ids of the decode step after a step of these: the mask one column of ones
+    longer, each row's position one past its last. One function for the client's decode loop and the ring server's
+    guess (servers/ring.py), whose step must be the client's byte for byte."""
+    return torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1), positions[:, -1:] + 1
+
+
 def final_norm(spec: ModelSpec) -> nn.Module:
     """The family's final norm, empty (its weights are loaded after)."""
     config = spec.config
