@@ -106,7 +106,8 @@ class HopVerifier:
     def skipped_as_uncheckable(self, hop: RouteHop) -> bool:
         """Whether a fresh DHT read (`Swarm.fresh_member_spans`) shows no other holder that could check the hop: then
         it is counted as unverified now and the caller starts no check, so a checkpoint never waits for checks that
-        nobody can make. Without a fresh read: False (the check itself reads the DHT again)."""
+        nobody can make. Without a fresh read: False, and the check itself reads the DHT (one read, begun now, that the
+        session's other checks share: a checkpoint never waits for the DHT)."""
         spans = self.swarm.fresh_member_spans()
         if spans is None:
             return False

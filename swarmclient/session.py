@@ -302,10 +302,7 @@ class InferenceSession:
     async def _start_window_checks(self) -> None:
         """Check this window's sampled rows of every hop (the caller settles its checks); the next window begins."""
         assert self._deferred is not None
-        sampled = list(self._sampled_rows(range(self.batch_size)))
-        if sampled:  # a fresh read of who holds what (one per discovery_ttl) tells which hops any server can check
-            await self.swarm.member_spans()
-        for hop, rows in sampled:
+        for hop, rows in list(self._sampled_rows(range(self.batch_size))):
             if not self._verifier.skipped_as_uncheckable(hop):  # none could: counted unverified, the checkpoint goes on
                 await self._deferred.start(hop, self._window[1], self._window_check(hop, len(self._history), rows))
         self._window = (self._window[0] + 1, len(self._history))

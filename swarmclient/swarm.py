@@ -49,6 +49,7 @@ class Swarm:
         self._forward_slots: dict[str, asyncio.Semaphore] = {}  # per server: this client's forwards in flight there
         self._block_infos: list[BlockServers] | None = None
         self._read_at = 0.0
+        self._reading: asyncio.Future[list[BlockServers]] | None = None  # the DHT read in flight, shared by callers
 
     @classmethod
     def connect(cls, initial_peers: Sequence[str], *, model_id: str, num_blocks: int,
@@ -80,12 +81,26 @@ class Swarm:
             self.loop.stop()
 
     async def block_infos(self, *, refresh: bool = False) -> list[BlockServers]:
-        """Per block, the servers announcing it; reuses a read younger than `discovery_ttl`."""
+        """Per block, the servers announcing it; reuses a read younger than `discovery_ttl`, and shares a read in
+        flight between callers (refresh: a read of its own, begun now)."""
         fresh = self._fresh_block_infos()
-        if refresh or fresh is None:
-            fresh = self._block_infos = await get_remote_module_infos(self.node, self.model_id, self.num_blocks)
-            self._read_at = time.monotonic()
+        if refresh:
+            return await self._read()
+        if fresh is None:
+            return await asyncio.shield(self._read_soon())
         return fresh
+
+    async def _read(self) -> list[BlockServers]:
+        infos = await get_remote_module_infos(self.node, self.model_id, self.num_blocks)
+        self._block_infos, self._read_at = infos, time.monotonic()
+        return infos
+
+    def _read_soon(self) -> asyncio.Future[list[BlockServers]]:
+        """The DHT read in flight, or a new one (a task: it runs on whether or not its callers wait)."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read())
+            self._reading.add_done_callback(_log_failed_read)
+        return self._reading
 
     def _fresh_block_infos(self) -> list[BlockServers] | None:
         """The last read if it is younger than `discovery_ttl`, else None."""
@@ -98,10 +113,14 @@ class Swarm:
         return self._members(await self.block_infos(refresh=refresh))
 
     def fresh_member_spans(self) -> list[RemoteSpanInfo] | None:
-        """`member_spans` of a DHT read younger than `discovery_ttl`, without reading again (None if there is none):
-        for a decision that must not wait on the network."""
+        """`member_spans` of a DHT read younger than `discovery_ttl`, without waiting (None if there is none): for a
+        decision that must not wait on the network. Where the last read is older, a new one starts beside, so that
+        the next caller finds a fresh one. Call it on the swarm's event loop."""
         fresh = self._fresh_block_infos()
-        return None if fresh is None else self._members(fresh)
+        if fresh is None:
+            self._read_soon()
+            return None
+        return self._members(fresh)
 
     def _members(self, block_infos: list[BlockServers]) -> list[RemoteSpanInfo]:
         return [s for s in online_spans(block_infos) if self.access.membership.serves(s.peer_id)]
@@ -319,3 +338,9 @@ def wire_hidden(hidden: torch.Tensor) -> torch.Tensor:
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         hidden = hidden.float()
     return hidden.contiguous()
+
+
+def _log_failed_read(read: asyncio.Future[list[BlockServers]]) -> None:
+    """A background DHT read that failed: its callers, if any, get the error; the log says it for the rest."""
+    if not read.cancelled() and read.exception() is not None:
+        logger.info("A DHT read of the swarm's servers failed: %s", read.exception())
