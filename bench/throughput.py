@@ -17,6 +17,8 @@ the target is defaults >= 0.9x the best tuned setting. Local generate is skipped
 With --verify-fractions 0.02,0.1 it measures the cost of checked outputs instead: 4 servers, two holders of each
 half (so a second server can recompute any hop step), the job with the features on and no checks, then with each
 fraction of hop steps checked (SWARMBATCH_VERIFY_FRACTION), interleaved in the same run; local generate is skipped.
+--checkpoint-every K sets the jobs' checkpoint window (8 by default, as a job's): checks compare a window's positions
+and recompute the sampled rows' history for it, so their cost per token falls as K grows.
 
 With --user-path it measures the job as a user runs it against local generate (issue 30's first target): the job
 with default settings (no claim or lanes set: the worker sizes them) through 2 servers that are not pinned to cores
@@ -28,7 +30,8 @@ broker, as a user starts it after `swarmbatch submit`), timed from its submissio
 --out FILE writes every run, the best run per config and the mode's ratios as JSON (bench/perf.py reads it).
 
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
-       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1] [--user-path | --cli-path] [--out FILE]
+       [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1 [--checkpoint-every 8]]
+       [--user-path | --cli-path] [--out FILE]
 """
 from __future__ import annotations
 
@@ -121,6 +124,9 @@ def main() -> None:
     parser = job_bench_parser(__doc__.splitlines()[0], requests=64, max_tokens=64, batch_size=64, reps=1)
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--verify-fractions", default="", help="e.g. 0.02,0.1: the cost of checked outputs instead")
+    parser.add_argument("--checkpoint-every", type=int, default=8,
+                        help="--verify-fractions: the jobs' checkpoint window K (the default job's: 8); checks compare "
+                             "a window, so a longer one recomputes fewer histories per token")
     parser.add_argument("--sweep", action="store_true", help="default settings vs a sweep of claims and lanes")
     parser.add_argument("--configs", default="", help="--sweep: only these tuned settings, CLAIMxLANES,... (e.g. "
                                                       "64x4,32x2; default: 8/16/32/64 x 2/4/8)")
@@ -379,9 +385,10 @@ def verify_main(args: argparse.Namespace) -> None:
     rows: list[tuple[str, float, int]] = []
     outputs: dict[str, dict[str, str]] = {}
     with LocalSwarm(model_dir, halves * 2, log_dir=home / "logs", pin_cpus=True) as swarm:
+        options = dict(pipeline_lanes=args.lanes, continuous_batching=True, checkpoint_every=args.checkpoint_every)
         runtimes = {f"verify {f:g}" if f else "no checks": job_runtime(
-            home, f"verify {f:g}", swarm.initial_peers, args, dict(pipeline_lanes=args.lanes, continuous_batching=True,
-                                                     verify_fraction=f), model_dir, texts) for f in fractions}
+            home, f"verify {f:g}", swarm.initial_peers, args, {**options, "verify_fraction": f}, model_dir, texts)
+            for f in fractions}
         before = {label: checked_steps(runtime) for label, runtime in runtimes.items()}
         for _ in range(args.reps):
             for label, runtime in runtimes.items():
@@ -396,7 +403,7 @@ def verify_main(args: argparse.Namespace) -> None:
     off = best["no checks"][1] / best["no checks"][0]
     print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 4 servers "
           f"(two holders of each half) pinned to {os.cpu_count()} cores; worker batch {args.batch_size}, "
-          f"{args.lanes} lanes, features on; best of {args.reps}")
+          f"{args.lanes} lanes, features on, a checkpoint every {args.checkpoint_every} tokens; best of {args.reps}")
     print("| checks | seconds | tokens | tokens/s | vs no checks | hop steps verified | mismatches | unverified |")
     print("|---|---|---|---|---|---|---|---|")
     for label, (seconds, tokens) in best.items():
