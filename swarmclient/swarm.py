@@ -83,16 +83,18 @@ class Swarm:
     async def block_infos(self, *, refresh: bool = False) -> list[BlockServers]:
         """Per block, the servers announcing it; reuses a read younger than `discovery_ttl`, and shares a read in
         flight between callers (refresh: a read of its own, begun now)."""
-        fresh = self._fresh_block_infos()
         if refresh:
             return await self._read()
-        if fresh is None:
-            return await asyncio.shield(self._read_soon())
-        return fresh
+        fresh = self._fresh_block_infos()
+        return fresh if fresh is not None else await asyncio.shield(self._read_soon())
 
     async def _read(self) -> list[BlockServers]:
+        """One DHT read, kept as the last one unless a read begun after it was kept first (a shared read and a
+        refresh may overlap): a read is as old as the moment it asked the DHT."""
+        began = time.monotonic()
         infos = await get_remote_module_infos(self.node, self.model_id, self.num_blocks)
-        self._block_infos, self._read_at = infos, time.monotonic()
+        if began >= self._read_at:
+            self._block_infos, self._read_at = infos, began
         return infos
 
     def _read_soon(self) -> asyncio.Future[list[BlockServers]]:
