@@ -15,6 +15,7 @@ import typer
 from commands import admin, batch, swarm
 from commands.errors import ErrorBoundary
 from commands.options import VerboseOption
+from swarmnet.allocator import keep_freed_memory
 
 # before any command body imports a Hugging Face library (the command modules import none at the top)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -53,8 +54,10 @@ def package_version() -> str:
 def root(verbose: VerboseOption = False,
          _version: Annotated[bool, typer.Option("--version", callback=show_version, is_eager=True,
                                                 help="Print the version and exit.")] = False) -> None:
-    """Options of every command: logging (the error boundary reads --verbose from the context)."""
+    """Options of every command: logging (the error boundary reads --verbose from the context); glibc keeps freed
+    tensor memory for the next step (swarmnet/allocator.py)."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)
+    keep_freed_memory()
 
 
 def setup_logging(level: int) -> None:

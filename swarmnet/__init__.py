@@ -35,6 +35,7 @@ Modules:
                      next_decode_inputs: the next decode step's mask and positions, for the client and the ring alike
     head_matmul      HeadMatmul: the LM head's product on a CPU, in the faster of two equal forms per small row count
     devices          --device auto|cpu|cuda|cuda:N resolved against what torch sees; the default dtype there
+    allocator        keep_freed_memory: glibc keeps freed tensor memory for the next step (every `swarmbatch` command)
 
 Boundary: nothing here imports `swarmclient`, `servers` or `jobs`; `protocol`, `data_structures` and `errors` load
 without transformers (tests/test_layers.py checks both).
