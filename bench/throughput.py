@@ -58,6 +58,7 @@ from jobs.submission import submit_batch  # noqa: E402
 from launch.embedded import worker_settings  # noqa: E402
 from launch.local_swarm import LocalSwarm  # noqa: E402
 from launch.local_worker import require_running, start_local_worker  # noqa: E402
+from swarmclient.swarm import Swarm  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
 
 LOCAL = "local transformers generate, whole batch, 2 threads"
@@ -134,6 +135,8 @@ def main() -> None:
                                                                   "local generate, interleaved")
     parser.add_argument("--cli-path", action="store_true", help="the default job run by a `swarmbatch worker` process "
                                                                  "(Celery, embedded broker) vs local generate")
+    parser.add_argument("--server-args", default="", help="--user-path/--cli-path: extra `swarmbatch serve` options for "
+                                                           "both servers, e.g. '--batch-wait-ms 0'")
     parser.add_argument("--out", type=Path, default=None, help="write the runs and ratios as JSON here")
     args = parser.parse_args()
     if args.user_path or args.cli_path:
@@ -279,7 +282,8 @@ def user_path_main(args: argparse.Namespace) -> None:
     texts = prompts(args.requests)
     data = batch_file(texts, args.max_tokens)
     rows: list[tuple[str, float, int]] = []
-    with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=False) as swarm:
+    with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=False,
+                    server_args=args.server_args.split()) as swarm:
         options: dict[str, object] = {"worker_batch_size": None, **({"broker_url": None} if args.cli_path else {})}
         runtime = job_runtime(home, DEFAULTS, swarm.initial_peers, args, options, model_dir, texts, warm=not args.cli_path)
         with worker_of(runtime, swarm, home / "logs", cli=args.cli_path) as job_in:
@@ -296,6 +300,7 @@ def user_path_main(args: argparse.Namespace) -> None:
                     print(f"rep {rep}: {rows[-1][0]}: {tokens} tokens in {seconds:.1f} s = "
                           f"{tokens / seconds:.1f} tok/s", flush=True)
         runtime.close()
+        merging = merge_counts(swarm, model_dir)
     best = best_runs(rows)
     rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
     job_label = CLI_JOB if args.cli_path else USER_JOB
@@ -308,8 +313,22 @@ def user_path_main(args: argparse.Namespace) -> None:
         print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / rate[LOCAL]:.2f} |")
     print(f"job vs local, best runs: {rate[job_label] / rate[LOCAL]:.2f}; per rep: "
           f"{', '.join(f'{r:.2f}' for r in paired)} (target >= 0.9)")
+    print(merging)
     write_out(args, "cli-path" if args.cli_path else "user-path", rows, best,
               ratios={"job_vs_local": rate[job_label] / rate[LOCAL]}, paired=paired)
+
+
+def merge_counts(swarm: LocalSwarm, model_dir: Path) -> str:
+    """One line: how many of each server's steps were merged with other sessions' (servers/batching.py)."""
+    spec = ModelSpec.open(model_dir)
+    client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
+    try:
+        infos = [client.loop.run(client.call_info(server.peer_id)) for server in swarm.servers]
+    finally:
+        client.close()
+    return "servers' steps, merged: " + "; ".join(
+        f"{info['steps']} steps, {info['merged_sessions']} of them in {info['merged_steps']} merged forwards "
+        f"(at most {info['max_merged']} sessions)" for info in infos)
 
 
 USER_JOB = "swarm job, default settings, 2 unpinned servers"

@@ -3,7 +3,8 @@
 Modules:
     block_loading    load_span: read only the span's tensors, cast (float32/bfloat16/float16) or quantize (int8/nf4),
                      then move them to the device (--device)
-    span             BlockSpan: the decoder layers, one KV cache per layer and session, any sub-range
+    span             BlockSpan: the decoder layers, one KV cache per layer and session, any sub-range; DecodeStep, and
+                     forward_sessions: several sessions' decode steps as one forward
     kv_cache         GrowingLayer: a session's KV cache layer, appended in place into a buffer with room to spare
     block_sizing     how many blocks fit the memory when neither --blocks nor --num-blocks is given
     block_selection  pure: which span a `--num-blocks` server should take (least covered)
@@ -17,6 +18,8 @@ Modules:
                      names the member a caller acts for (per-caller limits count per member)
     status           ServerStatus: one reading of a server, from which info, /metrics and the DHT record are made
     batching         DecodeBatcher: concurrent sessions' decode steps on the same blocks merged into one forward
+    merged_attention a merged step's attention, per session on its own cache (transformers' attention registry):
+                     the linear layers run once for all rows, no cache is copied
     push             Pusher / PushLink: a step's outputs pushed to the next server's session (server-to-server push),
                      each with this server's signed push proof (swarmnet/push_proof.py)
     neighbours       NextServerPings: round trips to the servers that may follow this one, for push routing

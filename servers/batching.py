@@ -1,10 +1,14 @@
 """Server-side batching: concurrent decode steps of different sessions on the same blocks run as one forward.
 
-Sessions have caches of different lengths. A merged step left-pads each session's per-layer K/V to the longest,
-stacks them along the batch, masks the padding out (zeros in the 2D mask), keeps each session's own position
-ids, and runs the layers once on a fresh set of caches; each session then gets back only its new K/V column, so
-its own cache ends as if it had run alone. Left-padding keeps every query-to-key distance, so causal and
-sliding-window masks are unchanged for the real tokens.
+Sessions have caches of different lengths. Where the family's attention goes through transformers' registry (every
+family but Falcon), the layers' linear parts run once on all the sessions' rows and the attention runs per session on
+its own cache, appended in place (merged_attention.py, `BlockSpan.forward_sessions`): nothing is copied.
+
+Otherwise (Falcon) a merged step left-pads each session's per-layer K/V to the longest, stacks them along the batch,
+masks the padding out (zeros in the 2D mask), keeps each session's own position ids, and runs the layers once on a
+fresh set of caches; each session then gets back only its new K/V column, so its own cache ends as if it had run
+alone. Left-padding keeps every query-to-key distance, so causal and sliding-window masks are unchanged for the real
+tokens.
 """
 from __future__ import annotations
 
@@ -18,29 +22,9 @@ from transformers.cache_utils import DynamicLayer
 
 from servers.counters import ServerCounters
 from servers.kv_cache import GrowingLayer
-from servers.span import BlockSpan
+from servers.span import BlockSpan, DecodeStep
 
 SpanKey = tuple[int, int]
-
-
-@dataclass
-class DecodeStep:
-    """One session's decode step: hidden [b,1,H], mask [b,past+1], positions [b,1], one cache per layer."""
-
-    hidden: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    caches: list[DynamicCache]
-
-    @property
-    def rows(self) -> int:
-        """The step's batch size."""
-        return int(self.hidden.shape[0])
-
-    @property
-    def cached_tokens(self) -> int:
-        """Rows x cached length: what merging this step would copy."""
-        return self.rows * self.caches[0].get_seq_length()
 
 
 def layer_kv(cache: DynamicCache) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -94,6 +78,10 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
     if len(steps) == 1:  # nothing to merge: run on the session's own caches, no copy
         step = steps[0]
         return [span(step.hidden, step.mask, step.positions, step.caches, start, end)]
+    bounds = _row_bounds([step.rows for step in steps])
+    if span.merges_per_session:  # the attention per session on its own cache: nothing copied
+        output = span.forward_sessions(steps, start, end)
+        return [output[low:high] for low, high in bounds]
     pasts = [step.caches[0].get_seq_length() for step in steps]
     length = max(pasts)
     hidden = torch.cat([step.hidden.to(span.compute_dtype) for step in steps])
@@ -101,7 +89,6 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
     positions = torch.cat([step.positions for step in steps])
     caches = merged_caches(steps, length)
     output = span(hidden, mask, positions, caches, start, end)
-    bounds = _row_bounds([step.rows for step in steps])
     for layer, cache in enumerate(caches):
         kv = layer_kv(cache)
         assert kv is not None
@@ -130,8 +117,9 @@ class DecodeBatcher:
 
     A group runs at once when every open session on its span has a step in it (waiting longer gains nothing),
     or when one more step would take it past `max_rows`. The forward runs on the event loop, like any decode step.
-    A session caching more than `max_merge_tokens` (rows x length) runs alone at once: merging copies its cache,
-    and on a CPU copying a big cache costs as much as the weight reads the merge saves (docs/swarm.md).
+    Where merging copies the caches (Falcon: `span.merges_per_session` is False), a session caching more than
+    `max_merge_tokens` (rows x length) runs alone at once: on a CPU copying a big cache costs as much as the weight
+    reads the merge saves (docs/swarm.md).
     """
 
     def __init__(self, span: BlockSpan, *, wait_ms: float, max_rows: int, stats: ServerCounters,
@@ -144,7 +132,7 @@ class DecodeBatcher:
     async def run(self, step: DecodeStep, start: int, end: int, *, peers: int) -> tuple[torch.Tensor, int]:
         """(the step's output, how many sessions its forward merged); `peers`: open sessions on [start, end)."""
         key = (start, end)
-        if step.cached_tokens > self.max_merge_tokens:
+        if not self.span.merges_per_session and step.cached_tokens > self.max_merge_tokens:
             return run_merged(self.span, [step], start, end)[0], 1
         if sum(p.step.rows for p in self._groups.get(key, [])) + step.rows > self.max_rows:
             self._flush(key)

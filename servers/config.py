@@ -83,8 +83,8 @@ class ServerConfig:
     num_threads: int | None = option(None, "torch threads for compute; default: torch's.", min=1)
     batch_wait_ms: float = option(2.0, "Wait up to this many ms to merge concurrent sessions' decode steps into one "
                                        "forward (at most --max-batch-size rows); 0 = no merging.", min=0)
-    max_merge_tokens: int = option(2048, "Sessions caching more tokens (rows x length) than this run alone: merging "
-                                         "copies their caches.", min=0)
+    max_merge_tokens: int = option(2048, "Falcon only (its merged steps copy the caches): sessions caching more "
+                                         "tokens (rows x length) than this run alone.", min=0)
     max_sessions_per_peer: int = option(16, "Sessions one caller may have open here at once (a caller: a member of "
                                             "a private swarm, all its client processes together; a peer id in an "
                                             "open one); more are refused as busy.", min=1)

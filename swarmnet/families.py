@@ -31,10 +31,11 @@ BlockConversion = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"
 
 
 def call_layer(layer: Any, hidden: torch.Tensor, *, mask: Any, position_ids: torch.Tensor,
-               position_embeddings: Any, cache: Any) -> torch.Tensor:
-    """A Llama-style decoder layer: keyword `cache`, returns the hidden states."""
+               position_embeddings: Any, cache: Any, **attention_kwargs: Any) -> torch.Tensor:
+    """A Llama-style decoder layer: keyword `cache`, returns the hidden states; `attention_kwargs` reach the attention
+    function (a merged decode step's sessions: servers/merged_attention.py)."""
     return layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings,
-                 cache=cache, use_cache=True)
+                 cache=cache, use_cache=True, **attention_kwargs)
 
 
 def call_falcon_layer(layer: Any, hidden: torch.Tensor, *, mask: Any, position_ids: torch.Tensor,
@@ -97,6 +98,9 @@ class Family:
     attn_implementation: str = "sdpa"  # "eager" where transformers' SDPA path lacks a feature (Gemma 2 soft-capping)
     experts_implementation: str | None = None  # mixtures of experts: the expert kernel transformers picks for them
     causal_skip: bool = True  # False: always materialize the causal mask, as the family's own model does
+    # its attention goes through transformers' registry, so a merged decode step runs it per session on the session's
+    # own cache (servers/merged_attention.py); False: merged steps copy the caches into one padded batch (Falcon)
+    attention_per_session: bool = True
     embed_scale: Callable[[Any], float] = field(default=lambda config: 1.0)
     refused: dict[str, Any] = field(default_factory=dict)  # config values of the family we cannot run (key: value)
     tiny: dict[str, Any] = field(default_factory=dict)  # config of a tiny random model (modelprep/tiny.py)
@@ -132,7 +136,7 @@ FAMILIES: dict[str, Family] = {
                           tiny=_GEMMA_TINY),
     "falcon": Family("falcon", "Falcon", layer_prefix="transformer.h.{index}.",
                      embed_prefix="transformer.word_embeddings.", norm_prefix="transformer.ln_f.", norm="LayerNorm",
-                     layer_call=call_falcon_layer, causal_skip=False, refused={"alibi": True},
+                     layer_call=call_falcon_layer, causal_skip=False, attention_per_session=False, refused={"alibi": True},
                      tiny={"num_kv_heads": 1, "multi_query": True, "parallel_attn": True, "alibi": False,
                            "new_decoder_architecture": False, "bias": False}),
 }

@@ -1,4 +1,5 @@
-"""Server-side batching: merged decode steps equal each session run alone; `keep_rows` drops rows of a session."""
+"""Server-side batching: merged decode steps equal each session run alone, in every family (the attention per session
+on its own cache; Falcon's by a padded copy); `keep_rows` drops rows of a session."""
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +13,11 @@ from tiers import process_fixture
 from transformers import DynamicCache
 
 from launch.local_swarm import LocalSwarm
-from servers.batching import DecodeBatcher, DecodeStep, run_merged
+from modelprep.tiny import TINY_ARCHS, write_tiny_model
+from servers.batching import DecodeBatcher, run_merged
 from servers.block_loading import load_span
 from servers.counters import ServerCounters
-from servers.span import BlockSpan
+from servers.span import BlockSpan, DecodeStep
 from swarmclient.errors import InvalidRequest
 from swarmclient.session import InferenceSession, ServerSession
 from swarmclient.swarm import Swarm
@@ -114,9 +116,62 @@ def test_the_batcher_merges_concurrent_steps_up_to_the_row_limit(span: BlockSpan
     # 2 rows a session and at most 4 rows a forward: pairs
     assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=1000, max_rows=4, stats=ServerCounters()), 3)) == [2, 2, 1]
     assert asyncio.run(step_all(DecodeBatcher(span, wait_ms=0, max_rows=64, stats=ServerCounters()), 3)) == [1, 1, 1]
-    # sessions caching 2 x 3 tokens each, above a merge limit of 5: each runs alone, without waiting
-    alone = DecodeBatcher(span, wait_ms=1000, max_rows=64, stats=ServerCounters(), max_merge_tokens=5)
-    assert asyncio.run(step_all(alone, 3)) == [1, 1, 1]
+    # sessions caching 2 x 3 tokens each, above a merge limit of 5: merged all the same, as nothing is copied
+    assert span.merges_per_session
+    long = DecodeBatcher(span, wait_ms=1000, max_rows=64, stats=ServerCounters(), max_merge_tokens=5)
+    assert asyncio.run(step_all(long, 3)) == [3, 3, 3]
+
+
+def test_copy_merging_families_run_sessions_above_the_merge_limit_alone(tmp_path: Path) -> None:
+    # Falcon's attention does not go through transformers' registry: merging copies the caches, so it has a limit
+    model = write_tiny_model(tmp_path / "falcon", layers=2, arch="falcon", seed=2)
+    falcon = load_span(ModelSpec.open(model), 0, 2)
+    assert not falcon.merges_per_session
+    sessions = [Local(falcon, 2, 3, seed, end=2) for seed in range(3)]
+    steps = []
+    for session in sessions:
+        falcon(*session.prefill(), session.caches)
+        steps.append(DecodeStep(*session.decode(), session.caches))
+
+    async def step_all(batcher: DecodeBatcher) -> list[int]:
+        return [merged for _, merged in await asyncio.gather(*(batcher.run(step, 0, 2, peers=3) for step in steps))]
+
+    # 2 rows x 3 tokens each, above a limit of 5: each runs alone, without waiting
+    assert asyncio.run(step_all(DecodeBatcher(falcon, wait_ms=1000, max_rows=64, stats=ServerCounters(),
+                                              max_merge_tokens=5))) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_merged_steps_equal_each_session_alone_in_every_family(arch: str, tmp_path: Path) -> None:
+    # Given a tiny model of the family (Gemma's sliding window is 8 tokens), and three sessions: a padded one, a long
+    # one past the window, and one whose first step is a single token on empty caches
+    model = write_tiny_model(tmp_path / arch, layers=3, arch=arch, seed=4)
+    family_span = load_span(ModelSpec.open(model), 0, 3)
+    sessions = [Local(family_span, batch, prompt, seed, end=3) for seed, (batch, prompt) in
+                enumerate([(3, 5), (2, 12), (1, 1)])]
+    merged_caches = []
+    for session in sessions[:2]:
+        caches = family_span.new_caches(0, 3)
+        family_span(*session.prefill(), caches)
+        merged_caches.append(caches)
+        session.caches = copy.deepcopy(caches)
+    merged_caches.append(family_span.new_caches(0, 3))
+    fresh = sessions[2]
+    fresh.mask = fresh.mask[:, :0]  # its first decode step is its first token
+    # When 10 decode steps run merged, and the same steps run alone
+    for _ in range(10):
+        inputs = [session.decode() for session in sessions]
+        merged = run_merged(family_span, [DecodeStep(*step, caches) for step, caches
+                                          in zip(inputs, merged_caches, strict=True)], 0, 3)
+        alone = [session.run(*step) for session, step in zip(sessions, inputs, strict=True)]
+        # Then every session's output is its own run's
+        for out, ref in zip(merged, alone, strict=True):
+            assert out.shape == ref.shape and (out - ref).abs().max().item() <= TOLERANCE, arch
+    # and so is every session's cache, its length included
+    for session, caches in zip(sessions, merged_caches, strict=True):
+        for mine, ref in zip(caches, session.caches, strict=True):
+            assert mine.get_seq_length() == ref.get_seq_length() == session.mask.shape[1]
+            assert (mine.layers[0].keys - ref.layers[0].keys).abs().max().item() <= TOLERANCE
 
 
 # ---- through a real server process --------------------------------------------------------------------------------
