@@ -99,7 +99,7 @@ class BlockSpan(nn.Module):
         for step in steps:
             bounds.append((low, low + step.hidden.shape[0]))
             low += step.hidden.shape[0]
-        hidden = torch.cat([step.hidden for step in steps]).to(self.device, self.compute_dtype)
+        hidden = torch.cat([step.hidden.to(self.compute_dtype) for step in steps]).to(self.device)
         position_ids = torch.cat([step.positions for step in steps]).to(self.device)
         masks = [self._masks(hidden[low:high], step.mask.to(self.device), position_ids[low:high], step.caches[0],
                              first, last) for step, (low, high) in zip(steps, bounds, strict=True)]
