@@ -1,12 +1,13 @@
 """Benchmark: a server's steps with glibc's default allocator settings against swarmnet/allocator.py's.
 
 Each turn runs, in a fresh process with one torch thread, what a server of half of SmolLM2's blocks does for the
-default job's lanes: 4 sessions of 21 rows, each a prefill of 80-140 tokens then 16 decode steps. Once with
+default job's lanes: 4 sessions of 21 rows, each a left-padded prefill of 80-140 tokens then 16 decode steps
+(bench/kv_cache.py's Decoder; "tiny" is the WAN bench's model). Once with
 `keep_freed_memory()` (what every `swarmbatch` command sets), once with SWARMBATCH_MALLOC_TUNING=0 (glibc's defaults),
 alternating, --reps turns each. Reported per mode: wall, user and system CPU seconds and page faults (median); the
 ratio is the defaults' wall time over the tuned one's.
 
-usage: python bench/allocator.py [--model smollm2] [--reps 3]
+usage: python bench/allocator.py [--model smollm2|tiny] [--reps 3]
 """
 from __future__ import annotations
 
@@ -21,27 +22,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 TURN = """
-import json, resource, sys, time
+import json, resource, sys, tempfile, time
+from pathlib import Path
 sys.path[:0] = [{root!r}, {bench!r}]
 import torch
 from swarmnet.allocator import keep_freed_memory
 keep_freed_memory()
 torch.set_num_threads(1)
-from swarm import resolve_model
-from servers.block_loading import load_span
-from swarmnet.model_spec import ModelSpec
-spec = ModelSpec.open(resolve_model({model!r}))
-span = load_span(spec, 0, spec.num_blocks // 2)
+from kv_cache import Decoder, model_span
+work = tempfile.TemporaryDirectory()  # removed when the turn ends
+span = model_span({model!r}, Path(work.name))
 
 def session(rows, length, decode):
-    caches = span.new_caches(0, span.end, length + decode)
-    mask = torch.ones(rows, length, dtype=torch.long)
-    positions = mask.cumsum(1) - 1
-    span(torch.randn(rows, length, spec.hidden_size), mask, positions, caches)
-    positions = positions[:, -1:]
+    decoder = Decoder(span, span.new_caches(span.start, span.end, length + decode), rows, length)
     for _ in range(decode):
-        mask, positions = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], 1), positions + 1
-        span(torch.randn(rows, 1, spec.hidden_size), mask, positions, caches)
+        decoder.step()
 
 session(21, 100, 4)  # warm-up
 before, began = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

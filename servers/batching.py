@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer
 
 from servers.counters import ServerCounters
 from servers.kv_cache import GrowingLayer
-from servers.span import BlockSpan, DecodeStep
+from servers.span import BlockSpan, DecodeStep, row_bounds
 
 SpanKey = tuple[int, int]
 
@@ -78,10 +78,8 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
     if len(steps) == 1:  # nothing to merge: run on the session's own caches, no copy
         step = steps[0]
         return [span(step.hidden, step.mask, step.positions, step.caches, start, end)]
-    bounds = _row_bounds([step.rows for step in steps])
     if span.merges_per_session:  # the attention per session on its own cache: nothing copied
-        output = span.forward_sessions(steps, start, end)
-        return [output[low:high] for low, high in bounds]
+        return span.forward_sessions(steps, start, end)
     pasts = [step.caches[0].get_seq_length() for step in steps]
     length = max(pasts)
     hidden = torch.cat([step.hidden.to(span.compute_dtype) for step in steps])
@@ -89,6 +87,7 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
     positions = torch.cat([step.positions for step in steps])
     caches = merged_caches(steps, length)
     output = span(hidden, mask, positions, caches, start, end)
+    bounds = row_bounds(steps)
     for layer, cache in enumerate(caches):
         kv = layer_kv(cache)
         assert kv is not None
@@ -96,14 +95,6 @@ def run_merged(span: BlockSpan, steps: list[DecodeStep], start: int, end: int) -
         for step, (low, high) in zip(steps, bounds, strict=True):
             step.caches[layer].update(new_keys[low:high], new_values[low:high], 0)
     return [output[low:high] for low, high in bounds]
-
-
-def _row_bounds(rows: list[int]) -> list[tuple[int, int]]:
-    bounds, low = [], 0
-    for count in rows:
-        bounds.append((low, low + count))
-        low += count
-    return bounds
 
 
 @dataclass

@@ -42,6 +42,15 @@ class DecodeStep:
         return self.rows * self.caches[0].get_seq_length()
 
 
+def row_bounds(steps: list[DecodeStep]) -> list[tuple[int, int]]:
+    """Each step's rows [low, high) in the batch of all the steps' rows, stacked in order."""
+    bounds, low = [], 0
+    for step in steps:
+        bounds.append((low, low + step.rows))
+        low += step.rows
+    return bounds
+
+
 class BlockSpan(nn.Module):
     """Decoder layers [start, end) of a model, plus the rotary embedding they share."""
 
@@ -90,15 +99,12 @@ class BlockSpan(nn.Module):
         return hidden.cpu()  # waits for the device: the caller's timings and frames see a finished output
 
     @torch.inference_mode()
-    def forward_sessions(self, steps: list[DecodeStep], start: int, end: int) -> torch.Tensor:
+    def forward_sessions(self, steps: list[DecodeStep], start: int, end: int) -> list[torch.Tensor]:
         """Several sessions' decode steps through blocks [start, end) as one forward: the linear layers run once on
         all rows, the attention per session on its own caches (merged_attention.py; only where
-        `merges_per_session`). Returns the rows' outputs in the steps' order; each session's caches get its step."""
+        `merges_per_session`). Returns each step's output, in order; each session's caches get its step."""
         first, last = start - self.start, end - self.start
-        bounds, low = [], 0
-        for step in steps:
-            bounds.append((low, low + step.hidden.shape[0]))
-            low += step.hidden.shape[0]
+        bounds = row_bounds(steps)
         hidden = torch.cat([step.hidden.to(self.compute_dtype) for step in steps]).to(self.device)
         position_ids = torch.cat([step.positions for step in steps]).to(self.device)
         masks = [self._masks(hidden[low:high], step.mask.to(self.device), position_ids[low:high], step.caches[0],
@@ -109,7 +115,8 @@ class BlockSpan(nn.Module):
             merged = MergedLayerCache([step.caches[offset] for step in steps], bounds, [m[kind] for m in masks])
             hidden = self.family.layer_call(layer, hidden, mask=None, position_ids=position_ids,
                                             position_embeddings=rotary[kind], cache=merged, merged_sessions=merged)
-        return hidden.cpu()
+        output = hidden.cpu()
+        return [output[low:high] for low, high in bounds]
 
     def _masks(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                cache: DynamicCache, first: int, last: int) -> dict[str, Any]:

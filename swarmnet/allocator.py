@@ -4,9 +4,8 @@ A forward allocates and frees tensors of a few MB at every layer (a prefill's ML
 batch's logits). glibc serves allocations above its mmap threshold (128 KiB at start, raised as it sees such blocks
 freed, but never past what it last saw) with a fresh mmap, and gives memory at the top of its heap back to the OS
 above its trim threshold; either way the next step's tensor is new memory, which the kernel zeroes page by page. On a
-2-core VM, 15 SmolLM2 blocks prefilling and decoding lanes of 21 rows spent 8 % of their time in the kernel (0.97 s
-of system time, 730,000 page faults for 11.7 s of compute); with these settings 0.01 s and 8,000 (bench/RESULTS.md,
-session 25).
+2-core VM, 15 SmolLM2 blocks prefilling and decoding 4 lanes of 21 rows spent 1.18 s in the kernel (698,000 page
+faults) for 11 s of compute; with these settings 0.01 s and 3,822, and 1.10x the wall time (bench/allocator.py).
 
 The price: a process keeps the memory of its biggest steps (up to the trim threshold above what it holds) instead of
 returning it between steps. Set SWARMBATCH_MALLOC_TUNING=0 to keep glibc's defaults. Elsewhere than glibc (musl's
