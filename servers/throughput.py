@@ -26,7 +26,8 @@ def measure_throughput(span: BlockSpan, *, steps: int = 4, context: int = 32) ->
 
 
 # TEST ONLY: a server that lies about its speed. Its record and its `info` answer then overstate its throughput by
-# this factor, so tests can check that clients route by what they measure (docs/swarm.md, "Routing").
+# this factor (below 1: understate it), so tests can check that clients route by what they measure (docs/swarm.md,
+# "Routing") and make a route's choice independent of the round trips a loaded machine measures.
 # Never set it in a deployment.
 TEST_OVERSTATE_ENV = "SWARMBATCH_TEST_OVERSTATE_THROUGHPUT"
 

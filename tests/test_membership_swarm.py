@@ -49,13 +49,14 @@ runner = CliRunner()
 
 @process_fixture(scope="module")
 def private_swarm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSwarm]:
-    """Members: a DHT node and two servers (0:3, 3:6) announcing what they measured. Outsider: a server of all six
-    blocks with its own key, not in the swarm file, announcing ten thousand times what it measured: a shortest path
-    ignoring membership takes it (test_routing_would_prefer_the_outsider_if_membership_were_ignored checks that it
-    does)."""
+    """Members: a DHT node and two servers (0:3, 3:6) announcing a hundredth of what they measured. Outsider: a
+    server of all six blocks with its own key, not in the swarm file, announcing ten thousand times what it measured:
+    a shortest path ignoring membership takes it (test_routing_would_prefer_the_outsider_if_membership_were_ignored
+    checks that it does). Both factors matter: at their true speeds the members' chain costs the tiny model's ~13 ms
+    of compute and two round trips against the outsider's one, so a ping slowed by a loaded machine could tip it."""
     with LocalSwarm(tiny_model, [], log_dir=tmp_path_factory.mktemp("private"), private=True) as swarm:
-        fast = {TEST_OVERSTATE_ENV: "10000"}
-        started = [swarm.start_server(0, 3, wait=False), swarm.start_server(3, 6, wait=False),
+        fast, slow = {TEST_OVERSTATE_ENV: "10000"}, {TEST_OVERSTATE_ENV: "0.01"}
+        started = [swarm.start_server(0, 3, wait=False, env=slow), swarm.start_server(3, 6, wait=False, env=slow),
                    swarm.start_server(0, 6, wait=False, env=fast, member=False)]
         for server in started:
             server.wait_for_line(SERVING_BLOCKS, timeout=swarm.ready_timeout)
