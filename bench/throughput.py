@@ -26,12 +26,14 @@ with default settings (no claim or lanes set: the worker sizes them) through 2 s
 2 threads), interleaved over reps (the order alternating); the target is job >= 0.9x local. The job runs the
 worker's code in this process. With --cli-path a `swarmbatch worker` process runs it instead (Celery on the embedded
 broker, as a user starts it after `swarmbatch submit`), timed from its submission to its last line.
+--baseline-settings KEY=VALUE,... (e.g. prefill_chunk_tokens=0) also runs the job with those worker settings,
+interleaved with the others (with --cli-path, by a second `swarmbatch worker`), and gives the default job's ratio to it.
 
 --out FILE writes every run, the best run per config and the mode's ratios as JSON (bench/perf.py reads it).
 
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
        [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1 [--checkpoint-every 8]]
-       [--user-path | --cli-path] [--out FILE]
+       [--user-path | --cli-path [--baseline-settings KEY=VALUE,...]] [--out FILE]
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -137,6 +139,10 @@ def main() -> None:
                                                                  "(Celery, embedded broker) vs local generate")
     parser.add_argument("--server-args", default="", help="--user-path/--cli-path: extra `swarmbatch serve` options for "
                                                            "both servers, e.g. '--batch-wait-ms 0'")
+    parser.add_argument("--baseline-settings", default="", help="--user-path/--cli-path: also run the job with these "
+                                                                 "worker settings, KEY=VALUE,... (e.g. "
+                                                                 "prefill_chunk_tokens=0), interleaved, and give the "
+                                                                 "default job's ratio to it")
     parser.add_argument("--out", type=Path, default=None, help="write the runs and ratios as JSON here")
     args = parser.parse_args()
     if args.user_path or args.cli_path:
@@ -282,28 +288,34 @@ def user_path_main(args: argparse.Namespace) -> None:
     texts = prompts(args.requests)
     data = batch_file(texts, args.max_tokens)
     rows: list[tuple[str, float, int]] = []
+    job_label = CLI_JOB if args.cli_path else USER_JOB
+    variants: dict[str, dict[str, object]] = {job_label: {}}
+    if args.baseline_settings:
+        variants[f"{job_label}, with {args.baseline_settings}"] = parse_settings(args.baseline_settings)
     with LocalSwarm(model_dir, [(0, blocks // 2), (blocks // 2, blocks)], log_dir=home / "logs", pin_cpus=False,
-                    server_args=args.server_args.split()) as swarm:
-        options: dict[str, object] = {"worker_batch_size": None, **({"broker_url": None} if args.cli_path else {})}
-        runtime = job_runtime(home, DEFAULTS, swarm.initial_peers, args, options, model_dir, texts, warm=not args.cli_path)
-        with worker_of(runtime, swarm, home / "logs", cli=args.cli_path) as job_in:
+                    server_args=args.server_args.split()) as swarm, ExitStack() as stack:
+        jobs: dict[str, JobIn] = {}
+        for label, settings in variants.items():
+            options: dict[str, object] = {"worker_batch_size": None, **settings,
+                                          **({"broker_url": None} if args.cli_path else {})}
+            runtime = job_runtime(home, label, swarm.initial_peers, args, options, model_dir, texts,
+                                  warm=not args.cli_path)
+            stack.callback(runtime.close)
+            jobs[label] = stack.enter_context(worker_of(runtime, swarm, home / "logs", cli=args.cli_path))
             if args.cli_path:
-                job_in(str(model_dir), batch_file(texts[:2], 4))  # warm-up: the worker joins the swarm, finds routes
-            for rep in range(args.reps):  # interleaved, the order alternating, so that drifts hit both alike
-                for which in (("local", "job") if rep % 2 == 0 else ("job", "local")):
-                    if which == "local":
-                        seconds, tokens = run_local(model_dir, texts, args.max_tokens)
-                        rows.append((LOCAL, seconds, tokens))
-                    else:
-                        seconds, tokens = job_in(str(model_dir), data)
-                        rows.append((CLI_JOB if args.cli_path else USER_JOB, seconds, tokens))
-                    print(f"rep {rep}: {rows[-1][0]}: {tokens} tokens in {seconds:.1f} s = "
-                          f"{tokens / seconds:.1f} tok/s", flush=True)
-        runtime.close()
+                jobs[label](str(model_dir), batch_file(texts[:2], 4))  # warm-up: the worker joins, finds routes
+        order = [LOCAL, *jobs]
+        for rep in range(args.reps):  # interleaved, the order alternating, so that drifts hit all alike
+            for which in (order if rep % 2 == 0 else order[::-1]):
+                seconds, tokens = run_local(model_dir, texts, args.max_tokens) if which == LOCAL else \
+                    jobs[which](str(model_dir), data)
+                rows.append((which, seconds, tokens))
+                print(f"rep {rep}: {which}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tok/s",
+                      flush=True)
+        stack.close()
         merging = merge_counts(swarm, model_dir)
     best = best_runs(rows)
     rate = {label: tokens / seconds for label, (seconds, tokens) in best.items()}
-    job_label = CLI_JOB if args.cli_path else USER_JOB
     paired = paired_ratios(rows, job_label, LOCAL)
     print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 2 servers "
           f"not pinned; the worker's default sizing; best of {args.reps}")
@@ -313,9 +325,22 @@ def user_path_main(args: argparse.Namespace) -> None:
         print(f"| {label} | {seconds:.1f} | {tokens} | {rate[label]:.1f} | {rate[label] / rate[LOCAL]:.2f} |")
     print(f"job vs local, best runs: {rate[job_label] / rate[LOCAL]:.2f}; per rep: "
           f"{', '.join(f'{r:.2f}' for r in paired)} (target >= 0.9)")
+    ratios = {"job_vs_local": rate[job_label] / rate[LOCAL]}
+    for label in list(variants)[1:]:
+        against = paired_ratios(rows, job_label, label)
+        ratios["job_vs_baseline"] = rate[job_label] / rate[label]
+        print(f"default job vs the job {label.removeprefix(job_label + ', ')}, best runs: "
+              f"{ratios['job_vs_baseline']:.2f}; per rep: {', '.join(f'{r:.2f}' for r in against)}")
     print(merging)
-    write_out(args, "cli-path" if args.cli_path else "user-path", rows, best,
-              ratios={"job_vs_local": rate[job_label] / rate[LOCAL]}, paired=paired)
+    write_out(args, "cli-path" if args.cli_path else "user-path", rows, best, ratios=ratios, paired=paired)
+
+
+def parse_settings(spec: str) -> dict[str, object]:
+    """'prefill_chunk_tokens=0,pipeline_lanes=2' -> worker settings (Settings validates the values' types)."""
+    pairs = [item.split("=", 1) for item in spec.split(",") if item.strip()]
+    if any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(f"--baseline-settings: expected KEY=VALUE,..., got {spec!r}")
+    return {key.strip(): value.strip() for key, value in pairs}
 
 
 def merge_counts(swarm: LocalSwarm, model_dir: Path) -> str:

@@ -31,6 +31,7 @@ from jobs.settings import Settings
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from swarmclient.config import ClientConfig
     from swarmclient.model import DistributedModelForCausalLM
     from swarmnet.membership import SwarmAccess
 
@@ -130,15 +131,21 @@ class Runtime:
     def swarm_model(self, model: str) -> DistributedModelForCausalLM:
         """A DistributedModelForCausalLM joined to the swarm (cached per process: a server it bans for wrong outputs
         stays banned for every later job of this process)."""
-        from swarmclient.config import ClientConfig
         from swarmclient.model import DistributedModelForCausalLM
 
         with self._lock:
             if model not in self._models:
                 self._models[model] = DistributedModelForCausalLM.from_pretrained(
                     self.model_dir(model), initial_peers=self.settings.initial_peers, access=self.access,
-                    config=ClientConfig(verify_fraction=self.settings.verify_fraction))
+                    config=self.client_config())
             return self._models[model]
+
+    def client_config(self) -> ClientConfig:
+        """The swarm client's knobs that the settings set (checked outputs, chunked prefills)."""
+        from swarmclient.config import ClientConfig
+
+        return ClientConfig(verify_fraction=self.settings.verify_fraction,
+                            prefill_chunk_tokens=self.settings.prefill_chunk_tokens or None)
 
     def close(self) -> None:
         """Leave the swarm and dispose of the engine."""

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
                                           "they are made (a shorter output_expires_after wins); 0 = kept until deleted")
     verify_fraction: float = Field(default=0.02, ge=0.0, le=1.0, description="fraction of hop steps a worker "
                                    "recomputes on a second server to catch servers that compute wrong outputs; 0 = off")
+    prefill_chunk_tokens: int = Field(default=1024, ge=0, description="a worker sends a prefill of more than this "
+                                      "many tokens (rows x prompt length) as steps of at most this many, so that its "
+                                      "lanes' prefills take turns on the servers; 0 = each prefill in one step")
     worker_threads: int = Field(default=1, ge=1, description="torch threads per worker pool process")
     sweep_interval: float = Field(default=10.0, gt=0, description="seconds between a worker's maintenance ticks "
                                   "(heartbeat; one sweep per interval across all workers)")

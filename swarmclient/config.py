@@ -46,6 +46,12 @@ class ClientConfig:
     # the client still samples and sends every token, and a guess that is not its token is replayed without the
     # ring. A token costs hops / 2 round trips instead of (hops + 1) / 2
     ring: bool = True
+    # a prefill of more than this many tokens (rows x positions) goes as consecutive steps of at most this many, on
+    # the same caches. Several sessions' prefills (a job's lanes) then take turns on each server instead of queueing
+    # whole behind one another, and the lanes start generating closer together, so fewer of them run alone at the end
+    # (+4-7 % job tokens/s on 2 cores: bench/RESULTS.md, session 26). None = one step. Jobs default to
+    # SWARMBATCH_PREFILL_CHUNK_TOKENS (1024); one-off `generate` (one session: nothing to take turns with) to None
+    prefill_chunk_tokens: int | None = None
     # where the embeddings, final norm and LM head live and compute: auto (cuda when torch sees a GPU), cpu, cuda:N
     device: str = "auto"
     # the final norm's and LM head's dtype: auto is the checkpoint's dtype on a GPU and float32 on a CPU, where a
@@ -55,6 +61,8 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be at least 1 (or None), got {self.prefill_chunk_tokens}")
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
         if self.head_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -198,7 +198,7 @@ class InferenceSession:
                          self.batch_size if keep_rows is None else len(keep_rows))
         if self._deferred is not None:
             self._deferred.raise_caught()  # a lie caught since the last step: the session's outputs are void
-        chunk = self._relayed_chunk(hidden)
+        chunk = self._step_chunk(hidden)
         if chunk < hidden.shape[1]:
             return await self._astep_chunked(hidden, attention_mask, position_ids, keep_rows, chunk)
         hidden = wire_hidden(hidden)
@@ -217,14 +217,18 @@ class InferenceSession:
         self._record(inputs, attention_mask, position_ids, keep_rows, hidden)
         return hidden
 
-    def _relayed_chunk(self, hidden: torch.Tensor) -> int:
-        """The most tokens of this step one message may carry: all of them, unless a hop is reached through a relay
-        (whose connection is reset after 128 KiB each way: swarmnet/relays.py); then RELAYED_STEP_BYTES of hidden
-        states. A longer step (a long prompt's prefill) goes as several steps, each on a connection resumed if the
-        relay reset the last one."""
-        if not any(hop.peer_id in self.swarm.relayed for hop in self.route):
-            return hidden.shape[1]
-        return max(1, RELAYED_STEP_BYTES // (hidden.shape[0] * hidden.shape[2] * 4))
+    def _step_chunk(self, hidden: torch.Tensor) -> int:
+        """The most positions of this step one message may carry. All of them, but at most `prefill_chunk_tokens`
+        (rows x positions) when the config sets it, and at most RELAYED_STEP_BYTES of hidden states when a hop is
+        reached through a relay (whose connection is reset after 128 KiB each way: swarmnet/relays.py). A longer
+        step (a long prompt's prefill) goes as several steps, each on a connection resumed if a relay reset the last
+        one."""
+        rows, chunk = hidden.shape[0], hidden.shape[1]
+        if self.swarm.config.prefill_chunk_tokens is not None:
+            chunk = min(chunk, max(1, self.swarm.config.prefill_chunk_tokens // rows))
+        if any(hop.peer_id in self.swarm.relayed for hop in self.route):
+            chunk = min(chunk, max(1, RELAYED_STEP_BYTES // (rows * hidden.shape[2] * 4)))
+        return chunk
 
     async def _astep_chunked(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                              keep_rows: list[int] | None, chunk: int) -> torch.Tensor:

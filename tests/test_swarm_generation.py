@@ -44,6 +44,35 @@ def test_greedy_generation_through_two_servers_equals_transformers(tiny_model: P
     assert torch.equal(got[:, batch.input_ids.shape[1]:], expected)
 
 
+def test_a_prefill_sent_in_chunks_is_one_step_per_chunk_on_each_server_and_generates_transformers_tokens(
+        tiny_model: Path, tiny_swarm: LocalSwarm) -> None:
+    # Given 4 prompts padded to L positions, and a client whose prefill steps carry at most 8 tokens (2 positions)
+    batch = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True)
+    length = batch.input_ids.shape[1]
+    expected = reference_tokens(tiny_model, batch, 16)
+    config = ClientConfig(prefill_chunk_tokens=8)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=tiny_swarm.initial_peers,
+                                                     config=config) as model:
+        swarm = model.swarm
+        peers = [server.peer_id for server in tiny_swarm.servers]
+
+        def steps() -> list[int]:
+            return [int(swarm.loop.run(swarm.call_info(peer))["steps"]) for peer in peers]  # type: ignore[call-overload]
+        before = steps()
+        # When it generates one token (the prefill alone), then 16
+        model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=1)
+        after_prefill = steps()
+        got = model.generate(batch.input_ids, batch.attention_mask, max_new_tokens=16)
+    # Then each server computed the prefill as ceil(L / 2) steps, and the tokens are transformers' greedy ones
+    assert [b - a for a, b in zip(before, after_prefill, strict=True)] == [-(-length // 2)] * 2
+    assert torch.equal(got[:, length:], expected)
+
+
+def test_prefill_chunk_tokens_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be at least 1"):
+        ClientConfig(prefill_chunk_tokens=0)
+
+
 def test_sampling_through_the_swarm_is_reproducible_for_a_seed(tiny_model: Path, tiny_swarm: LocalSwarm) -> None:
     batch = load_tokenizer(tiny_model)(PROMPTS[:2], return_tensors="pt", padding=True)
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=tiny_swarm.initial_peers) as model:

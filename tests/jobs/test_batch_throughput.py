@@ -1,4 +1,5 @@
-"""The throughput features of a worker: pipelined micro-batches, continuous batching, server-side merging.
+"""The throughput features of a worker: pipelined micro-batches, continuous batching, server-side merging, chunked
+prefills.
 
 Real worker processes on a real swarm; the features must change how the work is scheduled, never its output.
 """
@@ -19,8 +20,9 @@ from launch.local_worker import start_local_worker
 from servers.sessions import SESSION_CLOSED_LOG, SESSION_OPENED_LOG
 from swarmnet.model_spec import ModelSpec
 
-FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True}
-FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False}
+# prefill_chunk_tokens 8: every lane's prefill goes as steps of at most 8 tokens, taking turns with the other lane's
+FEATURES_ON = {"pipeline_lanes": 2, "continuous_batching": True, "prefill_chunk_tokens": 8}
+FEATURES_OFF = {"pipeline_lanes": 1, "continuous_batching": False, "prefill_chunk_tokens": 0}
 
 
 @process_fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
@@ -93,3 +95,11 @@ def test_pipelining_and_continuous_batching_change_the_schedule_but_not_the_text
     def texts(job_id: str) -> dict[str, tuple[list[int], str | None]]:
         return {r.custom_id: (r.generated_ids, r.output_text) for r in requests_of(runtime, job_id)}
     assert texts(on_job) == texts(off_job)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [(1024, 1024), (8, 8), (0, None)])
+def test_a_workers_swarm_client_chunks_prefills_as_its_settings_say(make_runtime: Callable[..., Runtime], setting: int,
+                                                                     expected: int | None) -> None:
+    runtime = make_runtime(prefill_chunk_tokens=setting)
+    assert runtime.client_config().prefill_chunk_tokens == expected
+    assert runtime.client_config().verify_fraction == runtime.settings.verify_fraction
