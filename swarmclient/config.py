@@ -49,7 +49,7 @@ class ClientConfig:
     # a prefill of more than this many tokens (rows x positions) goes as consecutive steps of at most this many, on
     # the same caches. Several sessions' prefills (a job's lanes) then take turns on each server instead of queueing
     # whole behind one another, and the lanes start generating closer together, so fewer of them run alone at the end
-    # (+4-7 % job tokens/s on 2 cores: bench/RESULTS.md, session 26). None = one step. Jobs default to
+    # (the default job 1.10-1.19x faster on 2 cores: bench/RESULTS.md, session 26). None = one step. Jobs default to
     # SWARMBATCH_PREFILL_CHUNK_TOKENS (1024); one-off `generate` (one session: nothing to take turns with) to None
     prefill_chunk_tokens: int | None = None
     # where the embeddings, final norm and LM head live and compute: auto (cuda when torch sees a GPU), cpu, cuda:N
