@@ -285,6 +285,8 @@ class BlockHandler(PushReceiver):
         self._refuse_while_moving()
         session_id, batch_size, max_length = validate_session_open(meta, self.limits)
         start, end = validate_span(meta, self.limits)
+        if meta.get("background") is True and any(key in meta for key in ("push", "ring_to", "ring_from")):
+            raise reject("a background session (a check) takes no push and no ring: open it without them")
         if session_id in self.sessions:
             raise reject(f"session {session_id!r} is already open on another stream")
         held = sum(s.owner == stream.owner for s in self.sessions.values())
@@ -302,7 +304,7 @@ class BlockHandler(PushReceiver):
         session = stream.session = self.sessions[session_id] = Session(
             session_id, stream.peer, stream.owner, start, end, batch_size, max_length, caches,
             pushable=meta.get("push") is True, resumable=meta.get("resumable") is True, stream=stream,
-            ring_route=ring_route, ring_from=ring_from)
+            ring_route=ring_route, ring_from=ring_from, background=meta.get("background") is True)
         logger.info(SESSION_OPENED_LOG, session_id[:8], stream.peer[-6:], start, end, batch_size, max_length)
         answer: dict[str, Any] = {"opened": True, "session_id": session.session_id}
         if "ring_to" in meta or "ring_from" in meta:  # asked to join the ring (ring.py): whether it did
@@ -420,7 +422,10 @@ class BlockHandler(PushReceiver):
         if keep_rows is not None:  # only after the whole step is valid, so a refused step changes nothing
             self._keep_rows(session, keep_rows)
         began = time.perf_counter()
-        if hidden.shape[1] == 1:
+        if session.background:  # a check: behind the inference steps, on the background thread (background.py)
+            output, merged = await self._compute(hidden, mask, positions, session.caches, session.start, session.end,
+                                                 self.background), 1
+        elif hidden.shape[1] == 1:
             output, merged = await self._decode(session, hidden, mask, positions)
         else:
             output, merged = await self._compute(hidden, mask, positions, session.caches, session.start, session.end), 1

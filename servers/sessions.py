@@ -62,6 +62,9 @@ class Session:
     # a first hop's last server, whose guesses it takes (None: no ring, or the ring is off for this session)
     ring_route: list[tuple[str, str]] | None = None
     ring_from: str | None = None
+    # opened with "background": another client's warm check (swarmclient/warm_checks.py): its steps compute on the
+    # background thread, behind inference steps, like a stateless forward, and are never merged with others
+    background: bool = False
     stream: Stream | None = None  # the stream it answers on (pushed steps' answers go there); None while detached
     expiry: asyncio.TimerHandle | None = None  # while detached: when it is freed unless resumed
     applied: int = 0  # steps applied; a step id below it is a duplicate

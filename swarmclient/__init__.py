@@ -12,6 +12,8 @@ The wire contract, peers, records, membership, the P2P node and discovery live i
     deferred_checks  DeferredChecks: a job lane's checks by window, run beside its steps and the next window's; a
                      window's tokens are committed once its checks passed; a caught lie (LieCaught) voids the
                      tokens since the last commit
+    warm_checks      WarmCheck: a window's check begun when the window opens (a background session on the second
+                     holder, fed the sampled rows' history meanwhile), so closing it costs only the window's tokens
     push_audit       pure: does a hop's answer say it computed on the input the client recorded, and if not, who
                      lied (the pusher, by its signed proof; the hop; or nobody: a stale input, replayed)
     answers          AnswerReader: a push session's answers, read in the background and matched to steps by step id

@@ -62,6 +62,7 @@ class DeferredChecks:
         self._caught: Caught | None = None
         self.on_caught: Callable[[Caught], None] = lambda caught: None
         self.before_settle: Callable[[], Awaitable[None]] = _nothing  # the session starts its window's checks
+        self.on_window_open: Callable[[], None] = lambda: None  # the next window's steps follow (warm_checks.py)
 
     async def start(self, hop: RouteHop, step: int, check: Callable[[], Awaitable[Verdict | None]]) -> None:
         """Run `check` of this hop step beside the session (after the oldest, if MAX_PENDING already run)."""
@@ -95,6 +96,8 @@ class DeferredChecks:
         self.raise_caught()
         await self.before_settle()
         self.window += 1
+        if keep_last:  # a checkpoint: the session goes on, and its next window opens
+            self.on_window_open()
         last = self.window - 1 if keep_last else self.window
         while self._tasks and self._tasks[0][0] < last:
             await self._finish(self._tasks.popleft()[1])

@@ -7,6 +7,8 @@ process (`BanList.ban_for_good`); the caller replays the hop elsewhere when it w
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ import torch
 
 from swarmclient.errors import InvalidRequest, PeerFailed
 from swarmclient.generation import leading_padding
+from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm
 from swarmclient.verification_policy import (
     Verdict,
@@ -26,6 +29,7 @@ from swarmclient.verification_policy import (
     tolerance,
     verifier_order,
 )
+from swarmclient.warm_checks import WarmCheck, WarmPrefix, open_warm_session
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,7 @@ class Recomputed:
 
     span: RemoteSpanInfo
     output: torch.Tensor  # [B, T, H]
+    warm: bool = False    # answered by a warm check (warm_checks.py), not by a stateless forward
 
 
 class HopVerifier:
@@ -73,35 +78,76 @@ class HopVerifier:
     def __init__(self, swarm: Swarm, tally: VerificationTally, key: str) -> None:
         self.swarm, self.tally, self.key = swarm, tally, key
 
-    async def check(self, hop: RouteHop, step: int, build: Callable[[], HopCheck]) -> Verdict | None:
+    async def check(self, hop: RouteHop, step: int, build: Callable[[], HopCheck], warm: WarmCheck | None = None
+                    ) -> Verdict | None:
         """Recompute the hop's step on another holder of the same precision and compare; None when none could
-        (counted as unverified). `build` gathers the check's tensors, only once some holder could recompute them."""
+        (counted as unverified). `build` gathers the check's tensors, only once some holder could recompute them.
+        `warm`: the check begun when its window opened (warm_checks.py), whose holder answers first if it can."""
         holders = self._holders(hop, await self.swarm.member_spans())
         checked, peers = self._second_holders(hop, holders)
         if checked is None or not peers:
+            if warm is not None:
+                warm.drop()
             self.tally.add(unverified=1)
             return None
-        check = build().unpadded()
-        order = iter([holders[p] for p in verifier_order(peers, self.key, step, hop.start)])
-        second = await self._recompute(order, check)
+        whole = build()
+        check = whole.unpadded()
+        second = None if warm is None else await self._warm_answer(warm, whole, holders)
+        order = iter([holders[p] for p in verifier_order(peers, self.key, step, hop.start)
+                      if second is None or p != second.span.peer_id])
+        if second is None:
+            second = await self._recompute(order, check)
         if second is None:
             self.tally.add(unverified=1)
             return None
         limit = tolerance(checked.info, second.span.info)
         error = relative_error(check.output, second.output, check.real)
+        warmed = int(second.warm)
         if error <= limit:
-            self.tally.add(verified=1)
+            self.tally.add(verified=1, warm=warmed)
             return Verdict.AGREE
         third = await self._recompute(order, check)
         third_agrees = None if third is None else relative_error(check.output, third.output, check.real) <= limit
         verdict = judge(False, third_agrees)
         faulty = check.hop.peer_id if verdict is Verdict.CHECKED_FAULTY else second.span.peer_id
         self.swarm.bans.ban_for_good(faulty)
-        self.tally.add(verified=1, mismatches=1)
+        self.tally.add(verified=1, mismatches=1, warm=warmed)
         logger.warning(MISMATCH_LOG, check.hop.start, check.hop.end, check.hop.peer_id, second.span.peer_id, error,
                        limit, max_difference(check.output, second.output, check.real), _explain(verdict, third),
                        faulty)
         return verdict
+
+    def begin_warm(self, hop: RouteHop, first: int, rows: list[int], batch_size: int, max_length: int,
+                   columns: int, cut: int, prefix: Callable[[], WarmPrefix]) -> WarmCheck:
+        """Begin the check of `rows` on `hop` over the window that starts at step `first` (warm_checks.py): the
+        holder that check will ask gets a background session and the rows' history so far (`columns` columns, less
+        the `cut` leading ones), beside the window's steps."""
+        warm = WarmCheck(hop, first, rows, batch_size, columns, cut, asyncio.get_running_loop().create_future())
+        warm.task = asyncio.ensure_future(self._warm_session(warm, max_length - cut, prefix))
+        return warm
+
+    async def _warm_session(self, warm: WarmCheck, max_length: int, prefix: Callable[[], WarmPrefix]
+                            ) -> ServerSession | None:
+        """The warm check's session on the first holder `check` would ask; None when there is none it could use."""
+        holders = self._holders(warm.hop, await self.swarm.member_spans())
+        checked, peers = self._second_holders(warm.hop, holders)
+        if checked is None or not peers:
+            return None
+        span = holders[verifier_order(peers, self.key, warm.first, warm.hop.start)[0]]
+        if max_length > span.info.max_length or len(warm.rows) > span.info.max_batch_size:
+            return None
+        warm.holder = span.peer_id
+        return await open_warm_session(RouteHop(span.peer_id, warm.hop.start, warm.hop.end), len(warm.rows),
+                                       max_length, prefix, functools.partial(ServerSession, self.swarm))
+
+    @staticmethod
+    async def _warm_answer(warm: WarmCheck, whole: HopCheck, holders: dict[str, RemoteSpanInfo]
+                           ) -> Recomputed | None:
+        """The warm check's holder's outputs for the window (`whole`: the check with its leading columns); None when
+        it has none (the window is then recomputed statelessly)."""
+        output = await warm.window_outputs(whole.hidden, whole.mask, whole.positions, whole.output.shape[1])
+        span = holders.get(warm.holder or "")
+        return None if output is None or span is None else Recomputed(span, output, warm=True)
 
     def skipped_as_uncheckable(self, hop: RouteHop) -> bool:
         """Whether a fresh DHT read (`Swarm.fresh_member_spans`) shows no other holder that could check the hop: then

@@ -42,8 +42,9 @@ class ServerSession:
     """
 
     def __init__(self, swarm: Swarm, hop: RouteHop, *, batch_size: int, max_length: int, push: bool = False,
-                 on_push_failure: PushReport | None = None) -> None:
+                 on_push_failure: PushReport | None = None, background: bool = False) -> None:
         self.swarm, self.hop, self.push = swarm, hop, push
+        self.background = background  # a check's session: the server computes it behind inference steps
         self._on_push_failure = on_push_failure or (lambda session, step_id, peer, reason: True)
         self._answers: AnswerReader | None = None
         self.batch_size, self.max_length = batch_size, max_length
@@ -157,6 +158,7 @@ class ServerSession:
                                     "start": self.hop.start, "end": self.hop.end, "batch_size": self.batch_size,
                                     "max_length": self.max_length, "resumable": True,
                                     **({"push": True} if self.push else {}),
+                                    **({"background": True} if self.background else {}),
                                     **({"ring_to": self.ring_to} if self.ring_to else {}),
                                     **({"ring_from": self.ring_from} if self.ring_from else {})})
 

@@ -34,19 +34,20 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from swarmclient.deferred_checks import Caught, DeferredChecks
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported, WrongOutput
-from swarmclient.hop_verifier import HopCheck, HopVerifier
+from swarmclient.hop_verifier import HopCheck, HopVerifier, unpadded_start
 from swarmclient.push_audit import Blame, InputClaim, InputRecord, judge_input
 from swarmclient.retry import with_retries
 from swarmclient.server_session import ServerSession
 from swarmclient.swarm import Swarm, wire_hidden
 from swarmclient.verification_policy import Verdict, VerificationTally, sampled, sampled_row, stack_history
+from swarmclient.warm_checks import WarmCheck, WarmPrefix
 from swarmnet.data_structures import RouteHop
 from swarmnet.push_proof import input_digest
 
@@ -120,6 +121,8 @@ class InferenceSession:
         self._window = (0, 0)                            # deferred: (windows settled, the first step of this one)
         if deferred is not None:
             deferred.on_caught, deferred.before_settle = self._on_caught, self._start_window_checks
+            deferred.on_window_open = self._warm_window
+        self._warm: dict[int, WarmCheck] = {}            # deferred: hop start -> the open window's warm check
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
@@ -187,6 +190,7 @@ class InferenceSession:
         """Close every server session (and drop deferred checks still running)."""
         if self._deferred is not None:
             self._deferred.cancel()
+            self._drop_warm()
         await asyncio.gather(*(s.close() for s in self._sessions.values()), return_exceptions=True)
         self._sessions.clear()
 
@@ -307,9 +311,47 @@ class InferenceSession:
         """Check this window's sampled rows of every hop (the caller settles its checks); the next window begins."""
         assert self._deferred is not None
         for hop, rows in list(self._sampled_rows(range(self.batch_size))):
+            warm = self._take_warm(hop, rows)
             if not self._verifier.skipped_as_uncheckable(hop):  # none could: counted unverified, the checkpoint goes on
-                await self._deferred.start(hop, self._window[1], self._window_check(hop, len(self._history), rows))
+                await self._deferred.start(hop, self._window[1], self._window_check(hop, len(self._history), rows, warm))
+            elif warm is not None:
+                warm.drop()
+        self._drop_warm()
         self._window = (self._window[0] + 1, len(self._history))
+
+    def _warm_window(self) -> None:
+        """The window that opens now: begin the check of each hop's rows sampled in it (warm_checks.py)."""
+        settled, first = self._window
+        if first == 0 or first != len(self._history):
+            return
+        for hop in self.route:
+            rows = self._rows_sampled(settled, hop, range(self.batch_size))
+            if rows and all(hop.start in r.inputs for r in self._history):
+                self._warm[hop.start] = self._begin_warm(hop, first, rows)
+
+    def _begin_warm(self, hop: RouteHop, first: int, rows: list[int]) -> WarmCheck:
+        """A warm check of `rows` on `hop` from step `first`: the rows' history so far, less its leading padding."""
+        history, picked = self._history[:first], torch.tensor(rows)
+        mask = collections.deque(step_masks(history), maxlen=1)[0][picked]
+        cut = unpadded_start(mask, 0)
+
+        def prefix() -> WarmPrefix:
+            whole, positions = stack_history([(r.inputs[hop.start], r.position_ids, r.keep_rows) for r in history])
+            return WarmPrefix(whole[picked, cut:], mask[:, cut:], positions[picked, cut:])
+        return self._verifier.begin_warm(hop, first, rows, self.batch_size, self.max_length, mask.shape[1], cut, prefix)
+
+    def _take_warm(self, hop: RouteHop, rows: list[int]) -> WarmCheck | None:
+        """The warm check begun for this window's check of `rows` on `hop`, if it is that one (else dropped)."""
+        warm = self._warm.pop(hop.start, None)
+        if warm is not None and not warm.serves(hop, self._window[1], rows, self.batch_size):
+            warm.drop()
+            return None
+        return warm
+
+    def _drop_warm(self) -> None:
+        for warm in self._warm.values():
+            warm.drop()
+        self._warm.clear()
 
     def _check_leaving(self, keep_rows: list[int]) -> None:
         """Rows leaving the session at this step: check the sampled ones over the window so far, from here."""
@@ -326,20 +368,26 @@ class InferenceSession:
         if first >= len(self._history):
             return
         for hop in self.route:
-            picked = [row for row in rows if sampled_row(self.swarm.config.verify_fraction, self._verifier.key, settled,
-                                                         row, hop.start)]
+            picked = self._rows_sampled(settled, hop, rows)
             if picked:
                 yield hop, picked
 
-    def _window_check(self, hop: RouteHop, end: int, rows: list[int]) -> Callable[[], Awaitable[Verdict | None]]:
+    def _rows_sampled(self, window: int, hop: RouteHop, rows: Iterable[int]) -> list[int]:
+        return [row for row in rows
+                if sampled_row(self.swarm.config.verify_fraction, self._verifier.key, window, row, hop.start)]
+
+    def _window_check(self, hop: RouteHop, end: int, rows: list[int], warm: WarmCheck | None = None
+                      ) -> Callable[[], Awaitable[Verdict | None]]:
         """The check of `rows` (of step end-1's row set) on `hop` at every position of the steps [window, end)."""
         history, first = self._history[:end], self._window[1]
 
         async def check() -> Verdict | None:
             if any(hop.start not in r.inputs or hop.end not in r.inputs for r in history):
+                if warm is not None:
+                    warm.drop()
                 self.verification.add(unverified=1)  # the route changed its boundaries: nothing to compare with
                 return None
-            return await self._verifier.check(hop, first, lambda: window_inputs(hop, history, first, rows))
+            return await self._verifier.check(hop, first, lambda: window_inputs(hop, history, first, rows), warm)
         return check
 
     def _on_caught(self, caught: Caught) -> None:
@@ -548,6 +596,7 @@ class InferenceSession:
         self.failovers += 1
         if self._deferred is not None:  # the window's earlier outputs came from another server: compare from here
             self._window = (self._window[0], len(self._history))
+            self._drop_warm()
 
     def _close_later(self, session: ServerSession) -> None:
         """Close a session in the background (the loop keeps only weak references to tasks: hold it here)."""

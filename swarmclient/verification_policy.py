@@ -126,10 +126,11 @@ class VerificationCounts:
     verified: int = 0
     mismatches: int = 0
     unverified: int = 0
+    warm: int = 0  # of the verified, those whose second holder answered a warm check (warm_checks.py)
 
     def __sub__(self, other: VerificationCounts) -> VerificationCounts:
         return VerificationCounts(self.verified - other.verified, self.mismatches - other.mismatches,
-                                  self.unverified - other.unverified)
+                                  self.unverified - other.unverified, self.warm - other.warm)
 
     def __bool__(self) -> bool:
         return bool(self.verified or self.mismatches or self.unverified)
@@ -142,12 +143,12 @@ class VerificationTally:
     _counts: VerificationCounts = VerificationCounts()
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, *, verified: int = 0, mismatches: int = 0, unverified: int = 0) -> None:
+    def add(self, *, verified: int = 0, mismatches: int = 0, unverified: int = 0, warm: int = 0) -> None:
         """Count checks."""
         with self._lock:
             c = self._counts
             self._counts = VerificationCounts(c.verified + verified, c.mismatches + mismatches,
-                                              c.unverified + unverified)
+                                              c.unverified + unverified, c.warm + warm)
 
     def snapshot(self) -> VerificationCounts:
         """The counts so far."""

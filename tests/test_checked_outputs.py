@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,8 +36,9 @@ from swarmclient.deferred_checks import DeferredChecks
 from swarmclient.errors import LieCaught
 from swarmclient.generation import generate_tokens
 from swarmclient.model import DistributedModelForCausalLM
+from swarmclient.session import InferenceSession
 from swarmclient.textgen import load_tokenizer
-from swarmclient.verification_policy import VerificationTally
+from swarmclient.verification_policy import VerificationTally, verifier_order
 
 LIAR = {FAULT_INJECTION_ENV: "noise:0.1"}  # relative error ~1.4 on the tiny model's outputs; float32 allows 1e-3
 PROMPTS = ["Hello world, this is", "The quick brown fox jumps over the lazy dog and then", "one two three"]
@@ -357,3 +359,113 @@ def test_a_window_check_after_a_failover_compares_only_the_new_servers_outputs(
     assert banned == set()
     counts = tally.snapshot()
     assert counts.verified >= 1 and counts.mismatches == 0
+
+
+def generate_with_checkpoints(model: DistributedModelForCausalLM, session: InferenceSession, batch: dict,
+                              checks: DeferredChecks, every: int, tokens: int,
+                              on_token: Callable[[int], None] = lambda index: None) -> torch.Tensor:
+    """Greedy tokens through the open `session`, closing a check window every `every` tokens, as a job's lane does."""
+    def checkpoint(index: int, _: torch.Tensor) -> None:
+        on_token(index)
+        if (index + 1) % every == 0 and index + 1 < tokens:
+            checks.close_window()
+    return generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                           max_new_tokens=tokens, params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                           eos_token_ids=(), pad_token_id=model.pad_token_id, on_token=checkpoint)
+
+
+def test_window_checks_begun_when_their_window_opens_are_answered_by_the_holder_fed_meanwhile(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given two honest holders of each half and a client sampling every row, closing a window every 4 tokens
+    swarm = local_swarm(tiny_model, [(0, 3), (0, 3), (3, 6), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    tally = VerificationTally()
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0)) as model:
+        checks = DeferredChecks(model.swarm.loop)
+        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
+                                   verification=tally, deferred=checks)
+        # When it generates 12 tokens: windows of steps [0, 4), [4, 8) and [8, 12)
+        with session:
+            got = generate_with_checkpoints(model, session, batch, checks, 4, 12)
+    # Then the tokens are transformers', each window of each hop was checked and agreed, and the checks of the two
+    # windows that opened after the first were answered by the warm holder (fed the history while their steps ran)
+    assert torch.equal(got, reference_tokens(tiny_model, batch, 12))
+    counts = tally.snapshot()
+    assert (counts.verified, counts.mismatches, counts.unverified, counts.warm) == (6, 0, 0, 4)
+
+
+def test_a_warm_check_whose_holder_lies_bans_that_holder_by_the_third_and_the_tokens_stay_right(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given a session through an honest server of blocks 0:3, then a lying and an honest holder of 0:3 joining
+    swarm = local_swarm(tiny_model, [(0, 3), (3, 6)])
+    honest = swarm.servers[0]
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    tally = VerificationTally()
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)) as model:
+        checks = DeferredChecks(model.swarm.loop)
+        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
+                                   verification=tally, deferred=checks)
+        with session:
+            assert session.route[0].peer_id == honest.peer_id
+            liar, other = swarm.start_server(0, 3, env=LIAR), swarm.start_server(0, 3)
+            wait_for_holders(model, 3)
+            # and a key of the session's checks (what they draw from) that asks the honest one to check window [0, 4),
+            # the liar to check [4, 8) (a warm check: begun when that window opened), and the honest one for [8, 12)
+            session._verifier.key = key_asking(liar.peer_id, other.peer_id, [other.peer_id, liar.peer_id, other.peer_id])
+            # When it generates 12 tokens, closing a window every 4
+            got = generate_with_checkpoints(model, session, batch, checks, 4, 12)
+            assert session.route[0].peer_id == honest.peer_id
+        banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
+    # Then the liar's warm answer differed, the third holder sided with the checked server, and the liar alone is
+    # banned; the session went on through the honest server: transformers' tokens
+    assert banned == {liar.peer_id}
+    counts = tally.snapshot()
+    assert (counts.verified, counts.mismatches, counts.unverified, counts.warm) == (3, 1, 3, 2)
+    assert torch.equal(got, reference_tokens(tiny_model, batch, 12))
+
+
+def key_asking(first: str, second: str, order: list[str]) -> str:
+    """A key of a session's checks under which each window (from steps 0, 4 and 8) asks the holder named in `order`
+    first, of the holders `first` and `second` of blocks 0:3."""
+    return next(key for key in (f"key-{i}" for i in range(1000))
+                if [verifier_order([first, second], key, step, 0)[0] for step in (0, 4, 8)] == order)
+
+
+def test_a_warm_check_whose_holder_dies_in_its_window_is_made_statelessly_by_the_next_holder(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given a session through one server of blocks 0:3, and two more holders of 0:3 that can check it
+    swarm = local_swarm(tiny_model, [(0, 3), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    tally = VerificationTally()
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)) as model:
+        checks = DeferredChecks(model.swarm.loop)
+        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
+                                   verification=tally, deferred=checks)
+        with session:
+            doomed, kept = swarm.start_server(0, 3), swarm.start_server(0, 3)
+            wait_for_holders(model, 3)
+            # whose window [4, 8) check is warm on the one that dies during that window
+            session._verifier.key = key_asking(doomed.peer_id, kept.peer_id, [kept.peer_id, doomed.peer_id, kept.peer_id])
+
+            def kill_in_window(index: int) -> None:
+                if index == 5:
+                    doomed.kill()
+            got = generate_with_checkpoints(model, session, batch, checks, 4, 12, kill_in_window)
+        banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
+    # Then that window was still checked, by a stateless forward on the other holder, the next one warm; nobody is
+    # banned for good, and the tokens are transformers'
+    counts = tally.snapshot()
+    assert (counts.verified, counts.mismatches, counts.unverified, counts.warm) == (3, 0, 3, 1)
+    assert banned == set()
+    assert torch.equal(got, reference_tokens(tiny_model, batch, 12))
+
+
+def wait_for_holders(model: DistributedModelForCausalLM, count: int) -> None:
+    """Until the client's view of the swarm shows `count` holders of blocks 0:3."""
+    deadline = time.monotonic() + 30
+    while len([s for s in model.swarm.loop.run(model.swarm.member_spans()) if s.start == 0]) < count:
+        assert time.monotonic() < deadline, f"the client never saw {count} holders of blocks 0:3"
+        time.sleep(0.2)

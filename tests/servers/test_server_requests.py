@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from raw_streams import answer, close, ended, error_code, exchange, framed, opening, raw_stream, send
+from raw_streams import answer, close, ended, error_code, exchange, exchange_frame, framed, opening, raw_stream, send
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
@@ -198,6 +198,39 @@ def test_an_undecodable_message_gets_an_error_and_the_stream_goes_on(tiny_model:
     meta = exchange(client, stream, framed(good_inputs(hidden_size, length=2), {"session_id": "s" * 32}))
     assert protocol.response_error(meta) is None and meta["cache_len"] == 2
     close(client, stream)
+
+
+def test_a_background_session_computes_the_span_behind_sessions_and_takes_no_push(tiny_model: Path,
+                                                                                  server_and_client) -> None:
+    # Given a fresh server process (its background thread not started yet by any stateless forward)
+    swarm, client = server_and_client
+    spec = ModelSpec.open(tiny_model)
+    server = swarm.start_server(0, 6)
+    try:
+        # When a caller opens a session with "background" (another client's warm check) and sends two steps
+        stream = raw_stream(client, server.peer_id)
+        meta = exchange(client, stream, framed([], {"open": True, "session_id": "w" * 32, "start": 0, "end": 6,
+                                                    "batch_size": 1, "max_length": 8, "background": True}))
+        assert meta["opened"]
+        inputs = good_inputs(spec.hidden_size, length=6)
+        (first,), _ = protocol.decode(exchange_frame(client, stream, framed(
+            [inputs[0][:, :4], inputs[1][:, :4], inputs[2][:, :4]], {"session_id": "w" * 32})))
+        (second,), _ = protocol.decode(exchange_frame(client, stream, framed(
+            [inputs[0][:, 4:], inputs[1], inputs[2][:, 4:]], {"session_id": "w" * 32})))
+        close(client, stream)
+        # Then its outputs are the span's on the whole sequence, computed on the thread below the sessions' priority
+        whole = load_span(spec, 0, 6)(*inputs)
+        assert torch.allclose(torch.cat([first, second], dim=1), whole, atol=1e-5)
+        assert min(19, os.getpriority(os.PRIO_PROCESS, server.pid) + BACKGROUND_NICE) in thread_nice_values(server.pid)
+        # and one asking for push as well is refused, reserving nothing
+        stream = raw_stream(client, server.peer_id)
+        meta = exchange(client, stream, framed([], {"open": True, "session_id": "x" * 32, "start": 0, "end": 6,
+                                                    "batch_size": 1, "max_length": 8, "background": True, "push": True}))
+        assert error_code(meta) == protocol.ErrorCode.INVALID and "takes no push and no ring" in str(meta)
+        assert client.loop.run(client.call_info(server.peer_id))["sessions"] == 0
+        close(client, stream)
+    finally:
+        server.terminate()
 
 
 def test_a_step_before_the_open_message_is_refused_and_reserves_nothing(tiny_model: Path, server_and_client) -> None:

@@ -1,0 +1,123 @@
+"""`WarmCheck`: a window's check begun when the window opens, so that closing it costs only the window's own tokens.
+
+By window (deferred_checks.py), a sampled row's check recomputes the row's whole history on a second holder of the
+hop: its prompt and tokens so far, then the window's tokens, whose outputs it compares. Begun when the window
+closes, all of that runs after the window's last step, and a lane whose session ends there waits for it (its last
+window's checks are all its finished tokens wait for). A warm check begins the same check when the window opens:
+it opens a session on the second holder with `"background": true` (the server computes it on its background thread,
+behind inference steps, like a stateless forward), and sends it the sampled rows' history so far while the window's
+steps run. When the window closes it sends the window's tokens, and their outputs are compared as a stateless
+check's are (`HopVerifier.check`).
+
+The same rows are sampled (the draw depends on the window, not on when it is made), the same holder is asked
+(`verifier_order` of the window's first step), and the tolerance and the majority rule are the same, so the catch
+guarantees are unchanged. The holder learns which rows it checks one window sooner, which it could use only together
+with the checked server, and a holder that colludes with the checked server can already answer with its lie. A warm
+check that cannot serve (its holder refused or failed, the window's rows or route changed, the history does not
+match) is dropped, and its window is checked as before, by a stateless forward of the whole history.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, Unauthorized
+from swarmclient.server_session import ServerSession
+from swarmnet.data_structures import RouteHop
+
+logger = logging.getLogger(__name__)
+# what a warm check's holder may answer instead of outputs: then the window is checked statelessly
+WARM_FAILURES = (PeerFailed, InvalidRequest, NoRoom, Unauthorized, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True)
+class WarmPrefix:
+    """The sampled rows' input to the hop before the window: hidden [B, P, H], mask [B, P], positions [B, P]."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class WarmCheck:
+    """One hop's warm check of one window: which rows, from which step, and the task that feeds the holder."""
+
+    hop: RouteHop
+    first: int          # the window's first step
+    rows: list[int]     # the sampled rows, numbered as in the session when the window opened
+    batch_size: int     # the session's rows then (a row leaving renumbers them: the warm check is dropped)
+    columns: int        # the history's columns when the window opened
+    cut: int            # the leading ones that no sampled row attends to, left out (`unpadded_start`)
+    task: asyncio.Future[ServerSession | None] = field(repr=False)
+    holder: str | None = None  # the second holder's peer id, once chosen
+
+    def serves(self, hop: RouteHop, first: int, rows: list[int], batch_size: int) -> bool:
+        """Whether this warm check is the one of this window's check (same hop, window, rows and row numbering)."""
+        return (self.hop, self.first, self.rows, self.batch_size) == (hop, first, rows, batch_size)
+
+    async def window_outputs(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                             tokens: int) -> torch.Tensor | None:
+        """The holder's outputs [B, tokens, H] for the window's last `tokens` columns of the rows' whole input (hidden
+        [B, L, H], mask and positions [B, L], the leading columns included); None when this warm check cannot give
+        them (the window is then checked statelessly). The holder's session is closed either way."""
+        session = await self._session()
+        if session is None:
+            return None
+        try:
+            if hidden.shape[1] - tokens != self.columns:
+                return None  # the history is not the one sent: a step was replayed elsewhere meanwhile
+            return await session.step(hidden[:, -tokens:], mask[:, self.cut:], positions[:, -tokens:])
+        except WARM_FAILURES as e:
+            logger.info("A warm check on server %s failed (%s); checking the window statelessly", session.hop.peer_id[-8:], e)
+            return None
+        finally:
+            await session.close()
+
+    async def _session(self) -> ServerSession | None:
+        try:
+            return await self.task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # the check itself is being cancelled
+            return None  # the warm check was dropped
+        except WARM_FAILURES as e:
+            logger.info("A warm check could not begin (%s); checking the window statelessly", e)
+            return None
+
+    def drop(self) -> None:
+        """Give up this warm check (on the event loop): stop feeding the holder and free its session."""
+        if not self.task.done():
+            self.task.cancel()
+            return
+        if not self.task.cancelled() and self.task.exception() is None and (session := self.task.result()) is not None:
+            _close_later(session)
+
+
+_closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background (the loop keeps weak refs)
+
+
+def _close_later(session: ServerSession) -> None:
+    task = asyncio.ensure_future(session.close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
+async def open_warm_session(hop: RouteHop, batch_size: int, max_length: int, prefix: Callable[[], WarmPrefix],
+                            open_session: Callable[..., ServerSession]) -> ServerSession:
+    """A background session on `hop` (the second holder's peer and the checked blocks), fed the rows' history so far;
+    closed again if feeding it fails."""
+    session = open_session(hop, batch_size=batch_size, max_length=max_length, background=True)
+    await session.open()
+    try:
+        given = prefix()
+        await session.step(given.hidden, given.mask, given.positions)
+    except BaseException:
+        await session.close()
+        raise
+    return session
