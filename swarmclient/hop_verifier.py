@@ -117,13 +117,13 @@ class HopVerifier:
                        faulty)
         return verdict
 
-    def begin_warm(self, hop: RouteHop, first: int, rows: list[int], batch_size: int, max_length: int,
-                   columns: int, cut: int, prefix: Callable[[], WarmPrefix]) -> WarmCheck:
-        """Begin the check of `rows` on `hop` over the window that starts at step `first` (warm_checks.py): the
-        holder that check will ask gets a background session and the rows' history so far (`columns` columns, less
-        the `cut` leading ones), beside the window's steps."""
-        warm = WarmCheck(hop, first, rows, batch_size, columns, cut, asyncio.get_running_loop().create_future())
-        warm.task = asyncio.ensure_future(self._warm_session(warm, max_length - cut, prefix))
+    def begin_warm(self, hop: RouteHop, first: int, rows: list[int], max_length: int, columns: int,
+                   prefix: Callable[[], WarmPrefix]) -> WarmCheck:
+        """Begin the check of `rows` (by their indices when the session opened) on `hop` over the window that starts at
+        step `first` (warm_checks.py): the holder that check will ask gets a background session and the rows' history
+        so far (`columns` columns, less its leading padding), beside the window's steps."""
+        warm = WarmCheck(hop, first, rows, columns, asyncio.get_running_loop().create_future())
+        warm.task = asyncio.ensure_future(self._warm_session(warm, max_length, prefix))
         return warm
 
     async def _warm_session(self, warm: WarmCheck, max_length: int, prefix: Callable[[], WarmPrefix]
@@ -137,8 +137,8 @@ class HopVerifier:
         if max_length > span.info.max_length or len(warm.rows) > span.info.max_batch_size:
             return None
         warm.holder = span.peer_id
-        return await open_warm_session(RouteHop(span.peer_id, warm.hop.start, warm.hop.end), len(warm.rows),
-                                       max_length, prefix, functools.partial(ServerSession, self.swarm))
+        return await open_warm_session(warm, RouteHop(span.peer_id, warm.hop.start, warm.hop.end), max_length, prefix,
+                                       functools.partial(ServerSession, self.swarm))
 
     @staticmethod
     async def _warm_answer(warm: WarmCheck, whole: HopCheck, holders: dict[str, RemoteSpanInfo]

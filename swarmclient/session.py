@@ -124,6 +124,7 @@ class InferenceSession:
             deferred.on_window_open = self._warm_window
         self._warm: dict[int, WarmCheck] = {}            # deferred: hop start -> the open window's warm check
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
+        self._row_ids = list(range(batch_size))          # each current row's index when the session opened
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
         self._broken: set[int] = set()                   # hop starts whose server failed
@@ -255,6 +256,7 @@ class InferenceSession:
         self._history.append(StepRecord.of(inputs, attention_mask, position_ids, keep_rows, past=self.position))
         if keep_rows is not None:
             self.batch_size = len(keep_rows)
+            self._row_ids = [self._row_ids[row] for row in keep_rows]
 
     def _check_keep_rows(self, keep_rows: list[int] | None) -> list[int] | None:
         if keep_rows is None:
@@ -330,20 +332,22 @@ class InferenceSession:
                 self._warm[hop.start] = self._begin_warm(hop, first, rows)
 
     def _begin_warm(self, hop: RouteHop, first: int, rows: list[int]) -> WarmCheck:
-        """A warm check of `rows` on `hop` from step `first`: the rows' history so far, less its leading padding."""
+        """A warm check of `rows` on `hop` from step `first`: the rows' history so far, less its leading padding
+        (gathered only once a holder could check it)."""
         history, picked = self._history[:first], torch.tensor(rows)
-        mask = collections.deque(step_masks(history), maxlen=1)[0][picked]
-        cut = unpadded_start(mask, 0)
 
         def prefix() -> WarmPrefix:
+            mask = collections.deque(step_masks(history), maxlen=1)[0][picked]
             whole, positions = stack_history([(r.inputs[hop.start], r.position_ids, r.keep_rows) for r in history])
-            return WarmPrefix(whole[picked, cut:], mask[:, cut:], positions[picked, cut:])
-        return self._verifier.begin_warm(hop, first, rows, self.batch_size, self.max_length, mask.shape[1], cut, prefix)
+            cut = unpadded_start(mask, 0)
+            return WarmPrefix(whole[picked, cut:], mask[:, cut:], positions[picked, cut:], cut)
+        return self._verifier.begin_warm(hop, first, [self._row_ids[row] for row in rows], self.max_length,
+                                         history[-1].length, prefix)
 
     def _take_warm(self, hop: RouteHop, rows: list[int]) -> WarmCheck | None:
         """The warm check begun for this window's check of `rows` on `hop`, if it is that one (else dropped)."""
         warm = self._warm.pop(hop.start, None)
-        if warm is not None and not warm.serves(hop, self._window[1], rows, self.batch_size):
+        if warm is not None and not warm.fits(hop, self._window[1], [self._row_ids[row] for row in rows]):
             warm.drop()
             return None
         return warm
@@ -373,8 +377,10 @@ class InferenceSession:
                 yield hop, picked
 
     def _rows_sampled(self, window: int, hop: RouteHop, rows: Iterable[int]) -> list[int]:
-        return [row for row in rows
-                if sampled_row(self.swarm.config.verify_fraction, self._verifier.key, window, row, hop.start)]
+        """The rows (current indices) sampled for `hop` in `window`: drawn by each row's index when the session opened,
+        so a row keeps its draw when rows before it leave."""
+        return [row for row in rows if sampled_row(self.swarm.config.verify_fraction, self._verifier.key, window,
+                                                   self._row_ids[row], hop.start)]
 
     def _window_check(self, hop: RouteHop, end: int, rows: list[int], warm: WarmCheck | None = None
                       ) -> Callable[[], Awaitable[Verdict | None]]:

@@ -13,8 +13,9 @@ The same rows are sampled (the draw depends on the window, not on when it is mad
 (`verifier_order` of the window's first step), and the tolerance and the majority rule are the same, so the catch
 guarantees are unchanged. The holder learns which rows it checks one window sooner, which it could use only together
 with the checked server, and a holder that colludes with the checked server can already answer with its lie. A warm
-check that cannot serve (its holder refused or failed, the window's rows or route changed, the history does not
-match) is dropped, and its window is checked as before, by a stateless forward of the whole history.
+check that cannot serve (its holder refused or failed, the route changed, the history does not match) is dropped,
+and its window is checked as before, by a stateless forward of the whole history. A sampled row that leaves the
+session within the window is checked as it leaves, statelessly, and the warm check goes on with the others.
 """
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ WARM_FAILURES = (PeerFailed, InvalidRequest, NoRoom, Unauthorized, asyncio.Timeo
 
 @dataclass(frozen=True)
 class WarmPrefix:
-    """The sampled rows' input to the hop before the window: hidden [B, P, H], mask [B, P], positions [B, P]."""
+    """The sampled rows' input to the hop before the window, less its `cut` leading columns that none of them attends
+    to (`unpadded_start`): hidden [B, P, H], mask [B, P], positions [B, P]."""
 
     hidden: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
+    cut: int
 
 
 @dataclass
@@ -49,16 +52,22 @@ class WarmCheck:
 
     hop: RouteHop
     first: int          # the window's first step
-    rows: list[int]     # the sampled rows, numbered as in the session when the window opened
-    batch_size: int     # the session's rows then (a row leaving renumbers them: the warm check is dropped)
+    rows: list[int]     # the sampled rows, by their indices when the session opened (what the draw is by)
     columns: int        # the history's columns when the window opened
-    cut: int            # the leading ones that no sampled row attends to, left out (`unpadded_start`)
     task: asyncio.Future[ServerSession | None] = field(repr=False)
+    cut: int = 0        # the leading ones that no sampled row attends to, left out (set once the holder is fed)
     holder: str | None = None  # the second holder's peer id, once chosen
+    keep_rows: list[int] | None = None  # the rows of `rows` still in the session at the window's end, if not all
 
-    def serves(self, hop: RouteHop, first: int, rows: list[int], batch_size: int) -> bool:
-        """Whether this warm check is the one of this window's check (same hop, window, rows and row numbering)."""
-        return (self.hop, self.first, self.rows, self.batch_size) == (hop, first, rows, batch_size)
+    def fits(self, hop: RouteHop, first: int, rows: list[int]) -> bool:
+        """Whether this warm check is the one of the window's check of `rows` (by their indices when the session
+        opened) on `hop`: the rows it was begun with, less those that left the session within the window (checked as
+        they left), which its window step drops from the holder's session (`keep_rows`)."""
+        staying = [index for index, row in enumerate(self.rows) if row in rows]
+        if (self.hop, self.first) != (hop, first) or len(staying) != len(rows):
+            return False
+        self.keep_rows = None if len(staying) == len(self.rows) else staying
+        return True
 
     async def window_outputs(self, hidden: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                              tokens: int) -> torch.Tensor | None:
@@ -71,7 +80,7 @@ class WarmCheck:
         try:
             if hidden.shape[1] - tokens != self.columns:
                 return None  # the history is not the one sent: a step was replayed elsewhere meanwhile
-            return await session.step(hidden[:, -tokens:], mask[:, self.cut:], positions[:, -tokens:])
+            return await session.step(hidden[:, -tokens:], mask[:, self.cut:], positions[:, -tokens:], self.keep_rows)
         except WARM_FAILURES as e:
             logger.info("A warm check on server %s failed (%s); checking the window statelessly", session.hop.peer_id[-8:], e)
             return None
@@ -88,6 +97,9 @@ class WarmCheck:
             return None  # the warm check was dropped
         except WARM_FAILURES as e:
             logger.info("A warm check could not begin (%s); checking the window statelessly", e)
+            return None
+        except Exception:  # a fault of ours: the window is still checked, statelessly
+            logger.warning("A warm check failed to begin; checking the window statelessly", exc_info=True)
             return None
 
     def drop(self) -> None:
@@ -108,14 +120,15 @@ def _close_later(session: ServerSession) -> None:
     task.add_done_callback(_closing.discard)
 
 
-async def open_warm_session(hop: RouteHop, batch_size: int, max_length: int, prefix: Callable[[], WarmPrefix],
+async def open_warm_session(warm: WarmCheck, hop: RouteHop, max_length: int, prefix: Callable[[], WarmPrefix],
                             open_session: Callable[..., ServerSession]) -> ServerSession:
-    """A background session on `hop` (the second holder's peer and the checked blocks), fed the rows' history so far;
-    closed again if feeding it fails."""
-    session = open_session(hop, batch_size=batch_size, max_length=max_length, background=True)
+    """A background session on `hop` (the second holder's peer and the checked blocks) for `warm`'s rows, fed their
+    history so far; closed again if feeding it fails."""
+    given = prefix()
+    warm.cut = given.cut
+    session = open_session(hop, batch_size=len(warm.rows), max_length=max_length - given.cut, background=True)
     await session.open()
     try:
-        given = prefix()
         await session.step(given.hidden, given.mask, given.positions)
     except BaseException:
         await session.close()

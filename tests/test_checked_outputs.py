@@ -426,6 +426,37 @@ def test_a_warm_check_whose_holder_lies_bans_that_holder_by_the_third_and_the_to
     assert torch.equal(got, reference_tokens(tiny_model, batch, 12))
 
 
+def test_a_warm_check_goes_on_without_a_sampled_row_that_finished_within_its_window(
+        tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
+    # Given two honest holders of each half, a client sampling every row and closing a window every 4 tokens, and
+    # three rows of which the first stops after 6 tokens (within the window [4, 8)) and leaves the session
+    swarm = local_swarm(tiny_model, [(0, 3), (0, 3), (3, 6), (3, 6)])
+    batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
+    limits = [6, 12, 12]
+    tally = VerificationTally()
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0)) as model:
+        checks = DeferredChecks(model.swarm.loop)
+        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
+                                   verification=tally, deferred=checks)
+
+        def checkpoint(index: int, _: torch.Tensor) -> None:
+            if index in (3, 7):
+                checks.close_window()
+        # When it generates, finished rows leaving the session
+        with session:
+            got = generate_tokens(model.head, session.step, batch["input_ids"], batch["attention_mask"],
+                                  max_new_tokens=limits, params=model.sampling_params(len(PROMPTS), False, 1.0, 1.0, 0),
+                                  eos_token_ids=(), pad_token_id=model.pad_token_id, on_token=checkpoint, shrink=True)
+    # Then each row's tokens are transformers' up to its limit
+    expected = reference_tokens(tiny_model, batch, 12)
+    for row, limit in enumerate(limits):
+        assert got[row, :limit].tolist() == expected[row, :limit].tolist()
+    # and each hop was checked in the window [0, 4) (statelessly: nothing to begin before it), for the leaving row as
+    # it left (statelessly), and warm for the other two rows at the ends of [4, 8) and [8, 12): all agreeing
+    counts = tally.snapshot()
+    assert (counts.verified, counts.mismatches, counts.unverified, counts.warm) == (8, 0, 0, 4)
+
 def key_asking(first: str, second: str, order: list[str]) -> str:
     """A key of a session's checks under which each window (from steps 0, 4 and 8) asks the holder named in `order`
     first, of the holders `first` and `second` of blocks 0:3."""
