@@ -10,8 +10,10 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -374,6 +376,13 @@ def generate_with_checkpoints(model: DistributedModelForCausalLM, session: Infer
                            eos_token_ids=(), pad_token_id=model.pad_token_id, on_token=checkpoint)
 
 
+def window_checked_session(model: DistributedModelForCausalLM, batch: dict, tally: VerificationTally
+                           ) -> tuple[InferenceSession, DeferredChecks]:
+    """A session of the batch's rows, 12 tokens long, whose checks run by window as a job lane's do."""
+    checks = DeferredChecks(model.swarm.loop)
+    return InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
+                            verification=tally, deferred=checks), checks
+
 def test_window_checks_begun_when_their_window_opens_are_answered_by_the_holder_fed_meanwhile(
         tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
     # Given two honest holders of each half and a client sampling every row, closing a window every 4 tokens
@@ -382,9 +391,7 @@ def test_window_checks_begun_when_their_window_opens_are_answered_by_the_holder_
     tally = VerificationTally()
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
                                                      config=ClientConfig(verify_fraction=1.0)) as model:
-        checks = DeferredChecks(model.swarm.loop)
-        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
-                                   verification=tally, deferred=checks)
+        session, checks = window_checked_session(model, batch, tally)
         # When it generates 12 tokens: windows of steps [0, 4), [4, 8) and [8, 12)
         with session:
             got = generate_with_checkpoints(model, session, batch, checks, 4, 12)
@@ -402,22 +409,15 @@ def test_a_warm_check_whose_holder_lies_bans_that_holder_by_the_third_and_the_to
     honest = swarm.servers[0]
     batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
     tally = VerificationTally()
-    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
-                                                     config=ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)) as model:
-        checks = DeferredChecks(model.swarm.loop)
-        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
-                                   verification=tally, deferred=checks)
-        with session:
-            assert session.route[0].peer_id == honest.peer_id
-            liar, other = swarm.start_server(0, 3, env=LIAR), swarm.start_server(0, 3)
-            wait_for_holders(model, 3)
-            # and a key of the session's checks (what they draw from) that asks the honest one to check window [0, 4),
-            # the liar to check [4, 8) (a warm check: begun when that window opened), and the honest one for [8, 12)
-            session._verifier.key = key_asking(liar.peer_id, other.peer_id, [other.peer_id, liar.peer_id, other.peer_id])
-            # When it generates 12 tokens, closing a window every 4
-            got = generate_with_checkpoints(model, session, batch, checks, 4, 12)
-            assert session.route[0].peer_id == honest.peer_id
-        banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
+    with two_late_holders(tiny_model, swarm, batch, tally, LIAR) as (model, session, checks, (liar, other)):
+        assert session.route[0].peer_id == honest.peer_id
+        # and a key of the session's checks (what they draw from) that asks the honest one to check window [0, 4),
+        # the liar to check [4, 8) (a warm check: begun when that window opened), and the honest one for [8, 12)
+        session._verifier.key = key_asking(liar.peer_id, other.peer_id, [other.peer_id, liar.peer_id, other.peer_id])
+        # When it generates 12 tokens, closing a window every 4 (and the last window's checks settle at its end)
+        got = generate_with_checkpoints(model, session, batch, checks, 4, 12)
+        assert session.route[0].peer_id == honest.peer_id
+    banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
     # Then the liar's warm answer differed, the third holder sided with the checked server, and the liar alone is
     # banned; the session went on through the honest server: transformers' tokens
     assert banned == {liar.peer_id}
@@ -436,9 +436,7 @@ def test_a_warm_check_goes_on_without_a_sampled_row_that_finished_within_its_win
     tally = VerificationTally()
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
                                                      config=ClientConfig(verify_fraction=1.0)) as model:
-        checks = DeferredChecks(model.swarm.loop)
-        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
-                                   verification=tally, deferred=checks)
+        session, checks = window_checked_session(model, batch, tally)
 
         def checkpoint(index: int, _: torch.Tensor) -> None:
             if index in (3, 7):
@@ -470,28 +468,35 @@ def test_a_warm_check_whose_holder_dies_in_its_window_is_made_statelessly_by_the
     swarm = local_swarm(tiny_model, [(0, 3), (3, 6)])
     batch = dict(load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True))
     tally = VerificationTally()
-    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
-                                                     config=ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)) as model:
-        checks = DeferredChecks(model.swarm.loop)
-        session = InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
-                                   verification=tally, deferred=checks)
-        with session:
-            doomed, kept = swarm.start_server(0, 3), swarm.start_server(0, 3)
-            wait_for_holders(model, 3)
-            # whose window [4, 8) check is warm on the one that dies during that window
-            session._verifier.key = key_asking(doomed.peer_id, kept.peer_id, [kept.peer_id, doomed.peer_id, kept.peer_id])
+    with two_late_holders(tiny_model, swarm, batch, tally, {}) as (model, session, checks, (doomed, kept)):
+        # whose window [4, 8) check is warm on the one that dies during that window
+        session._verifier.key = key_asking(doomed.peer_id, kept.peer_id, [kept.peer_id, doomed.peer_id, kept.peer_id])
 
-            def kill_in_window(index: int) -> None:
-                if index == 5:
-                    doomed.kill()
-            got = generate_with_checkpoints(model, session, batch, checks, 4, 12, kill_in_window)
-        banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
+        def kill_in_window(index: int) -> None:
+            if index == 5:
+                doomed.kill()
+        got = generate_with_checkpoints(model, session, batch, checks, 4, 12, kill_in_window)
+    banned = {s.peer_id for s in swarm.servers if model.swarm.bans.banned_for_good(s.peer_id)}
     # Then that window was still checked, by a stateless forward on the other holder, the next one warm; nobody is
     # banned for good, and the tokens are transformers'
     counts = tally.snapshot()
     assert (counts.verified, counts.mismatches, counts.unverified, counts.warm) == (3, 0, 3, 1)
     assert banned == set()
     assert torch.equal(got, reference_tokens(tiny_model, batch, 12))
+
+
+@contextmanager
+def two_late_holders(model_dir: Path, swarm: LocalSwarm, batch: dict, tally: VerificationTally, env: dict[str, str]
+                     ) -> Iterator[tuple[DistributedModelForCausalLM, InferenceSession, DeferredChecks, tuple[Any, Any]]]:
+    """A client sampling every row, a window-checked session opened through the swarm's servers, then two more holders
+    of blocks 0:3 (the first with `env`), once the client sees them; the session settles its checks at the end."""
+    with DistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=swarm.initial_peers,
+                                                     config=ClientConfig(verify_fraction=1.0, discovery_ttl=0.2)) as model:
+        session, checks = window_checked_session(model, batch, tally)
+        with session:
+            holders = swarm.start_server(0, 3, env=env), swarm.start_server(0, 3)
+            wait_for_holders(model, 3)
+            yield model, session, checks, holders
 
 
 def wait_for_holders(model: DistributedModelForCausalLM, count: int) -> None:
