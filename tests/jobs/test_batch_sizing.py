@@ -218,7 +218,9 @@ def test_rows_waiting_for_room_keep_their_lease(
     swarm = small_server("--attn-cache-tokens", "200", "--no-lend-idle-cache")
     runtime = make_runtime(initial_peers=swarm.initial_peers, checkpoint_every=4, lease_seconds=1.0,
                            worker_batch_size=12, pipeline_lanes=4)
-    job = submit_batch(runtime, batch_file(12, max_tokens=60), model=str(tiny_model))
+    # (90 tokens a row: 2 rows fit at a time, so the batch outlasts several leases even on a fast box, where 60 did
+    # not always: 2.8 s once)
+    job = submit_batch(runtime, batch_file(12, max_tokens=90), model=str(tiny_model))
     done = threading.Event()
     swept: list[list[str]] = []
 
