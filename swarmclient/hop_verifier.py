@@ -122,7 +122,7 @@ class HopVerifier:
         """Begin the check of `rows` (by their indices when the session opened) on `hop` over the window that starts at
         step `first` (warm_checks.py): the holder that check will ask gets a background session and the rows' history
         so far (`columns` columns, less its leading padding), beside the window's steps."""
-        warm = WarmCheck(hop, first, rows, columns, asyncio.get_running_loop().create_future())
+        warm = WarmCheck(hop, first, rows, columns)
         warm.task = asyncio.ensure_future(self._warm_session(warm, max_length, prefix))
         return warm
 

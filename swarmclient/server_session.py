@@ -369,3 +369,11 @@ def _opened(answer: bytes) -> bool:
         return protocol.decode(answer)[1].get("opened") is True
     except ValueError:
         return False
+
+
+def close_in_background(session: ServerSession, pending: set[asyncio.Future[None]]) -> None:
+    """Close `session` without waiting for it; `pending` holds the closing task until it is done (the event loop keeps
+    only weak references to tasks)."""
+    task = asyncio.ensure_future(session.close())
+    pending.add(task)
+    task.add_done_callback(pending.discard)

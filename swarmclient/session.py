@@ -44,7 +44,7 @@ from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, PushReported,
 from swarmclient.hop_verifier import HopCheck, HopVerifier, unpadded_start
 from swarmclient.push_audit import Blame, InputClaim, InputRecord, judge_input
 from swarmclient.retry import with_retries
-from swarmclient.server_session import ServerSession
+from swarmclient.server_session import ServerSession, close_in_background
 from swarmclient.swarm import Swarm, wire_hidden
 from swarmclient.verification_policy import Verdict, VerificationTally, sampled, sampled_row, stack_history
 from swarmclient.warm_checks import WarmCheck, WarmPrefix
@@ -605,10 +605,8 @@ class InferenceSession:
             self._drop_warm()
 
     def _close_later(self, session: ServerSession) -> None:
-        """Close a session in the background (the loop keeps only weak references to tasks: hold it here)."""
-        task = asyncio.ensure_future(session.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        """Close a session in the background (held in `_closing` until it is closed)."""
+        close_in_background(session, self._closing)
 
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
         hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarmclient.errors import InvalidRequest, NoRoom, PeerFailed, Unauthorized
-from swarmclient.server_session import ServerSession
+from swarmclient.server_session import ServerSession, close_in_background
 from swarmnet.data_structures import RouteHop
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class WarmCheck:
     first: int          # the window's first step
     rows: list[int]     # the sampled rows, by their indices when the session opened (what the draw is by)
     columns: int        # the history's columns when the window opened
-    task: asyncio.Future[ServerSession | None] = field(repr=False)
+    task: asyncio.Future[ServerSession | None] = field(init=False, repr=False)  # set by `HopVerifier.begin_warm`
     cut: int = 0        # the leading ones that no sampled row attends to, left out (set once the holder is fed)
     holder: str | None = None  # the second holder's peer id, once chosen
     keep_rows: list[int] | None = None  # the rows of `rows` still in the session at the window's end, if not all
@@ -108,16 +108,10 @@ class WarmCheck:
             self.task.cancel()
             return
         if not self.task.cancelled() and self.task.exception() is None and (session := self.task.result()) is not None:
-            _close_later(session)
+            close_in_background(session, _closing)
 
 
-_closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background (the loop keeps weak refs)
-
-
-def _close_later(session: ServerSession) -> None:
-    task = asyncio.ensure_future(session.close())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
+_closing: set[asyncio.Future[None]] = set()  # dropped warm checks' sessions being closed
 
 
 async def open_warm_session(warm: WarmCheck, hop: RouteHop, max_length: int, prefix: Callable[[], WarmPrefix],
