@@ -17,7 +17,8 @@ from functools import partial
 import torch
 from timing import median_call_seconds  # bench/ is the script's folder, first on sys.path
 
-from swarmnet.head_matmul import HeadMatmul, linear, transposed
+from swarmnet.head_matmul import HeadMatmul
+from swarmnet.product_forms import linear, transposed
 
 
 def main() -> None:

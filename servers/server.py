@@ -34,6 +34,7 @@ from servers.rebalancer import Rebalancer
 from servers.rebalancing import Move
 from servers.ring import RING_HEAD_LOG, RingGuesser
 from servers.span import BlockSpan
+from servers.span_forms import tune_span
 from servers.status import ServerStatus, SpanStatus
 from servers.throughput import measure_throughput
 from servers.validation import Limits
@@ -222,6 +223,8 @@ class BlockServer:
         span = await asyncio.get_running_loop().run_in_executor(
             None, lambda: load_span(self.spec, start, end, dtype=self.dtype, quant=config.quant,
                                     device=self.device))
+        if config.tune_products:  # before the fault hook and the throughput: the forms every step takes
+            await asyncio.get_running_loop().run_in_executor(None, tune_span, span)
         inject_faults(span, self.fault_noise)  # tests only: a server that lies (servers/faults.py)
         guesser = None
         if config.ring and end == self.spec.num_blocks:

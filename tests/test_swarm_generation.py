@@ -11,6 +11,7 @@ from generation_checks import generate_killing_first_hop, reference_tokens
 from tiers import process_fixture
 
 from launch.local_swarm import LocalSwarm
+from servers.span_forms import ROW_FORMS_ENV
 from swarmclient.config import ClientConfig
 from swarmclient.errors import MissingBlocksError
 from swarmclient.model import DistributedModelForCausalLM
@@ -133,6 +134,25 @@ def test_smollm2_through_two_servers_equals_transformers(smollm2_model: Path, lo
         got_alone = model.generate(alone.input_ids, alone.attention_mask, max_new_tokens=32)
     assert torch.equal(got[:, batch.input_ids.shape[1]:], expected)
     assert torch.equal(got_alone[:, alone.input_ids.shape[1]:], expected_alone)
+
+
+def test_servers_whose_few_row_products_take_other_forms_generate_transformers_tokens(tiny_model: Path,
+                                                                                      local_swarm) -> None:
+    # Given two servers whose products of 1 row are paired and of 2-4 rows transposed (a CPU where those are faster)
+    swarm = local_swarm(tiny_model, [])
+    forms = {ROW_FORMS_ENV: "1:paired,2:transposed,3:transposed,4:transposed"}
+    servers = [swarm.start_server(start, end, env=forms) for start, end in ((0, 3), (3, 6))]
+    tokenizer = load_tokenizer(tiny_model)
+    batches = [tokenizer(prompts, return_tensors="pt", padding=True) for prompts in (PROMPTS[2:3], PROMPTS[:3])]
+    expected = [reference_tokens(tiny_model, batch, 24) for batch in batches]
+    # When a batch of 1 and a batch of 3 are generated through them
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        got = [model.generate(b.input_ids, b.attention_mask, max_new_tokens=24) for b in batches]
+    # Then both servers took those forms, and the tokens are transformers' greedy ones
+    for server in servers:
+        assert "Product forms of blocks" in server.log_path.read_text()
+    for batch, tokens, want in zip(batches, got, expected, strict=True):
+        assert torch.equal(tokens[:, batch.input_ids.shape[1]:], want)
 
 
 def test_killing_the_server_in_use_mid_generation_changes_no_token(tiny_model: Path, local_swarm) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarmnet.head_matmul import TUNED_MIN_WEIGHTS, TUNED_ROWS, HeadMatmul, linear, transposed
+from swarmnet.head_matmul import TUNED_MIN_WEIGHTS, HeadMatmul
+from swarmnet.product_forms import TUNED_ROWS, linear, paired, transposed
 
 HIDDEN = 256
 VOCAB = TUNED_MIN_WEIGHTS // HIDDEN  # the smallest head that is timed
@@ -24,7 +25,7 @@ def rows(count: int) -> torch.Tensor:
 
 
 def durations(linear_s: float, transposed_s: float) -> Callable[[], float]:
-    """A clock under which each F.linear takes `linear_s` and each (W xᵀ)ᵀ `transposed_s` (forms timed in turn)."""
+    """A clock under which each F.linear takes `linear_s` and the other form `transposed_s` (forms timed in turn)."""
     def ticks() -> Iterator[float]:
         now = 0.0
         while True:
@@ -43,7 +44,7 @@ def no_clock() -> float:
 def test_both_forms_are_the_same_product(weight: torch.Tensor, count: int) -> None:
     x = rows(count)
     want = F.linear(x.double(), weight.double())
-    for form in (linear, transposed):
+    for form in (linear, transposed, *((paired,) if count == 1 else ())):
         got = form(x, weight)
         assert got.shape == (count, VOCAB) and got.is_contiguous()  # as F.linear's: read row by row after
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
@@ -57,6 +58,13 @@ def test_the_faster_form_is_kept_for_its_row_count_and_reused_without_timing(wei
     assert matmul.choices == {3: "transposed"}
     matmul.clock = no_clock  # a row count met before is not timed again
     assert torch.equal(matmul(x), transposed(x, weight))
+
+
+def test_one_row_keeps_its_paired_product_where_that_is_faster(weight: torch.Tensor) -> None:
+    matmul = HeadMatmul(weight, clock=durations(0.010, 0.006))  # F.linear, then the paired product, in turn
+    x = rows(1)
+    assert torch.equal(matmul(x), paired(x, weight))
+    assert matmul.choices == {1: "paired"}
 
 
 def test_f_linear_is_kept_unless_the_other_form_is_clearly_faster(weight: torch.Tensor) -> None:

@@ -1,0 +1,80 @@
+"""Tuning a span's few-row products: each row count's fastest form of the blocks' linear layers, timed at start-up.
+
+A decode step of B rows multiplies B rows by each linear layer's weight. product_forms.py has the equal forms of that
+product and why their speeds differ: mostly how fast each streams the weights from memory, so a form is timed where
+it streams them, over the whole span's forward (a single layer's product, in cache, ranks them the other way). For
+each row count 1..TUNED_ROWS, `tune_span` runs a stateless one-token forward of the span under each candidate form
+(TIMING_ROUNDS times, in turn) and keeps the fastest, F.linear unless another is clearly faster (MARGIN). It runs
+before the server announces itself and measures its throughput, so every step it serves takes the same forms.
+
+Only float32 spans on a CPU whose linear layers hold at least TUNED_MIN_SPAN_WEIGHTS are tuned (a smaller span stays
+in cache, where the forms tie); quantized layers are not nn.Linear's and keep their own kernels. ROW_FORMS_ENV sets a
+table without timing (tests: the forms on a tiny model).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from servers.span import BlockSpan
+from swarmnet.product_forms import FORMS, TUNED_ROWS, FormTable, candidates, fastest, float32_linears, install
+
+logger = logging.getLogger(__name__)
+
+TUNED_MIN_SPAN_WEIGHTS = 1 << 22  # 16 MiB of float32 weights; a span under it is not timed
+TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s"
+FORCED_LOG = "Product forms of blocks %d:%d, set by %s: %s"
+# TEST ONLY: "1:paired,2:transposed" installs this table on any float32 CPU span, untimed
+ROW_FORMS_ENV = "SWARMBATCH_TEST_ROW_FORMS"
+
+
+def tune_span(span: BlockSpan, *, clock: Callable[[], float] = time.perf_counter) -> FormTable | None:
+    """Time and install the span's product forms (see the module doc); None where the span is not tuned."""
+    forced = forced_table()
+    linears = float32_linears(span)
+    if not linears or span.compute_dtype != torch.float32 or span.device.type != "cpu":
+        return None
+    if forced is not None:
+        install(span, forced)
+        logger.info(FORCED_LOG, span.start, span.end, ROW_FORMS_ENV, forced.describe())
+        return forced
+    if sum(layer.weight.numel() for layer in linears) < TUNED_MIN_SPAN_WEIGHTS:
+        return None
+    table = FormTable()
+    install(span, table)
+    began = clock()
+    for rows in range(1, TUNED_ROWS + 1):
+        table.choices[rows] = time_row_count(span, table, rows, clock)
+    logger.info(TUNED_LOG, span.start, span.end, clock() - began, table.describe())
+    return table
+
+
+@torch.inference_mode()
+def time_row_count(span: BlockSpan, table: FormTable, rows: int, clock: Callable[[], float]) -> str:
+    """The form kept for `rows`: a one-token stateless forward of the whole span under each candidate."""
+    hidden = torch.randn(rows, 1, span.spec.hidden_size, generator=torch.Generator().manual_seed(rows))
+    mask, positions = torch.ones(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long)
+
+    def forward(form: str) -> None:
+        table.choices[rows] = form
+        span(hidden, mask, positions)
+    choice, _ = fastest(forward, candidates(rows), clock)
+    return choice
+
+
+def forced_table() -> FormTable | None:
+    """The table ROW_FORMS_ENV sets ("rows:form,..."), or None when it is unset."""
+    value = os.environ.get(ROW_FORMS_ENV, "").strip()
+    if not value:
+        return None
+    choices = {}
+    for item in value.split(","):
+        rows, _, form = item.partition(":")
+        if form not in FORMS or not rows.strip().isdigit():
+            raise ValueError(f"{ROW_FORMS_ENV}={value!r}: expected rows:form pairs, forms {sorted(FORMS)}")
+        choices[int(rows)] = form
+    return FormTable(choices)

@@ -1,0 +1,129 @@
+"""A product x · Wᵀ of a few rows on a CPU, in the fastest of equal forms: kept per row count, after timing them.
+
+logits = x · Wᵀ is `F.linear(x, W)`, and equally `(W · xᵀ)ᵀ` ("transposed"), and for one row the first row of the
+transposed product of that row twice ("paired"). They use the same weight (no copy) and the same sums in another
+order, so they differ by float rounding (about 1e-6 relative). Which is fastest depends on the row count, on the
+CPU and on whether the weights stream from memory. On an AMD EPYC VM (MKL, one thread, SmolLM2's linear layers
+cycled through all 30 blocks so that each streams from memory, /tmp probe of session 28):
+
+    rows        1      2      3      4      6      8      16
+    linear     37.9   53.5   59.9   48.0   54.9   57.3   74.7  ms
+    transposed 37.9   23.6   38.1   39.4   60.1   67.1   86.3
+    paired     24.9
+
+MKL computes one row as a matrix-vector product, which streams the weight at ~11 GB/s there, and a product with two
+columns at ~17 GB/s. The same matrices timed warm (in cache) rank the other way, so a choice is made by timing the
+product where it runs: the LM head one call at a time (head_matmul.py: its 113 MB stream from memory), a server's
+blocks a whole span's forward at a time (servers/span_forms.py). `FormLinear` is an nn.Linear that takes the form
+its `FormTable` holds for its input's row count.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TUNED_ROWS = 8           # row counts up to this are timed; MKL's large-M path is good above it
+MARGIN = 0.9             # another form is kept when it takes at most this fraction of F.linear's time
+TIMING_ROUNDS = 3        # each form runs this many times on first sight of a row count; its fastest run counts
+
+Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[N, H] x [V, H] -> [N, V], as nn.Linear computes it."""
+    return F.linear(x, weight)
+
+
+def transposed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The same product as `linear`, computed as (W · xᵀ)ᵀ (MKL's path for a tall, thin product), made contiguous as
+    F.linear's is (what sampling, penalties and the next layer read row by row; the copy costs 0.1-0.4 ms at 2-6
+    rows of a 49152-word head)."""
+    return (weight @ x.t()).t().contiguous()
+
+
+def paired(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One row's product as the first column of W · [x, x]ᵀ: a two-column product, which streams the weight faster
+    than the matrix-vector product that one row gets (see above)."""
+    return (weight @ torch.cat([x, x]).t())[:, :1].t().contiguous()
+
+
+FORMS: dict[str, Form] = {"linear": linear, "transposed": transposed, "paired": paired}
+
+
+def candidates(rows: int) -> tuple[str, ...]:
+    """The forms timed for a row count: F.linear first (the one kept unless another is clearly faster)."""
+    return ("linear", "paired") if rows == 1 else ("linear", "transposed")
+
+
+def fastest(run: Callable[[str], T], names: tuple[str, ...], clock: Callable[[], float]) -> tuple[str, T]:
+    """Run each form TIMING_ROUNDS times, in turn (the first round warms the paths); returns the form kept and its
+    last result. The first form (F.linear) is kept unless another one's fastest run took at most MARGIN of its."""
+    best: dict[str, float] = {}
+    results: dict[str, T] = {}
+    for _ in range(TIMING_ROUNDS):
+        for name in names:
+            start = clock()
+            results[name] = run(name)
+            best[name] = min(best.get(name, float("inf")), clock() - start)
+    challenger = min(names[1:], key=lambda name: best[name])
+    choice = challenger if best[challenger] <= MARGIN * best[names[0]] else names[0]
+    return choice, results[choice]
+
+
+@dataclass
+class FormTable:
+    """Row count -> the form its products take (F.linear for a row count not in it)."""
+
+    choices: dict[int, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """'1 paired, 2-5 transposed; others linear' (a log line)."""
+        runs: list[list[int | str]] = []  # [first rows, last rows, form], consecutive row counts of one form joined
+        for rows, form in sorted(self.choices.items()):
+            if form == "linear":
+                continue
+            if runs and runs[-1][2] == form and runs[-1][1] == rows - 1:
+                runs[-1][1] = rows
+            else:
+                runs.append([rows, rows, form])
+        kept = [f"{low}{'' if low == high else f'-{high}'} {form}" for low, high, form in runs]
+        return ", ".join(kept) + ("; " if kept else "") + "others linear"
+
+
+class FormLinear(nn.Linear):
+    """nn.Linear whose product of few rows takes the form its table holds for that row count (`install`)."""
+
+    table: FormTable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        form = self.table.choices.get(rows, "linear")
+        if form == "linear":
+            return F.linear(x, self.weight, self.bias)
+        out = FORMS[form](x.reshape(rows, self.in_features), self.weight)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def float32_linears(module: nn.Module) -> list[nn.Linear]:
+    """The plain float32 CPU nn.Linear layers in a module (not quantized ones, which subclass it)."""
+    return [m for m in module.modules() if isinstance(m, nn.Linear) and type(m) in (nn.Linear, FormLinear)
+            and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+
+
+def install(module: nn.Module, table: FormTable) -> int:
+    """Make every plain float32 CPU nn.Linear in `module` a FormLinear reading `table` (in place: same weights);
+    returns how many weights they hold."""
+    weights = 0
+    for layer in float32_linears(module):
+        layer.__class__ = FormLinear
+        setattr(layer, "table", table)  # noqa: B010 (mypy types a Module attribute Tensor | Module)
+        weights += layer.weight.numel()
+    return weights

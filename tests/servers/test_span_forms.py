@@ -1,0 +1,82 @@
+"""A server's span times its blocks' few-row product forms at start-up and keeps each row count's fastest."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from servers import span_forms
+from servers.block_loading import load_span
+from servers.config import DType
+from servers.span import BlockSpan
+from servers.span_forms import ROW_FORMS_ENV, tune_span
+from swarmnet.model_spec import ModelSpec
+from swarmnet.product_forms import FORMS, TUNED_ROWS, FormLinear
+
+
+def span_of(tiny_model: Path, dtype: DType = DType.float32) -> BlockSpan:
+    return load_span(ModelSpec.open(tiny_model), 0, 3, dtype=dtype)
+
+
+def challenger_wins() -> Iterator[float]:
+    """A clock under which the second form timed (paired or transposed) takes half F.linear's time."""
+    now = 0.0
+    while True:
+        for seconds in (0.010, 0.005):
+            yield now
+            now += seconds
+            yield now
+
+
+def decode(span: BlockSpan, rows: int) -> torch.Tensor:
+    """A 6-token prefill of `rows` rows, then 3 decode steps; the last step's output."""
+    generator = torch.Generator().manual_seed(rows)
+    caches = span.new_caches(span.start, span.end)
+    hidden = span.spec.hidden_size
+    span(torch.randn(rows, 6, hidden, generator=generator), torch.ones(rows, 6, dtype=torch.long),
+         torch.arange(6).expand(rows, -1), caches)
+    out = torch.empty(0)
+    for step in range(6, 9):
+        out = span(torch.randn(rows, 1, hidden, generator=generator), torch.ones(rows, step + 1, dtype=torch.long),
+                   torch.full((rows, 1), step), caches)
+    return out
+
+
+def test_a_span_keeps_each_row_counts_faster_form_and_its_decode_steps_take_it(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a tiny span counted as big enough to tune, and a clock under which the other forms are twice as fast
+    monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    span, plain = span_of(tiny_model), span_of(tiny_model)
+    table = tune_span(span, clock=challenger_wins().__next__)
+    # Then every row count up to TUNED_ROWS keeps the other form, in every linear layer of the span
+    assert table is not None and table.choices == {1: "paired", **{r: "transposed" for r in range(2, TUNED_ROWS + 1)}}
+    linears = [m for m in span.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, FormLinear) and m.table is table for m in linears)
+    # And decode steps of 1 and 3 rows take those forms, with outputs equal to F.linear's up to float rounding
+    taken: list[str] = []
+    for name in ("paired", "transposed"):
+        form = FORMS[name]
+        monkeypatch.setitem(FORMS, name, lambda x, w, form=form, name=name: taken.append(name) or form(x, w))
+    for rows in (1, 3):
+        assert torch.allclose(decode(span, rows), decode(plain, rows), rtol=1e-4, atol=1e-5)
+    assert {"paired", "transposed"} <= set(taken)
+
+
+def test_a_span_small_enough_to_stay_in_cache_or_not_float32_is_not_tuned(tiny_model: Path) -> None:
+    def no_clock() -> float:
+        raise AssertionError("this span must not be timed")
+    for span in (span_of(tiny_model), span_of(tiny_model, DType.bfloat16)):
+        assert tune_span(span, clock=no_clock) is None
+        assert not any(isinstance(m, FormLinear) for m in span.modules())
+
+
+def test_the_test_table_is_installed_untimed_and_a_malformed_one_is_refused_in_one_line(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ROW_FORMS_ENV, "1:paired,3:transposed")
+    table = tune_span(span_of(tiny_model))
+    assert table is not None and table.choices == {1: "paired", 3: "transposed"}
+    monkeypatch.setenv(ROW_FORMS_ENV, "1:sideways")
+    with pytest.raises(ValueError, match=f"{ROW_FORMS_ENV}='1:sideways': expected rows:form pairs"):
+        tune_span(span_of(tiny_model))
