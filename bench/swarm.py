@@ -27,8 +27,10 @@ Hop round trip (2-server swarm, batch 1, after a prefill):
   hop-1blk  a ServerSession on a 1-block sub-span of each server: 1x1xH decode steps, time of `await step`
             on the client's loop, minus the compute time the server reports for that step (`compute_ms`);
             the same minus a local timing of the block is printed too (it also counts any slowdown of the
-            server's core)
-  hop-span  the same over each server's whole half-span (15 blocks), minus that span's local compute
+            server's core; a block alone is too small to tune its product forms, so that local timing uses
+            F.linear while the server's block takes its span's forms: servers/span_forms.py)
+  hop-span  the same over each server's whole half-span (15 blocks), minus that span's local compute (the local
+            span tuned as a server tunes it)
   chain     full `InferenceSession.step` (both hops, called from this thread) minus both spans' local compute,
             divided by 2 (per hop)
   ping      `Swarm.ping` (the `info` RPC: a stream of its own), 50 calls per server
@@ -303,10 +305,13 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
     same cache length, 1 thread), so round trip - local compute = what the hop adds on top of compute.
     """
     from servers.block_loading import load_span
+    from servers.span_forms import tune_span
     from swarmclient.session import ServerSession
 
     swarm, spec = model.swarm, model.spec
     spans = [load_span(spec, h.start, h.end) for h in hops]
+    for span in spans:  # the forms a server keeps at start-up (servers/span_forms.py): the same compute as the hop's
+        tune_span(span)
     caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, hops, strict=True)]
     sessions = [ServerSession(swarm, h, batch_size=1, max_length=prompt_len + steps + 2) for h in hops]
     remote: list[list[float]] = [[] for _ in hops]
@@ -345,6 +350,7 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
 def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     """Round trips of decode-sized (1x1xH) hops on the 2-server swarm; see the module docstring."""
     from servers.block_loading import load_span
+    from servers.span_forms import tune_span
     from swarmnet.data_structures import RouteHop
 
     swarm, spec = model.swarm, model.spec
@@ -360,6 +366,8 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
 
     # (3) the full chain through InferenceSession.step (called from this thread, as generate does)
     spans = [load_span(spec, h.start, h.end) for h in route]
+    for span in spans:  # the forms each server kept at start-up
+        tune_span(span)
     caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, route, strict=True)]
     chain, compute = [], []
     with model.inference_session(batch_size=1, max_length=prompt_len + steps + 2) as session:
