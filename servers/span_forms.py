@@ -5,7 +5,9 @@ product and why their speeds differ: mostly how fast each streams the weights fr
 it streams them, over the whole span's forward (a single layer's product, in cache, ranks them the other way). For
 each row count 1..TUNED_ROWS, `tune_span` runs a stateless one-token forward of the span under each candidate form
 (TIMING_ROUNDS times, in turn) and keeps the fastest, F.linear unless another is clearly faster (MARGIN). It runs
-before the server announces itself and measures its throughput, so every step it serves takes the same forms.
+before the server announces itself and measures its throughput, so every step it serves takes the same forms. A
+span holding more than TIMED_SPAN_WEIGHTS is timed on its first blocks that hold that much (a big model's server
+would otherwise spend minutes timing).
 
 Only float32 spans on a CPU whose linear layers hold at least TUNED_MIN_SPAN_WEIGHTS are tuned (a smaller span stays
 in cache, where the forms tie); quantized layers are not nn.Linear's and keep their own kernels. ROW_FORMS_ENV sets a
@@ -26,6 +28,8 @@ from swarmnet.product_forms import FORMS, TUNED_ROWS, FormTable, candidates, fas
 logger = logging.getLogger(__name__)
 
 TUNED_MIN_SPAN_WEIGHTS = 1 << 22  # 16 MiB of float32 weights; a span under it is not timed
+TIMED_SPAN_WEIGHTS = 1 << 28  # the forms are timed on the span's first blocks holding this much (1 GiB of float32):
+# far past any CPU cache, so they stream as in use; a bigger span's start-up stays short (48 forwards of them)
 TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s"
 FORCED_LOG = "Product forms of blocks %d:%d, set by %s: %s"
 # TEST ONLY: "1:paired,2:transposed" installs this table on any float32 CPU span, untimed
@@ -46,22 +50,32 @@ def tune_span(span: BlockSpan, *, clock: Callable[[], float] = time.perf_counter
         return None
     table = FormTable()
     install(span, table)
-    began = clock()
+    began, end = clock(), timed_end(span)
     for rows in range(1, TUNED_ROWS + 1):
-        table.choices[rows] = time_row_count(span, table, rows, clock)
+        table.choices[rows] = time_row_count(span, end, table, rows, clock)
     logger.info(TUNED_LOG, span.start, span.end, clock() - began, table.describe())
     return table
 
 
+def timed_end(span: BlockSpan) -> int:
+    """The end of the blocks the forms are timed on: the span's first blocks holding TIMED_SPAN_WEIGHTS, or all."""
+    weights = 0
+    for offset, layer in enumerate(span.layers):
+        weights += sum(linear.weight.numel() for linear in float32_linears(layer))
+        if weights >= TIMED_SPAN_WEIGHTS:
+            return span.start + offset + 1
+    return span.end
+
+
 @torch.inference_mode()
-def time_row_count(span: BlockSpan, table: FormTable, rows: int, clock: Callable[[], float]) -> str:
-    """The form kept for `rows`: a one-token stateless forward of the whole span under each candidate."""
+def time_row_count(span: BlockSpan, end: int, table: FormTable, rows: int, clock: Callable[[], float]) -> str:
+    """The form kept for `rows`: a one-token stateless forward of blocks [span.start, end) under each candidate."""
     hidden = torch.randn(rows, 1, span.spec.hidden_size, generator=torch.Generator().manual_seed(rows))
     mask, positions = torch.ones(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long)
 
     def forward(form: str) -> None:
         table.choices[rows] = form
-        span(hidden, mask, positions)
+        span(hidden, mask, positions, None, span.start, end)
     choice, _ = fastest(forward, candidates(rows), clock)
     return choice
 

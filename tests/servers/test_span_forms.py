@@ -80,3 +80,12 @@ def test_the_test_table_is_installed_untimed_and_a_malformed_one_is_refused_in_o
     monkeypatch.setenv(ROW_FORMS_ENV, "1:sideways")
     with pytest.raises(ValueError, match=f"{ROW_FORMS_ENV}='1:sideways': expected rows:form pairs"):
         tune_span(span_of(tiny_model))
+
+
+def test_a_big_span_is_timed_on_its_first_blocks_only(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    span = span_of(tiny_model)
+    per_block = sum(m.weight.numel() for m in span.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(span_forms, "TIMED_SPAN_WEIGHTS", per_block + 1)  # two blocks hold it
+    assert span_forms.timed_end(span) == span.start + 2
+    monkeypatch.setattr(span_forms, "TIMED_SPAN_WEIGHTS", per_block * 100)  # more than the span holds
+    assert span_forms.timed_end(span) == span.end
