@@ -297,6 +297,18 @@ async def _timed_step(session: Any, hidden: torch.Tensor, mask: torch.Tensor, po
     return out, time.perf_counter() - began
 
 
+def server_like_spans(spec: Any, hops: list[Any]) -> list[Any]:
+    """Each hop's blocks loaded here, with the product forms a server keeps at start-up (servers/span_forms.py): the
+    same compute as the hop's."""
+    from servers.block_loading import load_span
+    from servers.span_forms import tune_span
+
+    spans = [load_span(spec, h.start, h.end) for h in hops]
+    for span in spans:
+        tune_span(span)
+    return spans
+
+
 @torch.inference_mode()
 def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) -> dict[str, Any]:
     """Open one ServerSession per hop, prefill `prompt_len` tokens, then time `steps` 1x1xH steps per hop.
@@ -304,14 +316,10 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
     Each remote step is paired with the same blocks run locally (servers.block_loading.load_span, same shapes,
     same cache length, 1 thread), so round trip - local compute = what the hop adds on top of compute.
     """
-    from servers.block_loading import load_span
-    from servers.span_forms import tune_span
     from swarmclient.session import ServerSession
 
     swarm, spec = model.swarm, model.spec
-    spans = [load_span(spec, h.start, h.end) for h in hops]
-    for span in spans:  # the forms a server keeps at start-up (servers/span_forms.py): the same compute as the hop's
-        tune_span(span)
+    spans = server_like_spans(spec, hops)
     caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, hops, strict=True)]
     sessions = [ServerSession(swarm, h, batch_size=1, max_length=prompt_len + steps + 2) for h in hops]
     remote: list[list[float]] = [[] for _ in hops]
@@ -349,8 +357,6 @@ def hop_series(model: Any, hops: list[Any], steps: int, prompt_len: int = 64) ->
 @torch.inference_mode()
 def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     """Round trips of decode-sized (1x1xH) hops on the 2-server swarm; see the module docstring."""
-    from servers.block_loading import load_span
-    from servers.span_forms import tune_span
     from swarmnet.data_structures import RouteHop
 
     swarm, spec = model.swarm, model.spec
@@ -365,9 +371,7 @@ def measure_hops(model: Any, prompts: Prompts, steps: int) -> dict[str, Any]:
     results["hop_span"] = hop_series(model, route, steps, prompt_len)
 
     # (3) the full chain through InferenceSession.step (called from this thread, as generate does)
-    spans = [load_span(spec, h.start, h.end) for h in route]
-    for span in spans:  # the forms each server kept at start-up
-        tune_span(span)
+    spans = server_like_spans(spec, route)
     caches = [span.new_caches(h.start, h.end) for span, h in zip(spans, route, strict=True)]
     chain, compute = [], []
     with model.inference_session(batch_size=1, max_length=prompt_len + steps + 2) as session:

@@ -130,8 +130,7 @@ class ServerConfig:
                                        "(batch-1 to batch-8 decode steps) and keep each row count's fastest; "
                                        "float32 spans on a CPU only (on an AMD EPYC VM a batch-1 decode step of "
                                        "SmolLM2's blocks 0:15 took 0.76x as long). Outputs differ by float "
-                                       "rounding, about 1e-6 "
-                                       "relative (docs/swarm.md, \"Product forms\").")
+                                       "rounding, about 1e-6 relative (docs/swarm.md, \"Product forms\").")
     metrics_port: int = option(0, "Serve Prometheus /metrics on this port; 0 = off.", min=0, max=65535)
     metrics_host: str = option("127.0.0.1", "Listen address of /metrics (0.0.0.0 for a scraper elsewhere).")
     swarm_file: str | None = None           # a private swarm's members (--swarm-file); None = open to everyone

@@ -3,8 +3,9 @@
 The forms and how one is kept are product_forms.py's. The head times them the first time it sees a row count up to
 TUNED_ROWS (a decode step at batch 1-8, a job lane's last rows, a micro-batch), on that call's own rows: its weight
 (113 MB for SmolLM2) streams from memory on every call, as it does in use. More rows, a small head, or a GPU use
-`F.linear`. Measured on an AMD EPYC VM (SmolLM2's 49152 x 576 float32 head, one thread, bench/head_matmul.py):
-1 row 10.9 ms as F.linear and 5.9 paired, 2 rows 15.4 vs 4.6 transposed, 4 rows 11.9 vs 5.2, 8 rows 11.5 vs 11.6.
+`F.linear`. SmolLM2's 49152 x 576 float32 head, one thread, on an AMD EPYC VM (bench/head_matmul.py): 2 rows took
+15.4 ms as F.linear and 4.6 transposed, 4 rows 11.9 vs 5.2, 8 rows 11.5 vs 11.6; on another (session 28's probe),
+1 row 10.9 ms as F.linear and 5.9 paired.
 
 Timing costs five extra head products per row count seen, once per process (0.4 s at most for SmolLM2). Another
 form must be faster by MARGIN to be kept, so noise between equal forms keeps `F.linear`.

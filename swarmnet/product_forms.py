@@ -4,7 +4,8 @@ logits = x · Wᵀ is `F.linear(x, W)`, and equally `(W · xᵀ)ᵀ` ("transpose
 transposed product of that row twice ("paired"). They use the same weight (no copy) and the same sums in another
 order, so they differ by float rounding (about 1e-6 relative). Which is fastest depends on the row count, on the
 CPU and on whether the weights stream from memory. On an AMD EPYC VM (MKL, one thread, SmolLM2's linear layers
-cycled through all 30 blocks so that each streams from memory, /tmp probe of session 28):
+cycled through all 30 blocks so that each streams from memory; a probe of session 28, bench/RESULTS.md, which
+bench/product_forms.py follows up on a real span's decode steps):
 
     rows        1      2      3      4      6      8      16
     linear     37.9   53.5   59.9   48.0   54.9   57.3   74.7  ms

@@ -383,6 +383,7 @@ def window_checked_session(model: DistributedModelForCausalLM, batch: dict, tall
     return InferenceSession(model.swarm, batch_size=len(PROMPTS), max_length=batch["input_ids"].shape[1] + 12,
                             verification=tally, deferred=checks), checks
 
+
 def test_window_checks_begun_when_their_window_opens_are_answered_by_the_holder_fed_meanwhile(
         tiny_model: Path, local_swarm: Callable[..., LocalSwarm]) -> None:
     # Given two honest holders of each half and a client sampling every row, closing a window every 4 tokens
