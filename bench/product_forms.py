@@ -1,7 +1,8 @@
 """Benchmark: a server span's decode steps with its tuned product forms against the same span with F.linear.
 
 Loads the model's blocks [--start, --end) twice, float32, one thread: one span as a server tunes it at start-up
-(servers.span_forms.tune_span: each row count's fastest form of its products of 1-8 rows), one left with F.linear.
+(servers.span_forms.tune_span: the packed layout, or each row count's fastest dense form of its products of 1-8
+rows), one left with F.linear.
 For each row count it prefills --context tokens in each span's own caches, then times --steps decode steps of each
 span, interleaved step by step (so drift on the machine hits both alike), and prints the median ms of each, their
 ratio, and the largest difference of the outputs relative to their largest value (float rounding: about 1e-6).
@@ -76,7 +77,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         tuned_s, plain_s, difference = timed_decode((tuned, plain), rows, args.context, args.steps)
         tuned_ms, plain_ms = statistics.median(tuned_s) * 1000, statistics.median(plain_s) * 1000
-        print(f"| {rows} | {table.choices.get(rows, 'linear')} | {plain_ms:.1f} | {tuned_ms:.1f} | "
+        print(f"| {rows} | {table.form(rows)} | {plain_ms:.1f} | {tuned_ms:.1f} | "
               f"{tuned_ms / plain_ms:.2f}x | {difference:.1e} |", flush=True)
 
 

@@ -3,15 +3,21 @@
 A decode step of B rows multiplies B rows by each linear layer's weight. product_forms.py has the equal forms of that
 product and why their speeds differ: mostly how fast each streams the weights from memory, so a form is timed where
 it streams them, over the whole span's forward (a single layer's product, in cache, ranks them the other way). For
-each row count 1..TUNED_ROWS, `tune_span` runs a stateless one-token forward of the span under each candidate form
-(TIMING_ROUNDS times, in turn) and keeps the fastest, F.linear unless another is clearly faster (MARGIN). It runs
-before the server announces itself and measures its throughput, so every step it serves takes the same forms. A
-span holding more than TIMED_SPAN_WEIGHTS is timed on its first blocks that hold that much (a big model's server
-would otherwise spend minutes timing).
+each row count 1..TUNED_ROWS, and LAYOUT_ROWS, `tune_span` runs a stateless one-token forward of the span under each
+candidate form (TIMING_ROUNDS times, in turn), the packed form among them where torch has it. The span then takes
+one of two layouts:
+- packed: every row count takes the packed form (one copy of each weight, oneDNN's), where one step of each timed
+  row count takes at most MARGIN of the time the dense forms' fastest take in all;
+- dense: each row count up to TUNED_ROWS keeps its fastest dense form, F.linear unless another is clearly faster
+  (MARGIN), and F.linear above.
+It runs before the server announces itself and measures its throughput, so every step it serves takes the same
+forms. A span holding more than TIMED_SPAN_WEIGHTS is timed on its first blocks that hold that much (a big model's
+server would otherwise spend minutes timing); only those blocks hold a packed copy beside their dense weights while
+it times, and the layout chosen then settles every block (product_forms.settle_weights).
 
 Only float32 spans on a CPU whose linear layers hold at least TUNED_MIN_SPAN_WEIGHTS are tuned (a smaller span stays
 in cache, where the forms tie); quantized layers are not nn.Linear's and keep their own kernels. ROW_FORMS_ENV sets a
-table without timing (tests: the forms on a tiny model).
+table without timing (tests: the forms on a tiny model; "*:packed" the packed layout).
 """
 from __future__ import annotations
 
@@ -23,16 +29,32 @@ from collections.abc import Callable
 import torch
 
 from servers.span import BlockSpan
-from swarmnet.product_forms import FORMS, TUNED_ROWS, FormTable, candidates, fastest, float32_linears, install
+from swarmnet.product_forms import (
+    FORMS,
+    MARGIN,
+    PACKED,
+    TUNED_ROWS,
+    FormLinear,
+    FormTable,
+    candidates,
+    chosen_form,
+    float32_linears,
+    install,
+    pack,
+    packed_available,
+    settle_weights,
+    timings,
+)
 
 logger = logging.getLogger(__name__)
 
 TUNED_MIN_SPAN_WEIGHTS = 1 << 22  # 16 MiB of float32 weights; a span under it is not timed
 TIMED_SPAN_WEIGHTS = 1 << 28  # the forms are timed on the span's first blocks holding this much (1 GiB of float32):
 # far past any CPU cache, so they stream as in use; a bigger span's start-up stays short (48 forwards of them)
-TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s"
+LAYOUT_ROWS = 16  # also timed, for the layout only: a job lane's decode step (the dense table keeps F.linear there)
+TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s (a step of each timed row count: %s)"
 FORCED_LOG = "Product forms of blocks %d:%d, set by %s: %s"
-# TEST ONLY: "1:paired,2:transposed" installs this table on any float32 CPU span, untimed
+# TEST ONLY: "1:paired,2:transposed" installs this table on any float32 CPU span, untimed; "*:packed" sets the default
 ROW_FORMS_ENV = "SWARMBATCH_TEST_ROW_FORMS"
 
 
@@ -51,10 +73,32 @@ def tune_span(span: BlockSpan, *, clock: Callable[[], float] = time.perf_counter
     table = FormTable()
     install(span, table)
     began, end = clock(), timed_end(span)
-    for rows in range(1, TUNED_ROWS + 1):
-        table.choices[rows] = time_row_count(span, end, table, rows, clock)
-    logger.info(TUNED_LOG, span.start, span.end, clock() - began, table.describe())
+    packing = packed_available()
+    if packing:
+        pack_blocks(span, end)
+    totals = {"dense": 0.0, PACKED: 0.0}
+    for rows in (*range(1, TUNED_ROWS + 1), LAYOUT_ROWS):
+        dense = candidates(rows) if rows <= TUNED_ROWS else ("linear",)
+        seconds = time_row_count(span, end, table, rows, dense + ((PACKED,) if packing else ()), clock)
+        table.choices[rows] = chosen_form(seconds, dense) if len(dense) > 1 else dense[0]
+        totals["dense"] += seconds[table.choices[rows]]
+        totals[PACKED] += seconds.get(PACKED, float("inf"))
+    del table.choices[LAYOUT_ROWS]
+    if totals[PACKED] <= MARGIN * totals["dense"]:
+        table.choices.clear()
+        table.default = PACKED
+    settle_weights(span)
+    logger.info(TUNED_LOG, span.start, span.end, clock() - began, table.describe(), ", ".join(
+        f"{name} {seconds * 1000:.1f} ms" for name, seconds in totals.items() if seconds < float("inf")))
     return table
+
+
+def pack_blocks(span: BlockSpan, end: int) -> None:
+    """Give blocks [span.start, end) a packed copy of each weight beside the dense one (to time the packed form)."""
+    for layer in span.layers[:end - span.start]:
+        for linear in layer.modules():
+            if isinstance(linear, FormLinear):
+                linear.packed = pack(linear.weight)
 
 
 def timed_end(span: BlockSpan) -> int:
@@ -68,16 +112,17 @@ def timed_end(span: BlockSpan) -> int:
 
 
 @torch.inference_mode()
-def time_row_count(span: BlockSpan, end: int, table: FormTable, rows: int, clock: Callable[[], float]) -> str:
-    """The form kept for `rows`: a one-token stateless forward of blocks [span.start, end) under each candidate."""
+def time_row_count(span: BlockSpan, end: int, table: FormTable, rows: int, forms: tuple[str, ...],
+                   clock: Callable[[], float]) -> dict[str, float]:
+    """Each form's seconds for `rows`: a one-token stateless forward of blocks [span.start, end) under it."""
     hidden = torch.randn(rows, 1, span.spec.hidden_size, generator=torch.Generator().manual_seed(rows))
     mask, positions = torch.ones(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long)
 
     def forward(form: str) -> None:
         table.choices[rows] = form
         span(hidden, mask, positions, None, span.start, end)
-    choice, _ = fastest(forward, candidates(rows), clock)
-    return choice
+    seconds, _ = timings(forward, forms, clock)
+    return seconds
 
 
 def forced_table() -> FormTable | None:
@@ -85,10 +130,14 @@ def forced_table() -> FormTable | None:
     value = os.environ.get(ROW_FORMS_ENV, "").strip()
     if not value:
         return None
-    choices = {}
+    table = FormTable()
     for item in value.split(","):
         rows, _, form = item.partition(":")
-        if form not in FORMS or not rows.strip().isdigit():
-            raise ValueError(f"{ROW_FORMS_ENV}={value!r}: expected rows:form pairs, forms {sorted(FORMS)}")
-        choices[int(rows)] = form
-    return FormTable(choices)
+        if form not in (*FORMS, PACKED) or not (rows.strip().isdigit() or rows.strip() == "*"):
+            raise ValueError(f"{ROW_FORMS_ENV}={value!r}: expected rows:form pairs (rows a count or *), forms "
+                             f"{sorted((*FORMS, PACKED))}")
+        if rows.strip() == "*":
+            table.default = form
+        else:
+            table.choices[int(rows)] = form
+    return table

@@ -17,6 +17,17 @@ columns at ~17 GB/s. The same matrices timed warm (in cache) rank the other way,
 product where it runs: the LM head one call at a time (head_matmul.py: its 113 MB stream from memory), a server's
 blocks a whole span's forward at a time (servers/span_forms.py). `FormLinear` is an nn.Linear that takes the form
 its `FormTable` holds for its input's row count.
+
+A fourth form, "packed", is oneDNN's product on a copy of the weight reordered once into the blocked layout its
+kernels read (`torch.ops.mkldnn`, in torch's x86 CPU builds). It streams a weight faster than MKL's F.linear at
+every row count measured, but it is a layout, not an order of sums: a layer that takes it for every row count keeps
+only the packed copy (its dense weight is freed), so a span is either packed or dense, never both (`settle_weights`).
+On the same VM, SmolLM2's blocks 0:15, one thread, a decode step after 64 tokens (session 29's probe):
+
+    rows           1      2      4      8      16     32     64
+    linear        22.0   31.1   31.5   38.8   55.1   76.5  128.2  ms
+    dense forms   17.9   17.9   25.7   38.7   55.7   77.3  124.3     (the table above: paired, transposed, linear)
+    packed        20.9   24.7   19.5   26.0   39.3   59.3  103.4
 """
 from __future__ import annotations
 
@@ -31,6 +42,8 @@ from torch import nn
 TUNED_ROWS = 8           # row counts up to this are timed; MKL's large-M path is good above it
 MARGIN = 0.9             # another form is kept when it takes at most this fraction of F.linear's time
 TIMING_ROUNDS = 3        # each form runs this many times on first sight of a row count; its fastest run counts
+PACKED = "packed"        # oneDNN's product on the packed copy of the weight (FormLinear only: it needs the copy)
+PACKED_FOR_ROWS = 64     # the row count oneDNN lays the packed copy out for; it serves every other count as well
 
 Form = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 T = TypeVar("T")
@@ -58,13 +71,14 @@ FORMS: dict[str, Form] = {"linear": linear, "transposed": transposed, "paired": 
 
 
 def candidates(rows: int) -> tuple[str, ...]:
-    """The forms timed for a row count: F.linear first (the one kept unless another is clearly faster)."""
+    """The dense forms timed for a row count: F.linear first (the one kept unless another is clearly faster)."""
     return ("linear", "paired") if rows == 1 else ("linear", "transposed")
 
 
-def fastest(run: Callable[[str], T], names: tuple[str, ...], clock: Callable[[], float]) -> tuple[str, T]:
-    """Run each form TIMING_ROUNDS times, in turn (the first round warms the paths); returns the form kept and its
-    last result. The first form (F.linear) is kept unless another one's fastest run took at most MARGIN of its."""
+def timings(run: Callable[[str], T], names: tuple[str, ...], clock: Callable[[], float]
+            ) -> tuple[dict[str, float], dict[str, T]]:
+    """Run each form TIMING_ROUNDS times, in turn (the first round warms the paths); each form's fastest run in
+    seconds, and its last result."""
     best: dict[str, float] = {}
     results: dict[str, T] = {}
     for _ in range(TIMING_ROUNDS):
@@ -72,41 +86,78 @@ def fastest(run: Callable[[str], T], names: tuple[str, ...], clock: Callable[[],
             start = clock()
             results[name] = run(name)
             best[name] = min(best.get(name, float("inf")), clock() - start)
-    challenger = min(names[1:], key=lambda name: best[name])
-    choice = challenger if best[challenger] <= MARGIN * best[names[0]] else names[0]
+    return best, results
+
+
+def chosen_form(seconds: dict[str, float], names: tuple[str, ...]) -> str:
+    """Of `names` (timed), the first (F.linear) unless another one's fastest run took at most MARGIN of its."""
+    challenger = min(names[1:], key=lambda name: seconds[name])
+    return challenger if seconds[challenger] <= MARGIN * seconds[names[0]] else names[0]
+
+
+def fastest(run: Callable[[str], T], names: tuple[str, ...], clock: Callable[[], float]) -> tuple[str, T]:
+    """Time the forms (`timings`) and keep one (`chosen_form`); returns it and its last result."""
+    seconds, results = timings(run, names, clock)
+    choice = chosen_form(seconds, names)
     return choice, results[choice]
+
+
+def packed_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear product (x86 CPU builds do)."""
+    try:
+        weight = torch.ones(2, 2)
+        return bool(torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), pack(weight), None, "none", [], "")
+                    .eq(2).all())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight reordered into oneDNN's blocked layout (an opaque mkldnn tensor of the same values)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
 
 
 @dataclass
 class FormTable:
-    """Row count -> the form its products take (F.linear for a row count not in it)."""
+    """Row count -> the form its products take (`default` for a row count not in it)."""
 
     choices: dict[int, str] = field(default_factory=dict)
+    default: str = "linear"
+
+    def form(self, rows: int) -> str:
+        return self.choices.get(rows, self.default)
+
+    def uses(self, form: str) -> bool:
+        """Whether some row count takes `form`."""
+        return self.default == form or form in self.choices.values()
 
     def describe(self) -> str:
         """'1 paired, 2-5 transposed; others linear' (a log line)."""
         runs: list[list[int | str]] = []  # [first rows, last rows, form], consecutive row counts of one form joined
         for rows, form in sorted(self.choices.items()):
-            if form == "linear":
+            if form == self.default:
                 continue
             if runs and runs[-1][2] == form and runs[-1][1] == rows - 1:
                 runs[-1][1] = rows
             else:
                 runs.append([rows, rows, form])
-        kept = [f"{low}{'' if low == high else f'-{high}'} {form}" for low, high, form in runs]
-        return ", ".join(kept) + ("; " if kept else "") + "others linear"
+        forms = [f"{low}{'' if low == high else f'-{high}'} {form}" for low, high, form in runs]
+        return ", ".join(forms) + ("; others " if forms else "all ") + self.default
 
 
 class FormLinear(nn.Linear):
     """nn.Linear whose product of few rows takes the form its table holds for that row count (`install`)."""
 
     table: FormTable
+    packed: torch.Tensor | None = None  # the weight as `pack` lays it out, where the table takes the packed form
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        form = self.table.choices.get(rows, "linear")
+        form = self.table.form(rows)
         if form == "linear":
             return F.linear(x, self.weight, self.bias)
+        if form == PACKED:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
         out = FORMS[form](x.reshape(rows, self.in_features), self.weight)
         if self.bias is not None:
             out += self.bias
@@ -120,11 +171,30 @@ def float32_linears(module: nn.Module) -> list[nn.Linear]:
 
 
 def install(module: nn.Module, table: FormTable) -> int:
-    """Make every plain float32 CPU nn.Linear in `module` a FormLinear reading `table` (in place: same weights);
-    returns how many weights they hold."""
+    """Make every plain float32 CPU nn.Linear in `module` a FormLinear reading `table` (in place: same weights),
+    holding the weights the table's forms read (`settle_weights`); returns how many weights they hold."""
     weights = 0
     for layer in float32_linears(module):
+        weights += layer.weight.numel() or layer.out_features * layer.in_features
         layer.__class__ = FormLinear
         setattr(layer, "table", table)  # noqa: B010 (mypy types a Module attribute Tensor | Module)
-        weights += layer.weight.numel()
+    settle_weights(module)
     return weights
+
+
+def settle_weights(module: nn.Module) -> None:
+    """Give each FormLinear in `module` what its table's forms read, and free what they do not: the packed copy
+    where some row count takes the packed form (made from the dense weight), and the dense weight where some row
+    count takes a dense form (freed, to an empty tensor, where none does: the packed copy holds the same values)."""
+    for layer in module.modules():
+        if not isinstance(layer, FormLinear):
+            continue
+        dense = any(layer.table.uses(form) for form in FORMS)
+        if layer.table.uses(PACKED) and layer.packed is None:
+            layer.packed = pack(layer.weight)
+        if not layer.table.uses(PACKED):
+            layer.packed = None
+        if dense and not layer.weight.numel():
+            raise ValueError("a packed layer's dense weight was freed: load the span again to take a dense form")
+        if not dense and layer.weight.numel():
+            layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)

@@ -18,6 +18,7 @@ from swarmclient.model import DistributedModelForCausalLM
 from swarmclient.session import InferenceSession
 from swarmclient.textgen import load_tokenizer
 from swarmnet.errors import DHTUnreachable
+from swarmnet.product_forms import packed_available
 
 PROMPTS = ["Hello world, this is", "A", "The quick brown fox jumps over the lazy dog and then", "one two three"]
 CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -136,11 +137,16 @@ def test_smollm2_through_two_servers_equals_transformers(smollm2_model: Path, lo
     assert torch.equal(got_alone[:, alone.input_ids.shape[1]:], expected_alone)
 
 
-def test_servers_whose_few_row_products_take_other_forms_generate_transformers_tokens(tiny_model: Path,
-                                                                                      local_swarm) -> None:
-    # Given two servers whose products of 1 row are paired and of 2-4 rows transposed (a CPU where those are faster)
+@pytest.mark.parametrize("table", ["1:paired,2:transposed,3:transposed,4:transposed", "*:packed"],
+                         ids=["dense-forms", "packed"])
+def test_servers_whose_products_take_other_forms_generate_transformers_tokens(tiny_model: Path, local_swarm,
+                                                                              table: str) -> None:
+    # Given two servers whose products of 1 row are paired and of 2-4 rows transposed (a CPU where those are faster),
+    # or whose weights are all packed for oneDNN
+    if table == "*:packed" and not packed_available():
+        pytest.skip("this torch build has no oneDNN packed product")
     swarm = local_swarm(tiny_model, [])
-    forms = {ROW_FORMS_ENV: "1:paired,2:transposed,3:transposed,4:transposed"}
+    forms = {ROW_FORMS_ENV: table}
     servers = [swarm.start_server(start, end, env=forms) for start, end in ((0, 3), (3, 6))]
     tokenizer = load_tokenizer(tiny_model)
     batches = [tokenizer(prompts, return_tensors="pt", padding=True) for prompts in (PROMPTS[2:3], PROMPTS[:3])]

@@ -1,7 +1,7 @@
 """A server's span times its blocks' few-row product forms at start-up and keeps each row count's fastest."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ from servers.config import DType
 from servers.span import BlockSpan
 from servers.span_forms import ROW_FORMS_ENV, tune_span
 from swarmnet.model_spec import ModelSpec
-from swarmnet.product_forms import FORMS, TUNED_ROWS, FormLinear
+from swarmnet.product_forms import FORMS, PACKED, TIMING_ROUNDS, TUNED_ROWS, FormLinear, packed_available
 
 
 def span_of(tiny_model: Path, dtype: DType = DType.float32) -> BlockSpan:
@@ -28,6 +28,23 @@ def challenger_wins() -> Iterator[float]:
             yield now
             now += seconds
             yield now
+
+
+def scripted(linear: float, challenger: float, packed: float) -> Callable[[], float]:
+    """A clock for a span timed with the packed form: each form of each row count takes its seconds, in the order
+    tune_span runs them (rows 1..TUNED_ROWS: F.linear, the dense challenger, packed; LAYOUT_ROWS: F.linear, packed)."""
+    costs = [linear, challenger, packed] * TIMING_ROUNDS * TUNED_ROWS + [linear, packed] * TIMING_ROUNDS
+
+    def ticks() -> Iterator[float]:
+        now = 0.0
+        yield now  # tune_span's own start
+        for seconds in costs:
+            yield now
+            now += seconds
+            yield now
+        while True:
+            yield now
+    return ticks().__next__
 
 
 def decode(span: BlockSpan, rows: int) -> torch.Tensor:
@@ -46,8 +63,10 @@ def decode(span: BlockSpan, rows: int) -> torch.Tensor:
 
 def test_a_span_keeps_each_row_counts_faster_form_and_its_decode_steps_take_it(
         tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Given a tiny span counted as big enough to tune, and a clock under which the other forms are twice as fast
+    # Given a tiny span counted as big enough to tune, a torch without the packed form, and a clock under which the
+    # other dense forms are twice as fast
     monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    monkeypatch.setattr(span_forms, "packed_available", lambda: False)
     span, plain = span_of(tiny_model), span_of(tiny_model)
     table = tune_span(span, clock=challenger_wins().__next__)
     # Then every row count up to TUNED_ROWS keeps the other form, in every linear layer of the span
@@ -64,6 +83,37 @@ def test_a_span_keeps_each_row_counts_faster_form_and_its_decode_steps_take_it(
     assert {"paired", "transposed"} <= set(taken)
 
 
+needs_packed = pytest.mark.skipif(not packed_available(), reason="this torch build has no oneDNN packed product")
+
+
+@needs_packed
+def test_a_span_whose_packed_steps_take_clearly_less_time_in_all_goes_packed_and_frees_its_dense_weights(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a tiny span counted as big enough to tune, and a clock under which the packed form is the fastest
+    monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    span, plain = span_of(tiny_model), span_of(tiny_model)
+    table = tune_span(span, clock=scripted(0.010, 0.005, 0.004))  # packed 9 x 4 ms against dense 8 x 5 + 10 ms
+    # Then every row count takes it, each layer holds only its packed copy, and its steps equal F.linear's
+    assert table is not None and table.choices == {} and table.default == PACKED
+    linears = [m for m in span.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, FormLinear) and m.packed is not None and not m.weight.numel()
+                           for m in linears)
+    for rows in (1, 3, 16):
+        assert torch.allclose(decode(span, rows), decode(plain, rows), rtol=1e-4, atol=1e-5)
+
+
+@needs_packed
+def test_a_span_whose_packed_steps_are_not_clearly_faster_stays_dense_and_drops_its_packed_copies(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    span = span_of(tiny_model)
+    table = tune_span(span, clock=scripted(0.010, 0.005, 0.0051))  # 45.9 ms > MARGIN x 50 ms
+    assert table is not None and table.default == "linear"
+    assert table.choices == {1: "paired", **{r: "transposed" for r in range(2, TUNED_ROWS + 1)}}
+    linears = [m for m in span.modules() if isinstance(m, FormLinear)]
+    assert linears and all(m.packed is None and m.weight.numel() for m in linears)
+
+
 def test_a_span_small_enough_to_stay_in_cache_or_not_float32_is_not_tuned(tiny_model: Path) -> None:
     def no_clock() -> float:
         raise AssertionError("this span must not be timed")
@@ -77,6 +127,9 @@ def test_the_test_table_is_installed_untimed_and_a_malformed_one_is_refused_in_o
     monkeypatch.setenv(ROW_FORMS_ENV, "1:paired,3:transposed")
     table = tune_span(span_of(tiny_model))
     assert table is not None and table.choices == {1: "paired", 3: "transposed"}
+    monkeypatch.setenv(ROW_FORMS_ENV, "*:packed,1:paired")
+    table = tune_span(span_of(tiny_model))
+    assert table is not None and table.default == PACKED and table.choices == {1: "paired"}
     monkeypatch.setenv(ROW_FORMS_ENV, "1:sideways")
     with pytest.raises(ValueError, match=f"{ROW_FORMS_ENV}='1:sideways': expected rows:form pairs"):
         tune_span(span_of(tiny_model))

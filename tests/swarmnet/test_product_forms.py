@@ -11,12 +11,15 @@ from torch import nn
 from swarmnet.product_forms import (
     FORMS,
     MARGIN,
+    PACKED,
     TIMING_ROUNDS,
     FormLinear,
     FormTable,
     candidates,
     fastest,
     install,
+    packed_available,
+    settle_weights,
 )
 
 
@@ -82,4 +85,43 @@ def test_fastest_keeps_another_form_only_when_clearly_faster() -> None:
 def test_a_table_describes_its_forms_by_runs_of_row_counts() -> None:
     table = FormTable({1: "paired", 2: "transposed", 3: "transposed", 4: "transposed", 5: "linear", 7: "transposed"})
     assert table.describe() == "1 paired, 2-4 transposed, 7 transposed; others linear"
-    assert FormTable({1: "linear"}).describe() == "others linear"
+    assert FormTable({1: "linear"}).describe() == "all linear"
+    assert FormTable(default=PACKED).describe() == "all packed"
+    assert FormTable({1: "paired"}, default=PACKED).describe() == "1 paired; others packed"
+
+
+needs_packed = pytest.mark.skipif(not packed_available(), reason="this torch build has no oneDNN packed product")
+
+
+@needs_packed
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (16, 1), (2, 7)], ids=["1-row", "3-rows", "16-rows", "prefill"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_packed_layer_holds_one_copy_of_its_weight_and_computes_nn_linears_product(
+        shape: tuple[int, int], bias: bool) -> None:
+    layer = nn.Linear(96, 160, bias=bias)
+    want_layer = nn.Linear(96, 160, bias=bias)
+    want_layer.load_state_dict(layer.state_dict())
+    assert install(layer, FormTable(default=PACKED)) == 96 * 160
+    # its dense weight is freed: the packed copy alone serves every row count
+    assert isinstance(layer, FormLinear) and layer.weight.numel() == 0 and layer.packed is not None
+    x = torch.randn(*shape, 96, generator=torch.Generator().manual_seed(shape[0]))
+    got, want = layer(x), want_layer(x)
+    assert got.shape == want.shape == (*shape, 160)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    # And a table that takes a dense form again cannot be settled on it: one line says what to do
+    layer.table.choices[1] = "paired"
+    with pytest.raises(ValueError, match="load the span again"):
+        settle_weights(layer)
+
+
+@needs_packed
+def test_a_table_with_a_packed_row_count_keeps_both_copies_and_a_dense_one_drops_the_packed() -> None:
+    layer = nn.Linear(32, 48)
+    table = FormTable({2: PACKED})
+    install(layer, table)
+    assert layer.weight.numel() == 32 * 48 and layer.packed is not None
+    x = torch.randn(2, 32)
+    assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    table.choices.clear()
+    settle_weights(layer)
+    assert layer.packed is None and layer.weight.numel() == 32 * 48
