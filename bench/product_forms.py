@@ -1,14 +1,14 @@
 """Benchmark: a server span's decode steps with its tuned product forms against the same span with F.linear.
 
 Loads the model's blocks [--start, --end) twice, float32, one thread: one span as a server tunes it at start-up
-(servers.span_forms.tune_span: the packed layout, or each row count's fastest dense form of its products of 1-8
-rows), one left with F.linear.
+(servers.span_forms.tune_span, with the memory a server with default settings would have to spare here, or none:
+--one-copy), one left with F.linear.
 For each row count it prefills --context tokens in each span's own caches, then times --steps decode steps of each
 span, interleaved step by step (so drift on the machine hits both alike), and prints the median ms of each, their
 ratio, and the largest difference of the outputs relative to their largest value (float rounding: about 1e-6).
 
 usage: python bench/product_forms.py [--model smollm2|PATH] [--start 0] [--end 15] [--rows 1,2,3,4,8]
-       [--context 64] [--steps 24]
+       [--context 64] [--steps 24] [--one-copy]
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import torch  # noqa: E402
 from swarm import resolve_model  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 
 from servers.block_loading import load_span  # noqa: E402
+from servers.block_sizing import spare_memory  # noqa: E402
+from servers.config import DType, Quant, ServerConfig  # noqa: E402
 from servers.span import BlockSpan  # noqa: E402
 from servers.span_forms import tune_span  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
@@ -61,12 +63,17 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,3,4,8")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--one-copy", action="store_true",
+                        help="tune as a server without memory to spare for a second copy of the weights")
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = ModelSpec.open(resolve_model(args.model))
     tuned, plain = load_span(spec, args.start, args.end), load_span(spec, args.start, args.end)
     began = time.perf_counter()
-    table = tune_span(tuned)
+    cache_tokens = ServerConfig.__dataclass_fields__["attn_cache_tokens"].default  # a server's default budget
+    spare = 0 if args.one_copy else spare_memory(spec, tuned.device, DType.float32, Quant.none, cache_tokens,
+                                                 args.end - args.start)
+    table = tune_span(tuned, spare_bytes=spare)
     if table is None:
         raise SystemExit(f"blocks {args.start}:{args.end} of {spec.path.name} are not tuned (too small, or not float32)")
     print(f"blocks {args.start}:{args.end} of {spec.path.name}, float32, 1 thread; tuned in "

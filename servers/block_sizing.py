@@ -68,6 +68,17 @@ def free_memory(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def spare_memory(spec: ModelSpec, device: torch.device, dtype: DType, quant: Quant, cache_tokens: int, blocks: int,
+                 max_memory_gb: float = 0.0) -> int:
+    """Bytes a server holding `blocks` loaded blocks may still take beyond them and their KV-cache budget (allocated
+    as sessions come): --max-memory-gb less the blocks' footprint, or what the device has free now less the budget;
+    MEMORY_MARGIN of either kept free, as when sizing the span. A second copy of the weights is kept only in this."""
+    footprint = block_footprint(spec, dtype, quant, cache_tokens)
+    if max_memory_gb > 0:
+        return max(0, int(max_memory_gb * GIB * (1 - MEMORY_MARGIN)) - blocks * footprint.total)
+    return max(0, int(free_memory(device) * (1 - MEMORY_MARGIN)) - blocks * footprint.cache)
+
+
 def blocks_that_fit(memory: int, footprint: BlockFootprint, num_blocks: int) -> int:
     """How many blocks fit in `memory` bytes less the margin (at most the model's)."""
     return max(0, min(num_blocks, int(memory * (1 - MEMORY_MARGIN)) // max(1, footprint.total)))

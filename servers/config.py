@@ -126,11 +126,12 @@ class ServerConfig:
                                "embeddings, final norm and LM head, and guess the next token of clients that decode "
                                "greedily and ask for the ring: the step goes on to their first server from here, so a "
                                "token costs servers / 2 round trips instead of (servers + 1) / 2 (docs/swarm.md, \"The ring\").")
-    tune_products: bool = option(True, "At start-up, time the equal forms of the blocks' products of 1-8 rows "
-                                       "(batch-1 to batch-8 decode steps) and keep each row count's fastest; "
-                                       "float32 spans on a CPU only (on an AMD EPYC VM a batch-1 decode step of "
-                                       "SmolLM2's blocks 0:15 took 0.76x as long). Outputs differ by float "
-                                       "rounding, about 1e-6 relative (docs/swarm.md, \"Product forms\").")
+    tune_products: bool = option(True, "At start-up, time the equal forms of the blocks' products of 1-8 and 16 "
+                                       "rows (decode steps) and keep the fastest: oneDNN's packed weights for "
+                                       "every row count (one copy), or each row count's fastest dense form; "
+                                       "float32 spans on a CPU only (on an AMD EPYC VM a 16-row decode step of "
+                                       "SmolLM2's blocks 0:15 took 0.71x as long, packed). Outputs differ by float "
+                                       "rounding, 1e-6 to 1e-4 relative (docs/swarm.md, \"Product forms\").")
     metrics_port: int = option(0, "Serve Prometheus /metrics on this port; 0 = off.", min=0, max=65535)
     metrics_host: str = option("127.0.0.1", "Listen address of /metrics (0.0.0.0 for a scraper elsewhere).")
     swarm_file: str | None = None           # a private swarm's members (--swarm-file); None = open to everyone

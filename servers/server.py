@@ -21,7 +21,7 @@ from servers.access import MemberGate
 from servers.announcer import Announcer
 from servers.block_loading import load_span
 from servers.block_selection import choose_best_blocks
-from servers.block_sizing import auto_num_blocks
+from servers.block_sizing import auto_num_blocks, spare_memory
 from servers.config import ServerConfig
 from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
@@ -224,7 +224,9 @@ class BlockServer:
             None, lambda: load_span(self.spec, start, end, dtype=self.dtype, quant=config.quant,
                                     device=self.device))
         if config.tune_products:  # before the fault hook and the throughput: the forms every step takes
-            await asyncio.get_running_loop().run_in_executor(None, tune_span, span)
+            spare = spare_memory(self.spec, self.device, self.dtype, config.quant, config.attn_cache_tokens,
+                                 end - start, config.max_memory_gb)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: tune_span(span, spare_bytes=spare))
         inject_faults(span, self.fault_noise)  # tests only: a server that lies (servers/faults.py)
         guesser = None
         if config.ring and end == self.spec.num_blocks:

@@ -4,8 +4,10 @@ A decode step of B rows multiplies B rows by each linear layer's weight. product
 product and why their speeds differ: mostly how fast each streams the weights from memory, so a form is timed where
 it streams them, over the whole span's forward (a single layer's product, in cache, ranks them the other way). For
 each row count 1..TUNED_ROWS, and LAYOUT_ROWS, `tune_span` runs a stateless one-token forward of the span under each
-candidate form (TIMING_ROUNDS times, in turn), the packed form among them where torch has it. The span then takes
-one of two layouts:
+candidate form (TIMING_ROUNDS times, in turn), the packed form among them where torch has it. Where the server has
+`spare_bytes` for a second copy of its linear weights (block_sizing.spare_memory), each row count up to TUNED_ROWS
+keeps its fastest form of all, F.linear unless another is clearly faster (MARGIN), and the larger ones packed where
+packed won at LAYOUT_ROWS: both copies are kept where both are taken. Otherwise the span takes one of two layouts:
 - packed: every row count takes the packed form (one copy of each weight, oneDNN's), where one step of each timed
   row count takes at most MARGIN of the time the dense forms' fastest take in all;
 - dense: each row count up to TUNED_ROWS keeps its fastest dense form, F.linear unless another is clearly faster
@@ -52,13 +54,14 @@ TUNED_MIN_SPAN_WEIGHTS = 1 << 22  # 16 MiB of float32 weights; a span under it i
 TIMED_SPAN_WEIGHTS = 1 << 28  # the forms are timed on the span's first blocks holding this much (1 GiB of float32):
 # far past any CPU cache, so they stream as in use; a bigger span's start-up stays short (48 forwards of them)
 LAYOUT_ROWS = 16  # also timed, for the layout only: a job lane's decode step (the dense table keeps F.linear there)
-TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s (a step of each timed row count: %s)"
+TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s (a step of each timed row count: %s; %s)"
 FORCED_LOG = "Product forms of blocks %d:%d, set by %s: %s"
 # TEST ONLY: "1:paired,2:transposed" installs this table on any float32 CPU span, untimed; "*:packed" sets the default
 ROW_FORMS_ENV = "SWARMBATCH_TEST_ROW_FORMS"
 
 
-def tune_span(span: BlockSpan, *, clock: Callable[[], float] = time.perf_counter) -> FormTable | None:
+def tune_span(span: BlockSpan, *, spare_bytes: int = 0, clock: Callable[[], float] = time.perf_counter
+              ) -> FormTable | None:
     """Time and install the span's product forms (see the module doc); None where the span is not tuned."""
     forced = forced_table()
     linears = float32_linears(span)
@@ -74,22 +77,30 @@ def tune_span(span: BlockSpan, *, clock: Callable[[], float] = time.perf_counter
     install(span, table)
     began, end = clock(), timed_end(span)
     packing = packed_available()
+    both = packing and spare_bytes >= 4 * sum(layer.weight.numel() for layer in linears)
     if packing:
         pack_blocks(span, end)
     totals = {"dense": 0.0, PACKED: 0.0}
+    best: dict[int, str] = {}  # of all forms, packed included
     for rows in (*range(1, TUNED_ROWS + 1), LAYOUT_ROWS):
         dense = candidates(rows) if rows <= TUNED_ROWS else ("linear",)
         seconds = time_row_count(span, end, table, rows, dense + ((PACKED,) if packing else ()), clock)
         table.choices[rows] = chosen_form(seconds, dense) if len(dense) > 1 else dense[0]
+        best[rows] = chosen_form(seconds, (*dense, PACKED)) if packing else table.choices[rows]
         totals["dense"] += seconds[table.choices[rows]]
         totals[PACKED] += seconds.get(PACKED, float("inf"))
     del table.choices[LAYOUT_ROWS]
-    if totals[PACKED] <= MARGIN * totals["dense"]:
+    if both:
+        table.default = best.pop(LAYOUT_ROWS)
+        table.choices = best
+    elif totals[PACKED] <= MARGIN * totals["dense"]:
         table.choices.clear()
         table.default = PACKED
     settle_weights(span)
+    copies = "both copies kept" if table.uses(PACKED) and any(table.uses(form) for form in FORMS) else "one copy"
     logger.info(TUNED_LOG, span.start, span.end, clock() - began, table.describe(), ", ".join(
-        f"{name} {seconds * 1000:.1f} ms" for name, seconds in totals.items() if seconds < float("inf")))
+        f"{name} {seconds * 1000:.1f} ms" for name, seconds in totals.items() if seconds < float("inf")),
+        f"{copies}, {spare_bytes / 2 ** 20:.0f} MiB spare")
     return table
 
 

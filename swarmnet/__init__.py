@@ -33,8 +33,8 @@ Modules:
     discovery        the only module that reads the DHT: who announced which block
     head             ClientHead: embeddings, final norm and LM head (the client runs them; a ring server holds a copy);
                      next_decode_inputs: the next decode step's mask and positions, for the client and the ring alike
-    product_forms    a few rows' product x·Wᵀ on a CPU in equal forms (linear, transposed, paired), the fastest kept by
-                     timing; FormLinear, an nn.Linear taking its table's form (the servers' blocks)
+    product_forms    a few rows' product x·Wᵀ on a CPU in equal forms (linear, transposed, paired; packed: oneDNN's, on
+                     a packed copy), the fastest kept by timing; FormLinear, an nn.Linear taking its table's form
     head_matmul      HeadMatmul: the LM head's product on a CPU, in the fastest of its forms per small row count
     devices          --device auto|cpu|cuda|cuda:N resolved against what torch sees; the default dtype there
     allocator        keep_freed_memory: glibc keeps freed tensor memory for the next step (every `swarmbatch` command)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from launch.local_swarm import LocalSwarm
 from modelprep import write_tiny_model
+from servers import block_sizing
 from servers.block_loading import load_span
 from servers.block_sizing import (
     GIB,
@@ -21,6 +22,7 @@ from servers.block_sizing import (
     block_footprint,
     blocks_that_fit,
     kv_bytes_per_token,
+    spare_memory,
 )
 from servers.config import DType, Quant, ServerConfig
 from servers.errors import ServerConfigError
@@ -68,6 +70,20 @@ def test_blocks_fit_the_memory_less_the_margin_up_to_the_models() -> None:
     assert blocks_that_fit(10_000, footprint, 30) == int(10_000 * (1 - MEMORY_MARGIN)) // 1000 == 9
     assert blocks_that_fit(10 ** 9, footprint, 30) == 30
     assert blocks_that_fit(500, footprint, 30) == 0
+
+
+def test_the_memory_to_spare_is_the_limit_or_the_free_memory_less_the_blocks_and_the_margin(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, cpu = ModelSpec.open(tiny_model), torch.device("cpu")
+    footprint = block_footprint(spec, DType.float32, Quant.none, 1024)
+    # --max-memory-gb: the limit less the margin less the loaded blocks' weights and cache budgets
+    assert spare_memory(spec, cpu, DType.float32, Quant.none, 1024, 3, max_memory_gb=1.0) == \
+        int(GIB * (1 - MEMORY_MARGIN)) - 3 * footprint.total
+    assert spare_memory(spec, cpu, DType.float32, Quant.none, 1024, 3, max_memory_gb=1e-6) == 0
+    # no limit: the free memory now (the weights already loaded) less the margin and the cache budgets to come
+    monkeypatch.setattr(block_sizing, "free_memory", lambda device: 10 * GIB)
+    assert spare_memory(spec, cpu, DType.float32, Quant.none, 1024, 3) == \
+        int(10 * GIB * (1 - MEMORY_MARGIN)) - 3 * footprint.cache
 
 
 def test_a_memory_that_holds_no_block_is_one_line_naming_the_ways_out(tiny_model: Path) -> None:

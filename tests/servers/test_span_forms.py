@@ -114,6 +114,30 @@ def test_a_span_whose_packed_steps_are_not_clearly_faster_stays_dense_and_drops_
     assert linears and all(m.packed is None and m.weight.numel() for m in linears)
 
 
+@needs_packed
+def test_a_server_with_memory_to_spare_keeps_each_row_counts_fastest_form_of_all_and_both_copies_where_both_are_taken(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a tiny span counted as big enough to tune, and a clock under which the dense challengers beat packed, which
+    # beats F.linear (at 16 rows, only F.linear and packed are timed)
+    monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    span, plain = span_of(tiny_model), span_of(tiny_model)
+    weights = sum(m.weight.numel() for m in span.modules() if isinstance(m, torch.nn.Linear))
+    # When it is tuned with room for a second float32 copy of its weights
+    table = tune_span(span, spare_bytes=4 * weights, clock=scripted(0.010, 0.004, 0.005))
+    # Then 1-8 rows keep the dense challenger, more rows take packed, and every layer holds both copies
+    assert table is not None and table.default == PACKED
+    assert table.choices == {1: "paired", **{r: "transposed" for r in range(2, TUNED_ROWS + 1)}}
+    linears = [m for m in span.modules() if isinstance(m, FormLinear)]
+    assert linears and all(m.packed is not None and m.weight.numel() for m in linears)
+    for rows in (1, 3, 16):
+        assert torch.allclose(decode(span, rows), decode(plain, rows), rtol=1e-4, atol=1e-5)
+    # And without that room the same timings give the dense layout (packed 45 ms in all against dense 42 ms)
+    one_copy = span_of(tiny_model)
+    table = tune_span(one_copy, spare_bytes=4 * weights - 1, clock=scripted(0.010, 0.004, 0.005))
+    assert table is not None and table.default == "linear"
+    assert all(m.packed is None for m in one_copy.modules() if isinstance(m, FormLinear))
+
+
 def test_a_span_small_enough_to_stay_in_cache_or_not_float32_is_not_tuned(tiny_model: Path) -> None:
     def no_clock() -> float:
         raise AssertionError("this span must not be timed")
