@@ -15,7 +15,9 @@ packed won at LAYOUT_ROWS: both copies are kept where both are taken. Otherwise 
 It runs before the server announces itself and measures its throughput, so every step it serves takes the same
 forms. A span holding more than TIMED_SPAN_WEIGHTS is timed on its first blocks that hold that much (a big model's
 server would otherwise spend minutes timing); only those blocks hold a packed copy beside their dense weights while
-it times, and the layout chosen then settles every block (product_forms.settle_weights).
+it times, and the layout chosen then settles every block (product_forms.settle_weights). Servers on one machine time
+one at a time (TIMING_LOCK, a file lock): two spans timed at once stream their weights through the same memory, and
+under that contention the dense forms lost to packed at 1 and 2 rows, where alone they win by a fifth.
 
 Only float32 spans on a CPU whose linear layers hold at least TUNED_MIN_SPAN_WEIGHTS are tuned (a smaller span stays
 in cache, where the forms tie); quantized layers are not nn.Linear's and keep their own kernels. ROW_FORMS_ENV sets a
@@ -25,8 +27,11 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -53,6 +58,7 @@ logger = logging.getLogger(__name__)
 TUNED_MIN_SPAN_WEIGHTS = 1 << 22  # 16 MiB of float32 weights; a span under it is not timed
 TIMED_SPAN_WEIGHTS = 1 << 28  # the forms are timed on the span's first blocks holding this much (1 GiB of float32):
 # far past any CPU cache, so they stream as in use; a bigger span's start-up stays short (48 forwards of them)
+TIMING_LOCK = Path(tempfile.gettempdir()) / "swarmbatch-product-forms.lock"  # one server of a machine times at once
 LAYOUT_ROWS = 16  # also timed, for the layout only: a job lane's decode step (the dense table keeps F.linear there)
 TUNED_LOG = "Product forms of blocks %d:%d, timed in %.1f s: %s (a step of each timed row count: %s; %s)"
 FORCED_LOG = "Product forms of blocks %d:%d, set by %s: %s"
@@ -75,6 +81,29 @@ def tune_span(span: BlockSpan, *, spare_bytes: int = 0, clock: Callable[[], floa
         return None
     table = FormTable()
     install(span, table)
+    with timing_alone():
+        return time_forms(span, table, linears, spare_bytes, clock)
+
+
+@contextmanager
+def timing_alone() -> Iterator[None]:
+    """Hold the machine's TIMING_LOCK (released when the process ends, whatever happens); where file locks are not to
+    be had, time anyway."""
+    try:
+        import fcntl
+        lock = open(TIMING_LOCK, "a")  # noqa: SIM115 (closed below, after the timing)
+    except (ImportError, OSError) as e:
+        logger.debug("Timing product forms without the machine's lock: %s", e)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def time_forms(span: BlockSpan, table: FormTable, linears: list[torch.nn.Linear], spare_bytes: int,
+               clock: Callable[[], float]) -> FormTable:
+    """Time each row count's forms and settle the span's layout (the module doc)."""
     began, end = clock(), timed_end(span)
     packing = packed_available()
     both = packing and spare_bytes >= 4 * sum(layer.weight.numel() for layer in linears)

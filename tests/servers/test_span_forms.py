@@ -1,6 +1,8 @@
 """A server's span times its blocks' few-row product forms at start-up and keeps each row count's fastest."""
 from __future__ import annotations
 
+import fcntl
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -136,6 +138,25 @@ def test_a_server_with_memory_to_spare_keeps_each_row_counts_fastest_form_of_all
     table = tune_span(one_copy, spare_bytes=4 * weights - 1, clock=scripted(0.010, 0.004, 0.005))
     assert table is not None and table.default == "linear"
     assert all(m.packed is None for m in one_copy.modules() if isinstance(m, FormLinear))
+
+
+def test_servers_on_one_machine_time_their_forms_one_at_a_time(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    # Given the machine's timing lock held (by another server, timing its span)
+    monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    monkeypatch.setattr(span_forms, "TIMING_LOCK", tmp_path / "forms.lock")
+    span = span_of(tiny_model)
+    tuned: list[object] = []
+    with open(tmp_path / "forms.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        # When this span is tuned meanwhile, it waits for the lock
+        thread = threading.Thread(target=lambda: tuned.append(tune_span(span)))
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive() and not tuned
+    # Then once the other server is done, it times its forms
+    thread.join(60)
+    assert not thread.is_alive() and tuned and tuned[0] is not None
 
 
 def test_a_span_small_enough_to_stay_in_cache_or_not_float32_is_not_tuned(tiny_model: Path) -> None:
