@@ -127,8 +127,9 @@ class ServerConfig:
                                "greedily and ask for the ring: the step goes on to their first server from here, so a "
                                "token costs servers / 2 round trips instead of (servers + 1) / 2 (docs/swarm.md, \"The ring\").")
     tune_products: bool = option(True, "At start-up, time the equal forms of the blocks' products of 1-8 and 16 "
-                                       "rows (decode steps) and keep the fastest: oneDNN's packed weights for "
-                                       "every row count (one copy), or each row count's fastest dense form; "
+                                       "rows (decode steps) and keep each row count's fastest (oneDNN's packed "
+                                       "weights kept beside the dense ones where memory is to spare, else one "
+                                       "copy: packed for every row count, or dense forms); "
                                        "float32 spans on a CPU only (on an AMD EPYC VM a 16-row decode step of "
                                        "SmolLM2's blocks 0:15 took 0.71x as long, packed). Outputs differ by float "
                                        "rounding, 1e-6 to 1e-4 relative (docs/swarm.md, \"Product forms\").")
