@@ -15,7 +15,8 @@ packed won at LAYOUT_ROWS: both copies are kept where both are taken. Otherwise 
 It runs before the server announces itself and measures its throughput, so every step it serves takes the same
 forms. A span holding more than TIMED_SPAN_WEIGHTS is timed on its first blocks that hold that much (a big model's
 server would otherwise spend minutes timing); only those blocks hold a packed copy beside their dense weights while
-it times, and the layout chosen then settles every block (product_forms.settle_weights). Servers on one machine time
+it times (the packed form is timed only where that copy takes at most half of the free memory), and the layout
+chosen then settles every block (product_forms.settle_weights). Servers on one machine time
 one at a time (TIMING_LOCK, a file lock): two spans timed at once stream their weights through the same memory, and
 under that contention the dense forms lost to packed at 1 and 2 rows, where alone they win by a fifth.
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from servers.block_sizing import free_memory
 from servers.span import BlockSpan
 from swarmnet.product_forms import (
     FORMS,
@@ -105,7 +107,7 @@ def time_forms(span: BlockSpan, table: FormTable, linears: list[torch.nn.Linear]
                clock: Callable[[], float]) -> FormTable:
     """Time each row count's forms and settle the span's layout (the module doc)."""
     began, end = clock(), timed_end(span)
-    packing = packed_available()
+    packing = packed_available() and packed_copy_fits(span, end)
     both = packing and spare_bytes >= 4 * sum(layer.weight.numel() for layer in linears)
     if packing:
         pack_blocks(span, end)
@@ -131,6 +133,19 @@ def time_forms(span: BlockSpan, table: FormTable, linears: list[torch.nn.Linear]
         f"{name} {seconds * 1000:.1f} ms" for name, seconds in totals.items() if seconds < float("inf")),
         f"{copies}, {spare_bytes / 2 ** 20:.0f} MiB spare")
     return table
+
+
+def packed_copy_fits(span: BlockSpan, end: int) -> bool:
+    """Whether a packed copy of blocks [span.start, end), held beside their dense weights while the forms are timed,
+    takes at most half of the memory free now (else the packed form is not timed, and the span stays dense)."""
+    copy = 4 * sum(linear.weight.numel() for layer in span.layers[:end - span.start]
+                   for linear in float32_linears(layer))
+    free = free_memory(span.device)
+    if 2 * copy <= free:
+        return True
+    logger.info("Product forms of blocks %d:%d: the packed form is not timed (a packed copy of %d MiB to time it, "
+                "%d MiB free)", span.start, span.end, copy >> 20, free >> 20)
+    return False
 
 
 def pack_blocks(span: BlockSpan, end: int) -> None:

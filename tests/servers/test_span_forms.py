@@ -140,6 +140,22 @@ def test_a_server_with_memory_to_spare_keeps_each_row_counts_fastest_form_of_all
     assert all(m.packed is None for m in one_copy.modules() if isinstance(m, FormLinear))
 
 
+def test_a_server_short_of_memory_for_a_packed_copy_to_time_does_not_time_the_packed_form(
+        tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a tiny span counted as big enough to tune, on a machine with less free memory than twice its packed copy
+    monkeypatch.setattr(span_forms, "TUNED_MIN_SPAN_WEIGHTS", 0)
+    span = span_of(tiny_model)
+    weights = sum(m.weight.numel() for m in span.modules() if isinstance(m, torch.nn.Linear))
+    monkeypatch.setattr(span_forms, "free_memory", lambda device: 8 * weights - 1)
+    # When it is tuned (the clock of dense forms only: F.linear, then the challenger, twice as fast)
+    with caplog.at_level("INFO", logger="servers.span_forms"):
+        table = tune_span(span, clock=challenger_wins().__next__)
+    # Then it keeps the dense forms, holds no packed copy, and says why
+    assert table is not None and table.default == "linear" and table.choices[1] == "paired"
+    assert all(m.packed is None and m.weight.numel() for m in span.modules() if isinstance(m, FormLinear))
+    assert "the packed form is not timed" in caplog.text
+
+
 def test_servers_on_one_machine_time_their_forms_one_at_a_time(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 tmp_path: Path) -> None:
     # Given the machine's timing lock held (by another server, timing its span)
