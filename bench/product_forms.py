@@ -21,11 +21,9 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from swarm import resolve_model  # noqa: E402  (bench/ is the script's folder, first on sys.path)
+from swarm import resolve_model, server_spare_bytes  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 
 from servers.block_loading import load_span  # noqa: E402
-from servers.block_sizing import spare_memory  # noqa: E402
-from servers.config import DType, Quant, ServerConfig  # noqa: E402
 from servers.span import BlockSpan  # noqa: E402
 from servers.span_forms import tune_span  # noqa: E402
 from swarmnet.model_spec import ModelSpec  # noqa: E402
@@ -70,10 +68,7 @@ def main() -> None:
     spec = ModelSpec.open(resolve_model(args.model))
     tuned, plain = load_span(spec, args.start, args.end), load_span(spec, args.start, args.end)
     began = time.perf_counter()
-    cache_tokens = ServerConfig.__dataclass_fields__["attn_cache_tokens"].default  # a server's default budget
-    spare = 0 if args.one_copy else spare_memory(spec, tuned.device, DType.float32, Quant.none, cache_tokens,
-                                                 args.end - args.start)
-    table = tune_span(tuned, spare_bytes=spare)
+    table = tune_span(tuned, spare_bytes=0 if args.one_copy else server_spare_bytes(spec, tuned))
     if table is None:
         raise SystemExit(f"blocks {args.start}:{args.end} of {spec.path.name} are not tuned (too small, or not float32)")
     print(f"blocks {args.start}:{args.end} of {spec.path.name}, float32, 1 thread; tuned in "

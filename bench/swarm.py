@@ -297,19 +297,25 @@ async def _timed_step(session: Any, hidden: torch.Tensor, mask: torch.Tensor, po
     return out, time.perf_counter() - began
 
 
+def server_spare_bytes(spec: Any, span: Any) -> int:
+    """The memory a float32 server with default settings, serving this loaded span here, has to spare for a second
+    copy of its weights (servers/block_sizing.spare_memory, as `swarmbatch serve` computes it)."""
+    from servers.block_sizing import spare_memory
+    from servers.config import DType, Quant, ServerConfig
+
+    cache_tokens = ServerConfig.__dataclass_fields__["attn_cache_tokens"].default  # a server's default budget
+    return spare_memory(spec, span.device, DType.float32, Quant.none, cache_tokens, span.end - span.start)
+
+
 def server_like_spans(spec: Any, hops: list[Any]) -> list[Any]:
     """Each hop's blocks loaded here, with the product forms a server keeps at start-up (servers/span_forms.py): the
     same compute as the hop's."""
     from servers.block_loading import load_span
-    from servers.block_sizing import spare_memory
-    from servers.config import DType, Quant, ServerConfig
     from servers.span_forms import tune_span
 
     spans = [load_span(spec, h.start, h.end) for h in hops]
-    cache_tokens = ServerConfig.__dataclass_fields__["attn_cache_tokens"].default  # a server's default budget
     for span in spans:
-        tune_span(span, spare_bytes=spare_memory(spec, span.device, DType.float32, Quant.none, cache_tokens,
-                                                 span.end - span.start))
+        tune_span(span, spare_bytes=server_spare_bytes(spec, span))
     return spans
 
 

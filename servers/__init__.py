@@ -5,8 +5,9 @@ Modules:
                      then move them to the device (--device)
     span             BlockSpan: the decoder layers, one KV cache per layer and session, any sub-range; DecodeStep, and
                      forward_sessions: several sessions' decode steps as one forward
-    span_forms       tune_span: at start-up, the packed layout or each row count's fastest dense form of the blocks'
-                     products of 1-8 rows (a float32 span on a CPU; swarmnet/product_forms.py)
+    span_forms       tune_span: at start-up, each row count's fastest form of the blocks' products (dense, or oneDNN's
+                     packed copy; both copies only with memory to spare), a float32 span on a CPU
+                     (swarmnet/product_forms.py)
     kv_cache         GrowingLayer: a session's KV cache layer, appended in place into a buffer with room to spare
     block_sizing     how many blocks fit the memory when neither --blocks nor --num-blocks is given
     block_selection  pure: which span a `--num-blocks` server should take (least covered)

@@ -79,12 +79,13 @@ def tune_span(span: BlockSpan, *, spare_bytes: int = 0, clock: Callable[[], floa
         install(span, forced)
         logger.info(FORCED_LOG, span.start, span.end, ROW_FORMS_ENV, forced.describe())
         return forced
-    if sum(layer.weight.numel() for layer in linears) < TUNED_MIN_SPAN_WEIGHTS:
+    weights = sum(layer.weight.numel() for layer in linears)
+    if weights < TUNED_MIN_SPAN_WEIGHTS:
         return None
     table = FormTable()
     install(span, table)
     with timing_alone():
-        return time_forms(span, table, linears, spare_bytes, clock)
+        return time_forms(span, table, weights, spare_bytes, clock)
 
 
 @contextmanager
@@ -103,12 +104,13 @@ def timing_alone() -> Iterator[None]:
         yield
 
 
-def time_forms(span: BlockSpan, table: FormTable, linears: list[torch.nn.Linear], spare_bytes: int,
-               clock: Callable[[], float]) -> FormTable:
-    """Time each row count's forms and settle the span's layout (the module doc)."""
-    began, end = clock(), timed_end(span)
-    packing = packed_available() and packed_copy_fits(span, end)
-    both = packing and spare_bytes >= 4 * sum(layer.weight.numel() for layer in linears)
+def time_forms(span: BlockSpan, table: FormTable, weights: int, spare_bytes: int, clock: Callable[[], float]
+               ) -> FormTable:
+    """Time each row count's forms and settle the span's layout (the module doc); `weights`: the span's linear
+    weights."""
+    began, (end, timed_weights) = clock(), timed_blocks(span)
+    packing = packed_available() and packed_copy_fits(span, 4 * timed_weights)
+    both = packing and spare_bytes >= 4 * weights
     if packing:
         pack_blocks(span, end)
     totals = {"dense": 0.0, PACKED: 0.0}
@@ -128,18 +130,16 @@ def time_forms(span: BlockSpan, table: FormTable, linears: list[torch.nn.Linear]
         table.choices.clear()
         table.default = PACKED
     settle_weights(span)
-    copies = "both copies kept" if table.uses(PACKED) and any(table.uses(form) for form in FORMS) else "one copy"
+    copies = "both copies kept" if table.uses(PACKED) and table.uses_dense() else "one copy"
     logger.info(TUNED_LOG, span.start, span.end, clock() - began, table.describe(), ", ".join(
         f"{name} {seconds * 1000:.1f} ms" for name, seconds in totals.items() if seconds < float("inf")),
         f"{copies}, {spare_bytes / 2 ** 20:.0f} MiB spare")
     return table
 
 
-def packed_copy_fits(span: BlockSpan, end: int) -> bool:
-    """Whether a packed copy of blocks [span.start, end), held beside their dense weights while the forms are timed,
-    takes at most half of the memory free now (else the packed form is not timed, and the span stays dense)."""
-    copy = 4 * sum(linear.weight.numel() for layer in span.layers[:end - span.start]
-                   for linear in float32_linears(layer))
+def packed_copy_fits(span: BlockSpan, copy: int) -> bool:
+    """Whether a packed copy of the timed blocks (`copy` bytes), held beside their dense weights while the forms are
+    timed, takes at most half of the memory free now (else the packed form is not timed, and the span stays dense)."""
     free = free_memory(span.device)
     if 2 * copy <= free:
         return True
@@ -156,14 +156,15 @@ def pack_blocks(span: BlockSpan, end: int) -> None:
                 linear.packed = pack(linear.weight)
 
 
-def timed_end(span: BlockSpan) -> int:
-    """The end of the blocks the forms are timed on: the span's first blocks holding TIMED_SPAN_WEIGHTS, or all."""
+def timed_blocks(span: BlockSpan) -> tuple[int, int]:
+    """The end of the blocks the forms are timed on (the span's first blocks holding TIMED_SPAN_WEIGHTS, or all),
+    and the linear weights they hold."""
     weights = 0
     for offset, layer in enumerate(span.layers):
         weights += sum(linear.weight.numel() for linear in float32_linears(layer))
         if weights >= TIMED_SPAN_WEIGHTS:
-            return span.start + offset + 1
-    return span.end
+            return span.start + offset + 1, weights
+    return span.end, weights
 
 
 @torch.inference_mode()

@@ -20,8 +20,9 @@ its `FormTable` holds for its input's row count.
 
 A fourth form, "packed", is oneDNN's product on a copy of the weight reordered once into the blocked layout its
 kernels read (`torch.ops.mkldnn`, in torch's x86 CPU builds). It streams a weight faster than MKL's F.linear at
-every row count measured, but it is a layout, not an order of sums: a layer that takes it for every row count keeps
-only the packed copy (its dense weight is freed), so a span is either packed or dense, never both (`settle_weights`).
+every row count measured, but it is a layout, not an order of sums: it needs a copy of the weight, which a layer
+holds only where some row count takes the packed form, and a layer that takes it for every row count keeps only the
+packed copy (its dense weight is freed: `settle_weights`).
 On the same VM, SmolLM2's blocks 0:15, one thread, a decode step after 64 tokens (session 29's probe):
 
     rows           1      2      4      8      16     32     64
@@ -131,6 +132,10 @@ class FormTable:
         """Whether some row count takes `form`."""
         return self.default == form or form in self.choices.values()
 
+    def uses_dense(self) -> bool:
+        """Whether some row count takes a form of the dense weight (any but packed)."""
+        return any(self.uses(form) for form in FORMS)
+
     def describe(self) -> str:
         """'1 paired, 2-5 transposed; others linear' (a log line)."""
         runs: list[list[int | str]] = []  # [first rows, last rows, form], consecutive row counts of one form joined
@@ -189,7 +194,7 @@ def settle_weights(module: nn.Module) -> None:
     for layer in module.modules():
         if not isinstance(layer, FormLinear):
             continue
-        dense = any(layer.table.uses(form) for form in FORMS)
+        dense = layer.table.uses_dense()
         if layer.table.uses(PACKED) and layer.packed is None:
             layer.packed = pack(layer.weight)
         if not layer.table.uses(PACKED):

@@ -200,6 +200,6 @@ def test_a_big_span_is_timed_on_its_first_blocks_only(tiny_model: Path, monkeypa
     span = span_of(tiny_model)
     per_block = sum(m.weight.numel() for m in span.layers[0].modules() if isinstance(m, torch.nn.Linear))
     monkeypatch.setattr(span_forms, "TIMED_SPAN_WEIGHTS", per_block + 1)  # two blocks hold it
-    assert span_forms.timed_end(span) == span.start + 2
+    assert span_forms.timed_blocks(span) == (span.start + 2, 2 * per_block)
     monkeypatch.setattr(span_forms, "TIMED_SPAN_WEIGHTS", per_block * 100)  # more than the span holds
-    assert span_forms.timed_end(span) == span.end
+    assert span_forms.timed_blocks(span) == (span.end, (span.end - span.start) * per_block)
