@@ -376,13 +376,13 @@ class BlockHandler(PushReceiver):
         if route and not self.may_push_to(route[0][0]):
             raise RequestRejected(ErrorCode.UNAUTHORIZED, f"this server pushes to members of its swarm only, and "
                                   f"{route[0][0][:64]} is none: route through member servers")
+        confirmed = False
         async with session.lock:
             if step_id is not None and step_id != session.applied:
                 applied, stream.repeated = self._repeated(session, step_id), True
                 # the client's own copy of a guessed step: it confirms the guess (its answer went out already: the
                 # client is told so in a few bytes) or ends the ring (the client gets the guessed step's answer)
-                if stream.push_target is None and confirm_guess(session, applied, tensors, meta):
-                    return protocol.encode([], {"step_id": step_id, "confirmed": True})
+                confirmed = stream.push_target is None and confirm_guess(session, applied, tensors, meta)
             else:
                 pusher = stream.peer if stream.push_target is not None else None
                 answer, output, mask, positions, digest = await self._compute_step(session, tensors, meta, pusher)
@@ -392,9 +392,11 @@ class BlockHandler(PushReceiver):
                 if step_id is not None:
                     session.last_step = applied
                     self._guess_next(session, applied)
-        if route:  # a duplicate too, where its first push failed (the client may name a replacement next hop)
+        # a duplicate too, where its first push failed: the client may name a replacement next hop, or a guessed
+        # step's push failed before its client sent it (the report came when the client could not act on it)
+        if route:
             await self._push_on(session, applied, route)
-        return applied.answer
+        return protocol.encode([], {"step_id": step_id, "confirmed": True}) if confirmed else applied.answer
 
     def _repeated(self, session: Session, step_id: int) -> AppliedStep:
         """A step id other than the next one: the last step, applied once already; else a refusal. Past

@@ -12,11 +12,12 @@ then goes round the servers alone: hops / 2 round trips plus compute (one for 2 
 
 The client still samples every token itself and sends every step. The first server applies a guess only after the
 client's own copy of the step before came and matched (handler.py), so the ring is never more than one step ahead of
-the client; the client's copy of a guessed step is then a duplicate, answered from the guessed one. Where the guess was
-not the client's token (a near tie between two heads, a server that lies), the first server's answer names the guessed
-input, and the client's push audit takes it for a stale input: it replays the session to new server sessions, without
-the ring. A guess push that fails is not reported: the client sends that step itself anyway. Such a server then stops
-guessing for that session.
+the client; the client's copy of a guessed step is then a duplicate, answered from the guessed one, and pushed on from
+there where the guessed step's own push on failed (its report came before the client sent the step, when the client
+could not act on it). Where the guess was not the client's token (a near tie between two heads, a server that lies),
+the first server's answer names the guessed input, and the client's push audit takes it for a stale input: it replays
+the session to new server sessions, without the ring. A guess push that fails is not reported: the client sends that
+step itself anyway. Such a server then stops guessing for that session.
 """
 from __future__ import annotations
 

@@ -11,11 +11,12 @@ from swarmnet.discovery import online_spans
 
 
 def test_routing_trusts_measured_steps_and_skips_a_server_without_cache_room(tiny_model: Path, local_swarm) -> None:
-    # Given three servers of all 6 blocks, all overstating their speed (a test-only knob): 'boaster' by 1000 times,
-    # 'modest' by 10 times (a margin over this machine's timing noise), and 'full' by a million times, but with
-    # room for only 4 cached tokens per block
+    # Given three servers of all 6 blocks, all overstating their speed (a test-only knob): 'boaster' by 100000 times,
+    # 'modest' by 1000 times, and 'full' by 10**8 times, but with room for only 4 cached tokens per block (wide
+    # margins: each server measures its speed at start, while the others start too, on a machine that may be busy
+    # with other tests; a measure taken in a stall may be many times too slow)
     swarm = local_swarm(tiny_model, [])
-    specs = {"boaster": ("1000", []), "modest": ("10", []), "full": ("1000000", ["--attn-cache-tokens", "4"])}
+    specs = {"boaster": ("100000", []), "modest": ("1000", []), "full": ("100000000", ["--attn-cache-tokens", "4"])}
     started = {name: swarm.start_server(0, 6, wait=False, extra_args=args, env={TEST_OVERSTATE_ENV: factor})
                for name, (factor, args) in specs.items()}
     for server in started.values():

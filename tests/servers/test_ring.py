@@ -147,6 +147,39 @@ def test_the_last_server_guesses_the_next_step_and_the_clients_copy_confirms_it(
     run(test)
 
 
+def test_a_guessed_step_whose_push_failed_is_pushed_on_when_the_clients_copy_confirms_it(
+        span: BlockSpan, guesser: RingGuesser, reference: Any) -> None:
+    async def test(wires: Wires) -> None:
+        # Given a ring after its prefill, whose first server's push of the next step it applies cannot start (as when
+        # the session has its pushes in flight already: the push is refused BUSY and the client told)
+        first, last = ring_servers(wires, span, guesser)
+        ring = await Ring(wires, "first", "last").open()
+        await ring.send(prefill(span), 0)
+        await ring.answers(0)
+        push_later, calls = first.pusher.push_later, []
+
+        def second_push_refused(*args: Any, **kwargs: Any) -> bool:
+            calls.append(args[2])
+            return len(calls) != 2 and push_later(*args, **kwargs)
+        first.pusher.push_later = second_push_refused  # type: ignore[method-assign]
+        # When the client's first decode step goes round, and the last server's guess of step 2 is applied first
+        step = decode_step(span, 1)
+        await ring.send(step, 1)
+        _, (outputs, _) = await ring.answers(1)
+        report, guessed = await read(ring.streams[0]), await read(ring.streams[0])
+        assert report is not None and report[1]["step_id"] == 2 and "in flight" in report[1]["push_failed"]["reason"]
+        assert guessed is not None and guessed[1]["step_id"] == 2 and guessed[1]["guess"] is True
+        assert await nothing_within(ring.streams[1], 0.3)  # the guess never reached the last server
+        # (the report came before the client sent step 2: a client waits for no answer to it yet, and drops it)
+        # Then the client's own copy of step 2 is confirmed, and pushed on to the last server, which answers it
+        await ring.send(greedy_next(reference, outputs[0], *step[1:]), 2)
+        assert await read(ring.streams[0]) == ([], {"step_id": 2, "confirmed": True})
+        answered = await read(ring.streams[1])
+        assert answered is not None and answered[1]["step_id"] == 2 and "error" not in answered[1]
+        assert last.sessions[ring.ids[1]].applied >= 3  # (and the ring goes on: it may have guessed step 3 since)
+    run(test)
+
+
 def test_a_guess_ahead_of_the_clients_copy_is_dropped_and_the_ring_never_runs_ahead(span: BlockSpan,
                                                                                     guesser: RingGuesser) -> None:
     async def test(wires: Wires) -> None:
