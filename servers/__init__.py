@@ -12,6 +12,7 @@ Modules:
     block_sizing     how many blocks fit the memory when neither --blocks nor --num-blocks is given
     block_selection  pure: which span a `--num-blocks` server should take (least covered)
     throughput       measure_throughput: block-steps per second, announced for routing (and a test-only overstatement)
+    machine          this_machine: the name of the machine whose compute a server shares, announced for routing
     memory           CacheBudget: KV-cache tokens reserved per session within --attn-cache-tokens, a share per caller
                      (a member; a caller alone may borrow the rest until another is refused room, then gives it back)
     admission        Slots: forwards admitted and not yet answered, per caller and per server (over: busy)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from servers.errors import ServerConfigError
 from swarmnet.addresses import NetworkOptions
-from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT
+from swarmnet.data_structures import ANNOUNCE_PERIOD_LIMIT, MAX_MACHINE_NAME
 from swarmnet.devices import DeviceUnavailable, default_dtype, dtype_name, resolve_device
 
 if TYPE_CHECKING:
@@ -115,6 +115,11 @@ class ServerConfig:
                                             "compare servers by it. Pass the same figure on identical boxes to "
                                             "keep a noisy start-up measurement from deciding where they go.",
                                       min=0.001)
+    machine: str | None = option(None, "Name of the machine whose compute this server shares, as announced: clients "
+                                       "spread their sessions over machines, so servers of one machine must name "
+                                       "it alike; default: a digest of this host's boot id, shared by its "
+                                       "processes and containers (docs/swarm.md, \"Routing\"). Name it only for "
+                                       "virtual machines sharing one host's cores.")
     balance_quality: float = option(0.75, "Move only if the weakest block's throughput would rise above this "
                                           "much of it (0.75: by a third); closing a hole needs no margin.",
                                     min=0.01, max=1.0)
@@ -168,6 +173,9 @@ class ServerConfig:
             raise ServerConfigError("--max-sessions-per-peer, --max-queued-forwards, --max-forwards-per-peer, "
                                     "--max-forward-tokens and --max-streams-per-peer must be positive, and "
                                     "--max-cache-share-per-peer in (0, 1]")
+        if self.machine is not None and not 0 < len(self.machine) <= MAX_MACHINE_NAME:
+            raise ServerConfigError(f"--machine names a machine in 1 to {MAX_MACHINE_NAME} characters; pass a shorter "
+                                    "name, or leave it out to announce this host's")
         if self.session_grace < 0:
             raise ServerConfigError(f"--session-grace {self.session_grace:g} is negative; pass 0 or more seconds")
         if self.lent_cache_grace < 0:

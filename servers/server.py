@@ -27,6 +27,7 @@ from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
 from servers.faults import fault_noise, inject_faults, push_fault_noise
 from servers.handler import RPCS, BlockHandler
+from servers.machine import this_machine
 from servers.memory import CacheBudget
 from servers.metrics import start_metrics
 from servers.neighbours import NextServerPings
@@ -78,6 +79,7 @@ class BlockServer:
         self.state = ServerState.JOINING
         self.peer_id = ""  # set once the server has joined the DHT
         self.throughput = 0.0  # measured once the span is loaded
+        self.machine = self.config.machine or this_machine()  # announced: clients spread sessions over machines
         self.device, self.dtype = config.torch_device(), config.compute_dtype()  # --device/--dtype auto resolved
         self.serving: Serving | None = None  # set when the span is loaded, replaced when it moves
         self.announcer: Announcer | None = None
@@ -265,7 +267,7 @@ class BlockServer:
             quant=self.config.quant.value, version=PROTOCOL_VERSION, revision=self.spec.revision,
             max_batch_size=self.config.max_batch_size, max_length=self.max_length,
             max_sessions_per_peer=self.config.max_sessions_per_peer, stats=self.stats.copy(),
-            span=span, rebalances=self.config.rebalances, moves=tuple(self.moves))
+            span=span, rebalances=self.config.rebalances, moves=tuple(self.moves), machine=self.machine)
 
     def request_stop(self) -> None:
         """Ask `wait()` to return (signal-safe)."""

@@ -43,6 +43,7 @@ class ServerStatus:
     span: SpanStatus | None  # None while joining, before the span is loaded; while moving, the span moved to
     rebalances: bool = False  # may move its span (servers/rebalancing.py)
     moves: tuple[SpanMove, ...] = ()  # its last moves, oldest first
+    machine: str | None = None  # the machine whose compute it shares (servers/machine.py)
 
     def loaded_span(self) -> SpanStatus:
         """The span; raises RuntimeError before it is loaded (nothing is served or announced until then)."""
@@ -59,7 +60,7 @@ class ServerStatus:
             revision=self.revision, max_batch_size=self.max_batch_size, max_length=self.max_length,
             max_sessions_per_peer=self.max_sessions_per_peer, cache_tokens_per_peer=span.cache.tokens_per_caller,
             cache_tokens_most_per_peer=span.cache.most_per_caller,
-            rebalances=self.rebalances, moves=self.moves)
+            rebalances=self.rebalances, moves=self.moves, machine=self.machine)
 
     def info_answer(self) -> dict[str, Any]:
         """The `info` RPC's answer: the announcement, who this is, and the load."""

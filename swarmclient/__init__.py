@@ -2,8 +2,8 @@
 
 The wire contract, peers, records, membership, the P2P node and discovery live in `swarmnet` (shared with
 `servers`). Modules here, from the route up:
-    routing          pure functions: spans, round trips (client's and servers' links), trusted throughputs, free cache
-                     and bans -> a chain of hops
+    routing          pure functions: spans, round trips (client's and servers' links), trusted throughputs, free cache,
+                     each machine's open sessions and bans -> a chain of hops
     retry            the one retry policy (tenacity backoff with jitter) and the BanList
     swarm            Swarm: a client's live view of one model's servers (reads, pings, bans, routes, forward)
     verification_policy  checked outputs, the policy: sampled steps, tolerances by precision, the majority rule,

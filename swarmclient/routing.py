@@ -16,10 +16,17 @@ is held to the triangle inequality on what the client measured itself (a link is
 difference of the client's round trips to its ends), and a link nobody reported costs what relaying it through
 the client would (the sum of the client's round trips to both ends): so servers close to each other win over a
 chain that zigzags across the WAN, and a server claiming a short link gains at most the difference.
+
+A machine's compute is shared by this client's sessions on it (`machine_loads`): a hop's compute counts (1 + the
+sessions this client holds on any server of that server's machine) times. So a worker's lanes spread over the
+holders of a span on different machines instead of all taking the fastest, while servers of one machine, equally
+loaded by them, are chosen between as before. Other callers' sessions do not count: records lag them by up to an
+announce period, a record could lie about them, and workers that each spread their own lanes spread in aggregate.
 """
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Collection, Mapping
 
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop
@@ -66,6 +73,17 @@ def has_room(span: RemoteSpanInfo, num_blocks: int, session_tokens: int) -> bool
     return session_tokens * num_blocks <= free
 
 
+def machine_loads(spans: list[RemoteSpanInfo], held: Mapping[str, int]) -> dict[str, int]:
+    """Per server, the sessions this client holds (`held`, by peer id) on every server of its machine. A server that
+    names no machine is one of its own; a record naming another server's machine adds load there only where this
+    client holds sessions on that record's server."""
+    machine = {s.peer_id: s.info.machine or f"peer:{s.peer_id}" for s in spans}
+    ours: Counter[str] = Counter()
+    for peer, name in machine.items():
+        ours[name] += held.get(peer, 0)
+    return {peer: ours[name] for peer, name in machine.items()}
+
+
 def min_latency_route(
     spans: list[RemoteSpanInfo],
     start: int,
@@ -75,13 +93,15 @@ def min_latency_route(
     banned: Collection[str] = (),
     throughputs: Mapping[str, float] | None = None,
     session_tokens: int = 0,
+    loads: Mapping[str, int] | None = None,
 ) -> list[RouteHop] | None:
     """The cheapest chain of hops covering blocks [start, end), or None if some block is uncovered.
 
     throughputs: per peer, the block-steps/s to trust (`trusted_throughput`); a peer not named keeps its record's.
     session_tokens: batch x max_length of the session to open; servers without room for it are left out.
+    loads: per peer, the sessions open on its machine (`machine_loads`): its compute counts 1 + that many times.
     """
-    rtts, throughputs = rtts or {}, throughputs or {}
+    rtts, throughputs, loads = rtts or {}, throughputs or {}, loads or {}
     usable = [s for s in spans if s.peer_id not in banned and s.end > start and s.start < end
               and has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
     best: dict[int, float] = {start: 0.0}
@@ -96,9 +116,10 @@ def min_latency_route(
         for span in usable:
             if not span.start <= i < span.end:
                 continue
-            rtt, speed = rtts.get(span.peer_id, DEFAULT_RTT), throughputs.get(span.peer_id)
+            rtt, speed = rtts.get(span.peer_id, DEFAULT_RTT), throughputs.get(span.peer_id, span.info.throughput)
+            shared = speed / (1 + loads.get(span.peer_id, 0))
             for j in range(i + 1, min(span.end, end) + 1):
-                new_cost = cost + hop_cost(span, j - i, rtt, speed)
+                new_cost = cost + hop_cost(span, j - i, rtt, shared)
                 # ties go to the longer hop (fewer servers); the epsilon keeps float noise from flipping it
                 if new_cost < best.get(j, float("inf")) - 1e-12:
                     best[j] = new_cost
@@ -137,11 +158,12 @@ def pushed_route(
     banned: Collection[str] = (),
     throughputs: Mapping[str, float] | None = None,
     session_tokens: int = 0,
+    loads: Mapping[str, int] | None = None,
 ) -> list[RouteHop] | None:
     """`min_latency_route` for push: the cheapest chain when each server pushes to the next (links: round trips
     servers reported to the servers after them, (from, to) -> seconds). A shortest path over (block boundary, last
     server) states, since what a hop costs depends on the server before it."""
-    rtts, links, throughputs = rtts or {}, links or {}, throughputs or {}
+    rtts, links, throughputs, loads = rtts or {}, links or {}, throughputs or {}, loads or {}
     usable = [s for s in spans if s.peer_id not in banned and s.end > start and s.start < end
               and has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
     State = tuple[int, str]
@@ -159,7 +181,7 @@ def pushed_route(
             if not span.start <= i < span.end or span.peer_id == peer:  # a server never pushes to itself
                 continue
             arrive = rtts.get(span.peer_id, DEFAULT_RTT) if not peer else link_rtt(peer, span.peer_id, rtts, links)
-            speed = throughputs.get(span.peer_id, span.info.throughput)
+            speed = throughputs.get(span.peer_id, span.info.throughput) / (1 + loads.get(span.peer_id, 0))
             for j in range(i + 1, min(span.end, end) + 1):
                 leave = rtts.get(span.peer_id, DEFAULT_RTT) / 2 if j == end else 0.0
                 new_cost = cost + arrive / 2 + (j - i) / max(speed, 1e-6) + leave

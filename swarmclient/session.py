@@ -126,6 +126,7 @@ class InferenceSession:
         self._open_batch_size = batch_size               # a (replacement) server session opens with it, then replays
         self._row_ids = list(range(batch_size))          # each current row's index when the session opened
         self._sessions: dict[int, ServerSession] = {}   # hop start -> live session
+        self._opening: list[RouteHop] = []               # hops routed and not in _sessions yet (routing counts them)
         self._closing: set[asyncio.Future[None]] = set()  # sessions being closed in the background
         self._broken: set[int] = set()                   # hop starts whose server failed
         self._history: list[StepRecord] = []             # every completed step, in order: what a replay sends
@@ -194,6 +195,7 @@ class InferenceSession:
             self._drop_warm()
         await asyncio.gather(*(s.close() for s in self._sessions.values()), return_exceptions=True)
         self._sessions.clear()
+        self.swarm.holders.discard(self)
 
     async def astep(self, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                     keep_rows: list[int] | None = None) -> torch.Tensor:
@@ -608,8 +610,21 @@ class InferenceSession:
         """Close a session in the background (held in `_closing` until it is closed)."""
         close_in_background(session, self._closing)
 
+    def held_peers(self) -> list[str]:
+        """Each server session's peer id, open or being opened: this session's load on them, as routing counts it."""
+        return [session.hop.peer_id for session in self._sessions.values()] + [hop.peer_id for hop in self._opening]
+
     async def _open_range(self, start: int, end: int) -> list[RouteHop]:
+        self.swarm.holders.add(self)  # (before routing: a route chosen meanwhile by another lane counts this one's)
         hops = await self.swarm.route(start, end, session_tokens=self._open_batch_size * self.max_length)
+        self._opening = hops
+        try:
+            return await self._open_sessions(hops)
+        finally:
+            self._opening = []
+
+    async def _open_sessions(self, hops: list[RouteHop]) -> list[RouteHop]:
+        """Open a session on each hop's server (the ring's where the route takes it); all of them, or none."""
         sessions = [ServerSession(self.swarm, hop, batch_size=self._open_batch_size, max_length=self.max_length,
                                   push=self.swarm.config.push, on_push_failure=self._push_failed) for hop in hops]
         # (not through a relay: a long step goes there as several shorter ones, which the ring would take for tokens)

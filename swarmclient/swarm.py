@@ -5,8 +5,10 @@ import asyncio
 import logging
 import math
 import time
+import weakref
+from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -15,7 +17,14 @@ from hivemind.p2p import P2P, PeerID
 from swarmclient.config import ClientConfig
 from swarmclient.errors import InvalidRequest, MissingBlocksError, NoRoom, PeerFailed, SwarmBusy, Unauthorized
 from swarmclient.retry import BanList
-from swarmclient.routing import has_room, min_latency_route, missing_ranges, pushed_route, trusted_throughput
+from swarmclient.routing import (
+    has_room,
+    machine_loads,
+    min_latency_route,
+    missing_ranges,
+    pushed_route,
+    trusted_throughput,
+)
 from swarmnet import protocol
 from swarmnet.addresses import NetworkOptions
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop
@@ -27,6 +36,13 @@ from swarmnet.relays import RELAY_CONNECTION_CAP, RelayRole
 
 logger = logging.getLogger(__name__)
 
+
+
+class SessionHolder(Protocol):
+    """What holds server sessions of this client (an inference session): routing counts them as those servers' load."""
+
+    def held_peers(self) -> list[str]:
+        """The peer id of each server session held or being opened (one entry per session)."""
 
 class Swarm:
     """Connection to the swarm serving one model: owns a P2P node, a DHT client node and an event loop."""
@@ -42,6 +58,8 @@ class Swarm:
         self.links: dict[tuple[str, str], float] = {}  # (server, a server after it) -> the round trip it reported
         self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
+        # this client's inference sessions that hold (or are opening) server sessions: routing counts them as load
+        self.holders: weakref.WeakSet[SessionHolder] = weakref.WeakSet()
         self.refusals: dict[str, str] = {}  # servers that refused us as no member -> why (explains a failed route)
         self.full_until: dict[str, float] = {}  # servers that refused a session for lack of room -> until when to skip
         self.relayed: set[str] = set()  # servers reached through a circuit relay (their connections are capped)
@@ -209,11 +227,18 @@ class Swarm:
         """Ping the servers with room for the session that we have not pinged yet, then route through them."""
         roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
         await self._ping_unmeasured(roomy, start, end)
+        loads = machine_loads(roomy, self.held_sessions())
         if self.config.push:  # the links between servers count: servers report them in their info answers
             return pushed_route(roomy, start, end, rtts=self.rtts, links=self.links, banned=self.bans.banned(),
-                                throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens)
+                                throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens,
+                                loads=loads)
         return min_latency_route(roomy, start, end, rtts=self.rtts, banned=self.bans.banned(),
-                                 throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens)
+                                 throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens,
+                                 loads=loads)
+
+    def held_sessions(self) -> Counter[str]:
+        """Per server (peer id), the server sessions this client's inference sessions hold or are opening there."""
+        return Counter(peer for holder in list(self.holders) for peer in holder.held_peers())
 
     def trusted_throughputs(self, spans: list[RemoteSpanInfo]) -> dict[str, float]:
         """Per server, the throughput routing believes: its record's, clamped to its info answer and our steps."""

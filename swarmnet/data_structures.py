@@ -30,6 +30,7 @@ class ServerState(str, Enum):
 
 
 MAX_MOVES_ANNOUNCED = 4  # a server's record carries its last moves (span history), each under 200 bytes
+MAX_MACHINE_NAME = 64  # characters of the machine a server names (ServerInfo.machine)
 MAX_MOVE_REASON_CHARS = 120
 
 
@@ -76,6 +77,10 @@ class ServerInfo(BaseModel):
     # its last moves; an older server says neither and is never asked to move
     rebalances: bool = False
     moves: tuple[SpanMove, ...] = Field(default=(), max_length=MAX_MOVES_ANNOUNCED)
+    # the machine whose compute this server shares: servers of one machine announce the same name, and a client
+    # spreads its sessions over machines (swarmclient/routing.py, `machine_loads`); an older server names none, and
+    # is a machine of its own
+    machine: str | None = Field(default=None, min_length=1, max_length=MAX_MACHINE_NAME)
 
     @model_validator(mode="after")
     def _span_is_not_empty(self) -> ServerInfo:

@@ -22,13 +22,13 @@ class ManualClock:
 def server_info(start: int, end: int, *, throughput: float = 100.0, state: ServerState = ServerState.ONLINE,
                 version: str = PROTOCOL_VERSION, cache_tokens_left: int = 1000, max_batch_size: int = 8,
                 max_sessions_per_peer: int | None = None, cache_tokens_per_peer: int | None = None,
-                cache_tokens_most_per_peer: int | None = None) -> ServerInfo:
+                cache_tokens_most_per_peer: int | None = None, machine: str | None = None) -> ServerInfo:
     """A valid announcement for blocks [start, end)."""
     return ServerInfo(state=state, start=start, end=end, throughput=throughput, cache_tokens_left=cache_tokens_left,
                       dtype="float32", quant="none", version=version, revision="r" * 64,
                       max_batch_size=max_batch_size, max_length=128, max_sessions_per_peer=max_sessions_per_peer,
                       cache_tokens_per_peer=cache_tokens_per_peer,
-                      cache_tokens_most_per_peer=cache_tokens_most_per_peer)
+                      cache_tokens_most_per_peer=cache_tokens_most_per_peer, machine=machine)
 
 
 def span(peer: str, start: int, end: int, **kwargs: object) -> RemoteSpanInfo:

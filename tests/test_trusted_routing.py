@@ -1,6 +1,8 @@
-"""Routing through real servers trusts what the client measured over what records claim, and skips full servers."""
+"""Routing through real servers trusts what the client measured over what records claim, skips full servers, and
+spreads a client's sessions over the machines holding the blocks."""
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
@@ -46,3 +48,33 @@ def test_routing_trusts_measured_steps_and_skips_a_server_without_cache_room(tin
         # And when no server announces room for a session, the full ones are still tried rather than none
         assert client.loop.run(client.route(0, 6, session_tokens=10**9))
 
+
+
+def test_a_clients_sessions_spread_over_the_machines_holding_the_blocks(tiny_model: Path, local_swarm) -> None:
+    # Given two holders of each half of the model, each server on a machine of its own (as servers announce them:
+    # --machine) and announcing one speed (a test figure, so that compute outweighs the round trips' noise here)
+    swarm = local_swarm(tiny_model, [])
+    names = ["A", "B", "C", "D"]
+    servers = swarm.start_servers([(start, end, ["--machine", name, "--throughput", "100"])
+                                   for name, (start, end) in zip(names, [(0, 3), (3, 6)] * 2, strict=True)])
+    machine = {server.peer_id: name for server, name in zip(servers, names, strict=True)}
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+        client = model.swarm
+        client.loop.run(client.route(0, 6))  # pings every server: their info answers give what they claim
+        client.rtts.update(dict.fromkeys(machine, max(client.rtts[peer] for peer in machine)))
+        client.links.update({(one, other): 0.001 for one in machine for other in machine if one != other})
+        # When a worker's four lanes open their sessions at once
+        lanes = [model.inference_session(batch_size=2, max_length=16) for _ in range(4)]
+
+        async def each(action: str) -> None:
+            await asyncio.gather(*(getattr(lane, action)() for lane in lanes))
+        client.loop.run(each("open"))
+        try:
+            # Then every machine serves two of them (all four took the first holders before)
+            held = {machine[peer]: count for peer, count in client.held_sessions().items()}
+            assert held == dict.fromkeys(names, 2), [[machine[hop.peer_id] for hop in lane.route] for lane in lanes]
+            assert all(len(lane.route) == 2 for lane in lanes)
+        finally:
+            client.loop.run(each("close"))
+        # and closed sessions are no load any more
+        assert not client.held_sessions()

@@ -11,6 +11,7 @@ from ports import free_port
 from servers.config import ServerConfig
 from servers.counters import ServerCounters
 from servers.errors import ServerConfigError
+from servers.machine import BOOT_ID, this_machine
 from servers.memory import CacheBudget
 from servers.server import BlockServer
 from servers.status import ServerStatus, SpanStatus
@@ -24,7 +25,7 @@ def a_status(*, span: SpanStatus | None) -> ServerStatus:
     return ServerStatus(state=ServerState.ONLINE, model_id="tiny", peer_id="QmPeer", dtype="float32", quant="none",
                         version=PROTOCOL_VERSION, revision="abc", max_batch_size=8, max_length=64,
                         max_sessions_per_peer=3, stats=stats,
-                        span=span)
+                        span=span, machine="0123456789abcdef")
 
 
 def a_span() -> SpanStatus:
@@ -38,7 +39,7 @@ def test_the_announcement_is_the_wire_record_of_the_snapshot() -> None:
     assert info == ServerInfo(state=ServerState.ONLINE, start=2, end=6, throughput=50.0, cache_tokens_left=80,
                               dtype="float32", quant="none", version=PROTOCOL_VERSION, revision="abc",
                               max_batch_size=8, max_length=64, max_sessions_per_peer=3, cache_tokens_per_peer=50,
-                              cache_tokens_most_per_peer=50)
+                              cache_tokens_most_per_peer=50, machine="0123456789abcdef")
 
 
 def test_the_info_answer_is_the_announcement_plus_identity_and_load() -> None:
@@ -65,6 +66,18 @@ def test_a_status_keeps_its_counters_when_the_server_counts_on(tiny_model: Path)
     server.stats.record_error("internal")
     assert (before.stats.steps, dict(before.stats.errors)) == (0, {})
     assert (server.status().stats.steps, dict(server.status().stats.errors)) == (1, {"internal": 1})
+
+
+def test_a_server_announces_its_hosts_machine_or_the_one_it_is_named(tiny_model: Path) -> None:
+    # Two servers of one host announce one machine: the digest of the kernel's boot id, never the id itself
+    plain = [BlockServer(ServerConfig(model_dir=str(tiny_model), initial_peers=[], blocks=(0, 6))) for _ in range(2)]
+    assert plain[0].status().machine == plain[1].status().machine == this_machine()
+    assert len(this_machine()) == 16 and BOOT_ID.read_text().strip().replace("-", "")[:16] not in this_machine()
+    # and one named otherwise (--machine) announces that name
+    named = BlockServer(ServerConfig(model_dir=str(tiny_model), initial_peers=[], blocks=(0, 6), machine="rack-2/vm-7"))
+    assert named.status().machine == "rack-2/vm-7"
+    with pytest.raises(ServerConfigError, match="--machine names a machine in 1 to 64 characters"):
+        ServerConfig(model_dir=str(tiny_model), initial_peers=[], blocks=(0, 6), machine="m" * 65)
 
 
 def test_a_server_that_never_started_shuts_down_cleanly(tiny_model: Path) -> None:

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 from factories import block_infos, span
 
-from swarmclient.routing import has_room, link_rtt, min_latency_route, missing_ranges, pushed_route, trusted_throughput
+from swarmclient.routing import (
+    has_room,
+    link_rtt,
+    machine_loads,
+    min_latency_route,
+    missing_ranges,
+    pushed_route,
+    trusted_throughput,
+)
 from swarmnet.data_structures import RemoteSpanInfo, RouteHop, ServerState, SpanMove
 from swarmnet.discovery import online_spans
 
@@ -164,3 +172,49 @@ def test_a_pushed_route_never_pushes_a_server_to_itself_and_skips_banned_servers
     assert pushed_route(spans, 0, 8) == [RouteHop("full", 0, 8)]
     assert pushed_route(spans, 0, 8, banned={"full"}) == [RouteHop("a", 0, 4), RouteHop("b", 4, 8)]
     assert pushed_route([span("a", 0, 4)], 0, 8) is None
+
+
+def chains_on(machines: dict[str, str]) -> list:
+    """two_chains' servers on the named machines."""
+    return [span(peer, start, end, machine=machines[peer])
+            for peer, start, end in [("a1", 0, 4), ("a2", 4, 8), ("b1", 0, 4), ("b2", 4, 8)]]
+
+
+SAME_LINKS = {(one, other): 0.001 for one in ("a1", "b1") for other in ("a2", "b2")}
+
+
+def test_a_clients_sessions_spread_over_machines() -> None:
+    # Given chains a1 -> a2 on machine A and b1 -> b2 on machine B, equally fast and equally far
+    spans = chains_on({"a1": "A", "a2": "A", "b1": "B", "b2": "B"})
+    first = pushed_route(spans, 0, 8, rtts=CLIENT_RTTS, links=SAME_LINKS)
+    assert first is not None and {h.peer_id[0] for h in first} in ({"a"}, {"b"})
+    # When the client holds a session on the chain it took, the next session takes the other machine's
+    held = {hop.peer_id: 1 for hop in first}
+    loads = machine_loads(spans, held)
+    second = pushed_route(spans, 0, 8, rtts=CLIENT_RTTS, links=SAME_LINKS, loads=loads)
+    assert second is not None and {h.peer_id[0] for h in second} == {"a", "b"} - {first[0].peer_id[0]}
+    assert min_latency_route(spans, 0, 8, rtts=CLIENT_RTTS, loads=loads) == second
+    # and with one session on each machine, a third goes to either, as the first did
+    both = machine_loads(spans, {hop.peer_id: 1 for hop in first + second})
+    assert pushed_route(spans, 0, 8, rtts=CLIENT_RTTS, links=SAME_LINKS, loads=both) == first
+
+
+def test_servers_of_one_machine_share_its_load_and_are_chosen_between_as_before() -> None:
+    # Given all four servers on one machine, the client holding a session on the a chain
+    spans = chains_on(dict.fromkeys(("a1", "a2", "b1", "b2"), "M"))
+    loads = machine_loads(spans, {"a1": 1, "a2": 1})
+    assert set(loads.values()) == {2}
+    # Then the next session routes as it would with no session held: another process of the machine is no faster
+    for links in (SAME_LINKS, {**SAME_LINKS, ("b1", "b2"): 0.0005}):
+        assert pushed_route(spans, 0, 8, rtts=CLIENT_RTTS, links=links, loads=loads) == \
+            pushed_route(spans, 0, 8, rtts=CLIENT_RTTS, links=links)
+
+
+def test_a_record_naming_another_servers_machine_loads_it_only_with_this_clients_sessions_on_the_record() -> None:
+    # Given a stranger's record naming honest's machine, on which this client holds no session
+    spans = [span("honest", 0, 8, machine="H"), span("liar", 0, 8, machine="H", throughput=10.0),
+             span("old", 0, 8)]
+    # Then honest's machine carries no load, and a server naming no machine is one of its own
+    assert machine_loads(spans, {}) == {"honest": 0, "liar": 0, "old": 0}
+    assert machine_loads(spans, {"old": 2}) == {"honest": 0, "liar": 0, "old": 2}
+    assert machine_loads(spans, {"liar": 1}) == {"honest": 1, "liar": 1, "old": 0}
