@@ -29,11 +29,17 @@ broker, as a user starts it after `swarmbatch submit`), timed from its submissio
 --baseline-settings KEY=VALUE,... (e.g. prefill_chunk_tokens=0) also runs the job with those worker settings,
 interleaved with the others (with --cli-path, by a second `swarmbatch worker`), and gives the default job's ratio to it.
 
+With --machines it measures what spreading lanes over machines is worth (swarmclient/routing.py, `machine_loads`): two
+servers each holding every block, each pinned to its own core with one thread (a machine of one core), announced as
+two machines (`serve --machine`), against the same two servers announced as one machine (so all lanes take one
+server, as every client did before), the job with `--lanes` lanes; a fresh swarm per run, the order alternating
+over reps. Each run also gives each server's decode steps.
+
 --out FILE writes every run, the best run per config and the mode's ratios as JSON (bench/perf.py reads it).
 
 usage: python bench/throughput.py [--model smollm2|PATH] [--requests 64] [--max-tokens 64] [--lanes 4]
        [--batch-size 64] [--reps 1] [--sweep] [--verify-fractions 0.02,0.1 [--checkpoint-every 8]]
-       [--user-path | --cli-path [--baseline-settings KEY=VALUE,...]] [--out FILE]
+       [--user-path | --cli-path [--baseline-settings KEY=VALUE,...] | --machines] [--out FILE]
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -143,8 +150,13 @@ def main() -> None:
                                                                  "worker settings, KEY=VALUE,... (e.g. "
                                                                  "prefill_chunk_tokens=0), interleaved, and give the "
                                                                  "default job's ratio to it")
+    parser.add_argument("--machines", action="store_true", help="lanes over two one-core machines (each server "
+                                                                 "holding every block) vs the same servers as one")
     parser.add_argument("--out", type=Path, default=None, help="write the runs and ratios as JSON here")
     args = parser.parse_args()
+    if args.machines:
+        machines_main(args)
+        return
     if args.user_path or args.cli_path:
         user_path_main(args)
         return
@@ -343,14 +355,19 @@ def parse_settings(spec: str) -> dict[str, object]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
-def merge_counts(swarm: LocalSwarm, model_dir: Path) -> str:
-    """One line: how many of each server's steps were merged with other sessions' (servers/batching.py)."""
+def server_infos(swarm: LocalSwarm, model_dir: Path) -> list[dict[str, Any]]:
+    """Each server's `info` answer (its counters since start), in start order."""
     spec = ModelSpec.open(model_dir)
     client = Swarm.connect(swarm.initial_peers, model_id=spec.model_id, num_blocks=spec.num_blocks)
     try:
-        infos = [client.loop.run(client.call_info(server.peer_id)) for server in swarm.servers]
+        return [client.loop.run(client.call_info(server.peer_id)) for server in swarm.servers]
     finally:
         client.close()
+
+
+def merge_counts(swarm: LocalSwarm, model_dir: Path) -> str:
+    """One line: how many of each server's steps were merged with other sessions' (servers/batching.py)."""
+    infos = server_infos(swarm, model_dir)
     return "servers' steps, merged: " + "; ".join(
         f"{info['steps']} steps, {info['merged_sessions']} of them in {info['merged_steps']} merged forwards "
         f"(at most {info['max_merged']} sessions)" for info in infos)
@@ -399,7 +416,7 @@ def write_out(args: argparse.Namespace, mode: str, rows: list[tuple[str, float, 
     """--out: the settings, every run, the best run per config and the mode's own figures, as JSON."""
     if args.out is None:
         return
-    tuned = ("batch_size", "lanes") if mode in ("features", "verify") else ()  # the others size their own
+    tuned = ("batch_size", "lanes") if mode in ("features", "verify", "machines") else ()  # the others size their own
     settings = {key: getattr(args, key) for key in ("model", "requests", "max_tokens", "reps", *tuned)}
     args.out.write_text(json.dumps({
         "mode": mode, "settings": settings,
@@ -460,6 +477,48 @@ def verify_main(args: argparse.Namespace) -> None:
               checks={label: dict(zip(("verified", "mismatches", "unverified"), counts, strict=True))
                       for label, counts in checks.items()}, same_texts=same,
               paired={label: paired_ratios(rows, label, "no checks") for label in best})
+
+
+SPREAD, ONE_MACHINE = "two machines (lanes spread)", "one machine (all lanes on one server)"
+
+
+def machines_main(args: argparse.Namespace) -> None:
+    """Lanes over two one-core machines against the same servers announced as one machine, alternating."""
+    home, model_dir = bench_setup(args.model)
+    blocks = ModelSpec.open(model_dir).num_blocks
+    texts = prompts(args.requests)
+    data = batch_file(texts, args.max_tokens)
+    configs = {SPREAD: ["core-0", "core-1"], ONE_MACHINE: ["one-box", "one-box"]}
+    rows: list[tuple[str, float, int]] = []
+    outputs: dict[str, dict[str, str]] = {}
+    steps: dict[str, list[list[int]]] = {label: [] for label in configs}
+    for rep in range(args.reps):
+        for label in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):
+            run_home = home / f"machines-{rep}-{label.split()[0]}"
+            with LocalSwarm(model_dir, [], log_dir=run_home / "logs", pin_cpus=True) as swarm:
+                swarm.start_servers([(0, blocks, ["--machine", name]) for name in configs[label]])
+                runtime = job_runtime(run_home, label, swarm.initial_peers, args,
+                                      dict(pipeline_lanes=args.lanes, continuous_batching=True), model_dir, texts)
+                seconds, tokens, outputs[label] = run_job(runtime, str(model_dir), data)
+                runtime.close()
+                steps[label].append([info["steps"] for info in server_infos(swarm, model_dir)])
+            rows.append((label, seconds, tokens))
+            print(f"  {label}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s, servers' steps {steps[label][-1]}",
+                  flush=True)
+    best = best_runs(rows)
+    one = best[ONE_MACHINE][1] / best[ONE_MACHINE][0]
+    print(f"\n{args.requests} requests x {args.max_tokens} new tokens ({args.model}), mixed prompt lengths; 2 servers "
+          f"of all {blocks} blocks, each pinned to its own core (1 thread); worker batch {args.batch_size}, "
+          f"{args.lanes} lanes; best of {args.reps}")
+    print("| servers announced as | seconds | tokens | tokens/s | vs one machine | servers' steps per run |")
+    print("|---|---|---|---|---|---|")
+    for label, (seconds, tokens) in best.items():
+        print(f"| {label} | {seconds:.1f} | {tokens} | {tokens / seconds:.1f} | {tokens / seconds / one:.2f} | "
+              f"{steps[label]} |")
+    same = outputs[SPREAD] == outputs[ONE_MACHINE]
+    print(f"greedy texts identical: {same}")
+    write_out(args, "machines", rows, best, ratios={"spread_vs_one_machine": best[SPREAD][1] / best[SPREAD][0] / one},
+              steps=steps, same_texts=same, paired=paired_ratios(rows, SPREAD, ONE_MACHINE))
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ the client would (the sum of the client's round trips to both ends): so servers 
 chain that zigzags across the WAN, and a server claiming a short link gains at most the difference.
 
 A machine's compute is shared by this client's sessions on it (`machine_loads`): a hop's compute counts (1 + the
-sessions this client holds on any server of that server's machine) times. So a worker's lanes spread over the
-holders of a span on different machines instead of all taking the fastest, while servers of one machine, equally
-loaded by them, are chosen between as before. Other callers' sessions do not count: records lag them by up to an
-announce period, a record could lie about them, and workers that each spread their own lanes spread in aggregate.
+sessions this client holds on that server's machine beyond those on the least loaded machine) times. So a worker's
+lanes spread over the holders of a span on different machines instead of all taking the fastest, while servers of
+one machine, equally loaded by them, are chosen between exactly as before. Other callers' sessions do not count:
+records lag them by up to an announce period, a record could lie about them, and workers that each spread their
+own lanes spread in aggregate.
 """
 from __future__ import annotations
 
@@ -74,14 +75,17 @@ def has_room(span: RemoteSpanInfo, num_blocks: int, session_tokens: int) -> bool
 
 
 def machine_loads(spans: list[RemoteSpanInfo], held: Mapping[str, int]) -> dict[str, int]:
-    """Per server, the sessions this client holds (`held`, by peer id) on every server of its machine. A server that
-    names no machine is one of its own; a record naming another server's machine adds load there only where this
-    client holds sessions on that record's server."""
+    """Per server, how many more sessions this client holds (`held`, by peer id) on its machine's servers than on
+    the least loaded machine's among `spans`: 0 everywhere when all are on one machine (or equally loaded), so
+    routing chooses between them exactly as without load. A server that names no machine is one of its own; a
+    record naming another server's machine adds load there only where this client holds sessions on that record's
+    server."""
     machine = {s.peer_id: s.info.machine or f"peer:{s.peer_id}" for s in spans}
-    ours: Counter[str] = Counter()
+    ours: Counter[str] = Counter(dict.fromkeys(machine.values(), 0))
     for peer, name in machine.items():
         ours[name] += held.get(peer, 0)
-    return {peer: ours[name] for peer, name in machine.items()}
+    least = min(ours.values(), default=0)
+    return {peer: ours[name] - least for peer, name in machine.items()}
 
 
 def min_latency_route(
