@@ -26,6 +26,7 @@ from launch.processes import ManagedProcess
 
 K = 4  # checkpoint every K tokens
 LEASE = 10.0  # seconds: the workers' lease
+CELERY_READY = " ready."  # what a Celery worker logs once it consumes tasks ('celery@host ready.')
 
 
 @pytest.fixture(params=["embedded", "redis+postgres"])
@@ -104,8 +105,10 @@ def test_a_job_survives_kill_9_of_its_worker_with_identical_output(
     unfinished = {r.id: r.attempts for r in requests_of(backend, job.id) if r.status != "completed"}
     committed = {r.id: len(r.generated_ids) for r in requests_of(backend, job.id) if r.status != "completed"}
     reached = steps_reached(first.log_path)
-    # Then another plain worker takes the interrupted requests over within 2 lease periods, and completes the job
+    # Then another plain worker, once up, takes the interrupted requests over within 2 lease periods, and completes
+    # the job (its start-up, which a machine loaded by other tests may stretch, is no part of the takeover)
     second = start_worker(backend)
+    wait_for(lambda: CELERY_READY in second.log_path.read_text(errors="replace"), 120, "the second worker to start")
     wait_for(lambda: any(r.attempts > unfinished[r.id] for r in requests_of(backend, job.id) if r.id in unfinished),
              2 * LEASE, "an interrupted request to be claimed again")
     print(f"\nresumed {time.monotonic() - killed_at:.1f} s after the kill (lease {LEASE:.0f} s)")
