@@ -88,6 +88,12 @@ def machine_loads(spans: list[RemoteSpanInfo], held: Mapping[str, int]) -> dict[
     return {peer: ours[name] - least for peer, name in machine.items()}
 
 
+def shared_speed(span: RemoteSpanInfo, throughputs: Mapping[str, float], loads: Mapping[str, int]) -> float:
+    """The block-steps/s a new session gets from a server: its trusted throughput (its record's where `throughputs`
+    does not name it), shared 1 + its machine's load ways (`machine_loads`)."""
+    return throughputs.get(span.peer_id, span.info.throughput) / (1 + loads.get(span.peer_id, 0))
+
+
 def min_latency_route(
     spans: list[RemoteSpanInfo],
     start: int,
@@ -120,10 +126,9 @@ def min_latency_route(
         for span in usable:
             if not span.start <= i < span.end:
                 continue
-            rtt, speed = rtts.get(span.peer_id, DEFAULT_RTT), throughputs.get(span.peer_id, span.info.throughput)
-            shared = speed / (1 + loads.get(span.peer_id, 0))
+            rtt, speed = rtts.get(span.peer_id, DEFAULT_RTT), shared_speed(span, throughputs, loads)
             for j in range(i + 1, min(span.end, end) + 1):
-                new_cost = cost + hop_cost(span, j - i, rtt, shared)
+                new_cost = cost + hop_cost(span, j - i, rtt, speed)
                 # ties go to the longer hop (fewer servers); the epsilon keeps float noise from flipping it
                 if new_cost < best.get(j, float("inf")) - 1e-12:
                     best[j] = new_cost
@@ -185,7 +190,7 @@ def pushed_route(
             if not span.start <= i < span.end or span.peer_id == peer:  # a server never pushes to itself
                 continue
             arrive = rtts.get(span.peer_id, DEFAULT_RTT) if not peer else link_rtt(peer, span.peer_id, rtts, links)
-            speed = throughputs.get(span.peer_id, span.info.throughput) / (1 + loads.get(span.peer_id, 0))
+            speed = shared_speed(span, throughputs, loads)
             for j in range(i + 1, min(span.end, end) + 1):
                 leave = rtts.get(span.peer_id, DEFAULT_RTT) / 2 if j == end else 0.0
                 new_cost = cost + arrive / 2 + (j - i) / max(speed, 1e-6) + leave

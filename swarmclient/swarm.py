@@ -37,12 +37,12 @@ from swarmnet.relays import RELAY_CONNECTION_CAP, RelayRole
 logger = logging.getLogger(__name__)
 
 
-
 class SessionHolder(Protocol):
     """What holds server sessions of this client (an inference session): routing counts them as those servers' load."""
 
     def held_peers(self) -> list[str]:
         """The peer id of each server session held or being opened (one entry per session)."""
+
 
 class Swarm:
     """Connection to the swarm serving one model: owns a P2P node, a DHT client node and an event loop."""
