@@ -17,12 +17,15 @@ difference of the client's round trips to its ends), and a link nobody reported 
 the client would (the sum of the client's round trips to both ends): so servers close to each other win over a
 chain that zigzags across the WAN, and a server claiming a short link gains at most the difference.
 
-A machine's compute is shared by this client's sessions on it (`machine_loads`): a hop's compute counts (1 + the
-sessions this client holds on that server's machine beyond those on the least loaded machine) times. So a worker's
-lanes spread over the holders of a span on different machines instead of all taking the fastest, while servers of
-one machine, equally loaded by them, are chosen between exactly as before. Other callers' sessions do not count:
-records lag them by up to an announce period, a record could lie about them, and workers that each spread their
-own lanes spread in aggregate.
+A machine's compute is shared by the sessions on it (`machine_loads`): a hop's compute counts (1 + the sessions it
+shares compute with beyond those of the least loaded server) times. They are this client's own sessions on the
+server's machine, live, and other callers' sessions on that server alone, as it last answered this client's ping
+(`Swarm.others`, refreshed every `rtt_max_age`): a server speaks for itself, not for the machine it names. So a
+worker's lanes spread over the holders of a span on different machines instead of all taking the fastest, a second
+worker's lanes go where the first's are not, and servers of one machine that nobody else uses are chosen between
+exactly as before. Other callers' sessions come from the server's own answer, not from its DHT record
+(which anyone may write and which lags by an announce period): a server that under-reports them gains sessions as
+one overstating its throughput would, and loses them again once this client's steps through it measure slow.
 """
 from __future__ import annotations
 
@@ -74,18 +77,22 @@ def has_room(span: RemoteSpanInfo, num_blocks: int, session_tokens: int) -> bool
     return session_tokens * num_blocks <= free
 
 
-def machine_loads(spans: list[RemoteSpanInfo], held: Mapping[str, int]) -> dict[str, int]:
-    """Per server, how many more sessions this client holds (`held`, by peer id) on its machine's servers than on
-    the least loaded machine's among `spans`: 0 everywhere when all are on one machine (or equally loaded), so
-    routing chooses between them exactly as without load. A server that names no machine is one of its own; a
-    record naming another server's machine adds load there only where this client holds sessions on that record's
-    server."""
+def machine_loads(spans: list[RemoteSpanInfo], held: Mapping[str, int],
+                  others: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Per server, how many more sessions it shares compute with than the least loaded server among `spans` does:
+    this client's (`held`, by peer id) on all servers of its machine, plus other callers' (`others`) on it alone.
+    0 everywhere when all are on one machine and nobody else holds sessions (or all are equally loaded), so routing
+    chooses between them exactly as without load. A server that names no machine is one of its own; a record naming
+    another server's machine adds load there only where this client holds sessions on that record's server, and a
+    server's count of other callers' sessions loads that server only (it speaks for itself, not for its machine)."""
     machine = {s.peer_id: s.info.machine or f"peer:{s.peer_id}" for s in spans}
     ours: Counter[str] = Counter(dict.fromkeys(machine.values(), 0))
     for peer, name in machine.items():
         ours[name] += held.get(peer, 0)
-    least = min(ours.values(), default=0)
-    return {peer: ours[name] - least for peer, name in machine.items()}
+    others = others or {}
+    load = {peer: ours[name] + others.get(peer, 0) for peer, name in machine.items()}
+    least = min(load.values(), default=0)
+    return {peer: count - least for peer, count in load.items()}
 
 
 def shared_speed(span: RemoteSpanInfo, throughputs: Mapping[str, float], loads: Mapping[str, int]) -> float:

@@ -58,6 +58,8 @@ class Swarm:
         self.links: dict[tuple[str, str], float] = {}  # (server, a server after it) -> the round trip it reported
         self.claimed: dict[str, float] = {}   # throughput each pinged server gave in its own `info` answer
         self.observed: dict[str, float] = {}  # the best block-steps/s seen in decode steps through each server
+        # sessions other callers held on each pinged server: its `info` answer's count less ours there, at the ping
+        self.others: dict[str, int] = {}
         # this client's inference sessions that hold (or are opening) server sessions: routing counts them as load
         self.holders: weakref.WeakSet[SessionHolder] = weakref.WeakSet()
         self.refusals: dict[str, str] = {}  # servers that refused us as no member -> why (explains a failed route)
@@ -227,7 +229,7 @@ class Swarm:
         """Ping the servers with room for the session that we have not pinged yet, then route through them."""
         roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
         await self._ping_unmeasured(roomy, start, end)
-        loads = machine_loads(roomy, self.held_sessions())
+        loads = machine_loads(roomy, self.held_sessions(), self.others)
         if self.config.push:  # the links between servers count: servers report them in their info answers
             return pushed_route(roomy, start, end, rtts=self.rtts, links=self.links, banned=self.bans.banned(),
                                 throughputs=self.trusted_throughputs(roomy), session_tokens=session_tokens,
@@ -237,7 +239,8 @@ class Swarm:
                                  loads=loads)
 
     def held_sessions(self) -> Counter[str]:
-        """Per server (peer id), the server sessions this client's inference sessions hold or are opening there."""
+        """Per server (peer id), the server sessions this client's inference sessions hold or are opening there (other
+        callers' sessions, as servers last answered our pings, are in `others`)."""
         return Counter(peer for holder in list(self.holders) for peer in holder.held_peers())
 
     def trusted_throughputs(self, spans: list[RemoteSpanInfo]) -> dict[str, float]:
@@ -268,9 +271,11 @@ class Swarm:
         answer = await self.call_info(peer_id)
         rtt = time.perf_counter() - began
         self.rtts[peer_id], self.pinged_at[peer_id] = rtt, time.monotonic()
-        claimed = answer.get("throughput")
+        claimed, sessions = answer.get("throughput"), answer.get("sessions")
         if isinstance(claimed, int | float) and not isinstance(claimed, bool):
             self.claimed[peer_id] = float(claimed)
+        if isinstance(sessions, int) and not isinstance(sessions, bool):
+            self.others[peer_id] = max(0, min(sessions, MAX_REPORTED_SESSIONS) - self.held_sessions()[peer_id])
         self.links = {link: seconds for link, seconds in self.links.items() if link[0] != peer_id}  # its answer is news
         self.links.update(reported_links(peer_id, answer.get("next_rtts")))
         self.refusals.pop(peer_id, None)
@@ -347,6 +352,7 @@ class Swarm:
 
 
 MAX_REPORTED_LINKS = 64
+MAX_REPORTED_SESSIONS = 1 << 16  # a server's count of its sessions is believed up to this (more only repels callers)
 FORWARDS_PER_SERVER = 2  # a server's default --max-forwards-per-peer: the most of one caller's forwards it admits
 
 

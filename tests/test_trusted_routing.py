@@ -78,3 +78,38 @@ def test_a_clients_sessions_spread_over_the_machines_holding_the_blocks(tiny_mod
             client.loop.run(each("close"))
         # and closed sessions are no load any more
         assert not client.held_sessions()
+
+
+def test_a_second_client_routes_around_the_sessions_another_client_holds(tiny_model: Path, local_swarm) -> None:
+    # Given two servers of the whole model on two machines, announcing one speed, and a first client (another
+    # worker) holding a session on one of them
+    swarm = local_swarm(tiny_model, [])
+    servers = swarm.start_servers([(0, 6, ["--machine", name, "--throughput", "100"]) for name in ("A", "B")])
+    peers = {server.peer_id for server in servers}
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as first, \
+            DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as second:
+        taken = first.inference_session(batch_size=1, max_length=16)
+        first.swarm.loop.run(taken.open())
+        busy = taken.route[0].peer_id
+        free = (peers - {busy}).pop()
+        try:
+            # When the second client pings both servers (as it routes) and then finds the busy one nearer
+            client = second.swarm
+            client.loop.run(client.route(0, 6))
+            assert client.others == {busy: 1, free: 0}  # the servers' own counts, none of them this client's
+            client.rtts.update({busy: 0.001, free: 0.002})
+            # Then its session goes to the other machine (it took the nearer, busy one before)
+            lane = second.inference_session(batch_size=1, max_length=16)
+            client.loop.run(lane.open())
+            try:
+                assert [hop.peer_id for hop in lane.route] == [free]
+            finally:
+                client.loop.run(lane.close())
+        finally:
+            first.swarm.loop.run(taken.close())
+        # And once the first client's session has ended, a fresh ping says so: the nearer server is taken again
+        client.pinged_at.clear()
+        client.loop.run(client.route(0, 6))
+        client.rtts.update({busy: 0.001, free: 0.002})
+        assert client.others == {busy: 0, free: 0}
+        assert [hop.peer_id for hop in client.loop.run(client.route(0, 6))] == [busy]

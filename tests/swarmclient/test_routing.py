@@ -220,3 +220,26 @@ def test_a_record_naming_another_servers_machine_loads_it_only_with_this_clients
     assert machine_loads(spans, {"liar": 1}) == {"honest": 1, "liar": 1, "old": 0}
     # (loads are counted beyond the least loaded machine's)
     assert machine_loads(spans, {"liar": 1, "old": 3}) == {"honest": 0, "liar": 0, "old": 2}
+
+
+def test_other_callers_sessions_send_a_new_session_to_the_machine_they_leave_free() -> None:
+    # Given chains a1 -> a2 on machine A and b1 -> b2 on machine B, equally fast, this client holding no session
+    spans = chains_on({"a1": "A", "a2": "A", "b1": "B", "b2": "B"})
+    for busy, free in (("a", "b"), ("b", "a")):
+        # When other callers hold a session on each server of one chain (as those servers answered our pings)
+        loads = machine_loads(spans, {}, {f"{busy}1": 1, f"{busy}2": 1})
+        # Then the new session takes the other chain, with push or without
+        route = pushed_route(spans, 0, 8, rtts=CLIENT_RTTS, links=SAME_LINKS, loads=loads)
+        assert route is not None and {h.peer_id[0] for h in route} == {free}
+        assert min_latency_route(spans, 0, 8, rtts=CLIENT_RTTS, loads=loads) == route
+    # and other callers' sessions spread evenly over both machines load neither more than the other
+    assert set(machine_loads(spans, {}, dict.fromkeys(("a1", "a2", "b1", "b2"), 3)).values()) == {0}
+
+
+def test_a_servers_count_of_other_callers_sessions_loads_that_server_alone() -> None:
+    # Given a stranger's server naming honest's machine and answering that others hold 1000 sessions on it
+    spans = [span("honest", 0, 8, machine="H"), span("liar", 0, 8, machine="H"), span("old", 0, 8)]
+    # Then only the stranger's server carries them: a server speaks for itself, not for the machine it names
+    assert machine_loads(spans, {}, {"liar": 1000}) == {"honest": 0, "liar": 1000, "old": 0}
+    # while this client's own sessions on it still load the machine it named, as before
+    assert machine_loads(spans, {"liar": 1}, {"liar": 1000}) == {"honest": 1, "liar": 1001, "old": 0}
