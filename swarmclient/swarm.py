@@ -274,8 +274,8 @@ class Swarm:
         claimed, sessions = answer.get("throughput"), answer.get("sessions")
         if isinstance(claimed, int | float) and not isinstance(claimed, bool):
             self.claimed[peer_id] = float(claimed)
-        if isinstance(sessions, int) and not isinstance(sessions, bool):
-            self.others[peer_id] = max(0, min(sessions, MAX_REPORTED_SESSIONS) - self.held_sessions()[peer_id])
+        if isinstance(sessions, int) and not isinstance(sessions, bool):  # a count too high only repels callers
+            self.others[peer_id] = max(0, sessions - self.held_sessions()[peer_id])
         self.links = {link: seconds for link, seconds in self.links.items() if link[0] != peer_id}  # its answer is news
         self.links.update(reported_links(peer_id, answer.get("next_rtts")))
         self.refusals.pop(peer_id, None)
@@ -352,7 +352,6 @@ class Swarm:
 
 
 MAX_REPORTED_LINKS = 64
-MAX_REPORTED_SESSIONS = 1 << 16  # a server's count of its sessions is believed up to this (more only repels callers)
 FORWARDS_PER_SERVER = 2  # a server's default --max-forwards-per-peer: the most of one caller's forwards it admits
 
 
