@@ -27,6 +27,10 @@ class ClientConfig:
     # seconds a server's measured round trip (and the links to the servers after it, which its answer reports) is
     # trusted before routing pings it again: a long-lived worker outlives networks and sees servers join
     rtt_max_age: float = 60.0
+    # seconds a server's count of other callers' sessions (its `info` answer) is trusted when a route would use it and
+    # another server could stand in: older, the route's servers are pinged again before the session opens (one round
+    # trip), so a long-lived worker's new sessions see the sessions other workers opened since (docs/swarm.md)
+    load_max_age: float = 5.0
     # fraction of hop steps recomputed on a second server holding the hop's blocks (checked outputs, docs/security.md);
     # 0 = no checks. Jobs default to SWARMBATCH_VERIFY_FRACTION (0.02), one-off `generate` to 0
     verify_fraction: float = 0.0

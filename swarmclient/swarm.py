@@ -226,9 +226,23 @@ class Swarm:
 
     async def _cheapest_route(self, spans: list[RemoteSpanInfo], start: int, end: int, session_tokens: int
                               ) -> list[RouteHop] | None:
-        """Ping the servers with room for the session that we have not pinged yet, then route through them."""
-        roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)]
-        await self._ping_unmeasured(roomy, start, end)
+        """Ping the servers with room for the session that we have not pinged in `rtt_max_age`, then route through
+        them. Where other servers could take some of its hops, the servers whose count of other callers' sessions may
+        have moved the choice (the route's, and those other callers were using) are pinged again where that count is
+        older than `load_max_age`, and the route is searched anew."""
+        roomy = [s for s in spans if has_room(s, min(s.end, end) - max(s.start, start), session_tokens)
+                 and s.end > start and s.start < end]
+        await self._ping_older_than(self.config.rtt_max_age, [s.peer_id for s in roomy])
+        route = self._search(roomy, start, end, session_tokens)
+        if route is None or len({s.peer_id for s in roomy}) <= len({hop.peer_id for hop in route}):
+            return route
+        used = [hop.peer_id for hop in route] + [s.peer_id for s in roomy if self.others.get(s.peer_id)]
+        if not await self._ping_older_than(self.config.load_max_age, used):
+            return route
+        return self._search(roomy, start, end, session_tokens)
+
+    def _search(self, roomy: list[RemoteSpanInfo], start: int, end: int, session_tokens: int) -> list[RouteHop] | None:
+        """The cheapest route over the servers with room, as the client knows them now (`routing`)."""
         loads = machine_loads(roomy, self.held_sessions(), self.others)
         if self.config.push:  # the links between servers count: servers report them in their info answers
             return pushed_route(roomy, start, end, rtts=self.rtts, links=self.links, banned=self.bans.banned(),
@@ -254,16 +268,17 @@ class Swarm:
         if rate > self.observed.get(peer_id, 0.0):
             self.observed[peer_id] = rate
 
-    async def _ping_unmeasured(self, spans: list[RemoteSpanInfo], start: int, end: int) -> None:
-        """Measure round trips to servers on [start, end) not pinged in the last `rtt_max_age` s; ban the silent."""
-        oldest = time.monotonic() - self.config.rtt_max_age
-        todo = [s.peer_id for s in spans
-                if self.pinged_at.get(s.peer_id, -math.inf) < oldest and s.end > start and s.start < end]
+    async def _ping_older_than(self, seconds: float, peers: list[str]) -> list[str]:
+        """Ping those of `peers` not pinged in the last `seconds` (round trip, claimed throughput, others' sessions)
+        and ban the silent; returns the peers pinged."""
+        oldest = time.monotonic() - seconds
+        todo = list(dict.fromkeys(peer for peer in peers if self.pinged_at.get(peer, -math.inf) < oldest))
         results = await asyncio.gather(*(self.ping(peer) for peer in todo), return_exceptions=True)
         for peer, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 logger.info("Ping of %s failed (%s); banning it", peer[-6:], result)
                 self.ban(result if isinstance(result, PeerFailed) else PeerFailed(peer, repr(result)))
+        return todo
 
     async def ping(self, peer_id: str) -> float:
         """Round-trip seconds of an `info` call to a server; keeps the throughput it claims. Raises PeerFailed."""

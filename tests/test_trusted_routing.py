@@ -3,11 +3,13 @@ spreads a client's sessions over the machines holding the blocks."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import torch
 
 from servers.throughput import TEST_OVERSTATE_ENV
+from swarmclient.config import ClientConfig
 from swarmclient.model import DistributedModelForCausalLM
 from swarmnet.discovery import online_spans
 
@@ -49,6 +51,10 @@ def test_routing_trusts_measured_steps_and_skips_a_server_without_cache_room(tin
         assert client.loop.run(client.route(0, 6, session_tokens=10**9))
 
 
+# routes opened after round trips set by hand: no ping before a session opens overwrites them (a busy machine's own
+# round trips could outweigh the compute these tests compare)
+HAND_SET_RTTS = ClientConfig(load_max_age=3600.0)
+
 
 def test_a_clients_sessions_spread_over_the_machines_holding_the_blocks(tiny_model: Path, local_swarm) -> None:
     # Given two holders of each half of the model, each server on a machine of its own (as servers announce them:
@@ -58,7 +64,8 @@ def test_a_clients_sessions_spread_over_the_machines_holding_the_blocks(tiny_mod
     servers = swarm.start_servers([(start, end, ["--machine", name, "--throughput", "100"])
                                    for name, (start, end) in zip(names, [(0, 3), (3, 6)] * 2, strict=True)])
     machine = {server.peer_id: name for server, name in zip(servers, names, strict=True)}
-    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as model:
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=HAND_SET_RTTS) as model:
         client = model.swarm
         client.loop.run(client.route(0, 6))  # pings every server: their info answers give what they claim
         client.rtts.update(dict.fromkeys(machine, max(client.rtts[peer] for peer in machine)))
@@ -87,7 +94,8 @@ def test_a_second_client_routes_around_the_sessions_another_client_holds(tiny_mo
     servers = swarm.start_servers([(0, 6, ["--machine", name, "--throughput", "100"]) for name in ("A", "B")])
     peers = {server.peer_id for server in servers}
     with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as first, \
-            DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as second:
+            DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                        config=HAND_SET_RTTS) as second:
         taken = first.inference_session(batch_size=1, max_length=16)
         first.swarm.loop.run(taken.open())
         busy = taken.route[0].peer_id
@@ -113,3 +121,39 @@ def test_a_second_client_routes_around_the_sessions_another_client_holds(tiny_mo
         client.rtts.update({busy: 0.001, free: 0.002})
         assert client.others == {busy: 0, free: 0}
         assert [hop.peer_id for hop in client.loop.run(client.route(0, 6))] == [busy]
+
+
+def test_a_long_lived_client_sees_the_sessions_opened_since_its_last_ping(tiny_model: Path, local_swarm) -> None:
+    # Given two servers of the whole model on two machines, the first announcing the faster speed (test figures: a
+    # step of 6 blocks 0.6 s against 1.0 s, and 1.2 s once shared, so that round trips on a busy machine cannot
+    # decide), and a worker that pinged both (no other caller's session anywhere) and would take the faster
+    swarm = local_swarm(tiny_model, [])
+    fast, slow = (server.peer_id for server in swarm.start_servers(
+        [(0, 6, ["--machine", name, "--throughput", speed]) for name, speed in (("A", "10"), ("B", "6"))]))
+    config = ClientConfig(load_max_age=0.5)
+    with DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers,
+                                                     config=config) as worker, \
+            DistributedModelForCausalLM.from_pretrained(tiny_model, initial_peers=swarm.initial_peers) as other:
+        client = worker.swarm
+        assert [hop.peer_id for hop in client.loop.run(client.route(0, 6))] == [fast]
+        assert client.others == {fast: 0, slow: 0}
+        # When another client opens a session on the faster server, and more than load_max_age (but far less than
+        # rtt_max_age) passes
+        taken = other.inference_session(batch_size=1, max_length=16)
+        other.swarm.loop.run(taken.open())
+        try:
+            assert [hop.peer_id for hop in taken.route] == [fast]
+            time.sleep(0.6)
+            # Then the worker's next route pings the faster server again before using it, and takes the other
+            assert [hop.peer_id for hop in client.loop.run(client.route(0, 6))] == [slow]
+            assert client.others == {fast: 1, slow: 0}
+        finally:
+            other.swarm.loop.run(taken.close())
+        # And once that session has ended, the next route after load_max_age sees it gone and takes the faster again
+        time.sleep(0.6)
+        assert [hop.peer_id for hop in client.loop.run(client.route(0, 6))] == [fast]
+        assert client.others == {fast: 0, slow: 0}
+        # while a route within load_max_age of those pings pings nobody
+        pinged = dict(client.pinged_at)
+        client.loop.run(client.route(0, 6))
+        assert client.pinged_at == pinged
