@@ -20,12 +20,13 @@ chain that zigzags across the WAN, and a server claiming a short link gains at m
 A machine's compute is shared by the sessions on it (`machine_loads`): a hop's compute counts (1 + the sessions it
 shares compute with beyond those of the least loaded server) times. They are this client's own sessions on the
 server's machine, live, and other callers' sessions on that server alone, as it last answered this client's ping
-(`Swarm.others`, refreshed every `rtt_max_age`): a server speaks for itself, not for the machine it names. So a
-worker's lanes spread over the holders of a span on different machines instead of all taking the fastest, a second
-worker's lanes go where the first's are not, and servers of one machine that nobody else uses are chosen between
-exactly as before. Other callers' sessions come from the server's own answer, not from its DHT record
-(which anyone may write and which lags by an announce period): a server that under-reports them gains sessions as
-one overstating its throughput would, and loses them again once this client's steps through it measure slow.
+(`Swarm.others`; pinged again before a session opens where it is older than `load_max_age`): a server speaks for
+itself, not for the machine it names. So a worker's lanes spread over the holders of a span on different machines
+instead of all taking the fastest, a second worker's lanes go where the first's are not, and servers of one machine
+that nobody else uses are chosen between exactly as before. Other callers' sessions come from the server's own
+answer, not from its DHT record (which anyone may write and which lags by an announce period): a server that
+under-reports them gains sessions as one overstating its throughput would, and loses them again once this client's
+steps through it measure slow.
 """
 from __future__ import annotations
 
