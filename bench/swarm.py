@@ -9,7 +9,10 @@ What it measures (one run, same prompts, greedy, exactly N new tokens per row):
   swarm-2-mb2  the same two servers, each batch split into 2 micro-batches (rows grouped by prompt length) that run
             at once, each in its own session and client thread: while one computes on the second server, the other
             computes on the first (ClientConfig.micro_batches; at batch 1 it is swarm-2)
-The swarm client runs in this process with 1 torch thread too. All three configs are started up front and their
+The swarm client runs in this process with 1 torch thread too; its LM head may
+split one product over a thread per core (swarmnet/head_matmul.py: at batch 1 the servers wait for it meanwhile;
+local generate gains nothing from a second torch thread at batch 1, as MKL runs a one-row product on one thread).
+All three configs are started up front and their
 timed runs interleaved rep by rep (local b1, swarm-1 b1, swarm-2 b1, then b8, ...; the order rotates each rep),
 so noise from other work on the machine hits them alike; each row is the median of --reps runs, after a short
 warm-up generation. Single runs on this VM swing by 10-15 %, so the ratios are also given per rep (paired with
