@@ -36,6 +36,7 @@ Modules:
     product_forms    a few rows' product x·Wᵀ on a CPU in equal forms (linear, transposed, paired; packed: oneDNN's, on
                      a packed copy), the fastest kept by timing; FormLinear, an nn.Linear taking its table's form
     head_matmul      HeadMatmul: the LM head's product on a CPU, in the fastest of its forms per small row count
+                     (one of them split over a thread per core)
     devices          --device auto|cpu|cuda|cuda:N resolved against what torch sees; the default dtype there
     allocator        keep_freed_memory: glibc keeps freed tensor memory for the next step (every `swarmbatch` command)
 
